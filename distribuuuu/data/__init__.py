@@ -1,0 +1,21 @@
+"""Data: datasets, transforms, samplers and loaders."""
+
+from distribuuuu.data.datasets import BadImageError, DataError, load_image
+from distribuuuu.data.loader import Split, build_train_split, build_val_split, check_same_classes
+from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
+from distribuuuu.data.transforms import build_batch_mixer, build_train_transform, build_val_transform
+
+__all__ = [
+    "BadImageError",
+    "DataError",
+    "ExactEvalSampler",
+    "ResumableDistributedSampler",
+    "Split",
+    "build_batch_mixer",
+    "build_train_split",
+    "build_train_transform",
+    "build_val_split",
+    "build_val_transform",
+    "check_same_classes",
+    "load_image",
+]

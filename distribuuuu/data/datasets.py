@@ -1,0 +1,143 @@
+"""Datasets: checked ImageFolder, CIFAR from disk, synthetic data, and per-sample seeded transforms."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+CIFAR_FILES = {
+    "cifar10": ("cifar-10-batches-py", ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]),
+    "cifar100": ("cifar-100-python", ["meta", "train", "test"]),
+}
+
+
+class DataError(ValueError):
+    """A dataset is missing, empty or inconsistent; the message names the path."""
+
+
+class BadImageError(RuntimeError):
+    """An image file could not be decoded; the message names its path."""
+
+
+def load_image(path: str, decoder: str = "pil"):
+    """Decode an image file to RGB: a PIL image, or a uint8 tv_tensors.Image with ``torchvision``."""
+    try:
+        if decoder == "torchvision" and path.lower().endswith((".jpg", ".jpeg", ".png")):
+            data = torchvision.io.read_file(path)
+            return tv_tensors.Image(torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB))
+        with Image.open(path) as img:
+            img.load()  # decode now, so a truncated file fails here with its path
+            if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+                # PIL's convert("RGB") clips 16-bit values at 255; rescale to 8 bits instead.
+                img = Image.fromarray((np.asarray(img, dtype=np.uint32) >> 8).astype(np.uint8))
+            return img.convert("RGB")
+    except Exception as e:
+        raise BadImageError(f"unreadable image {path}: {e}") from None
+
+
+class CheckedImageFolder(torchvision.datasets.ImageFolder):
+    """ImageFolder that names the file that fails to decode and can decode with torchvision.io."""
+
+    def __init__(self, root: str, decoder: str = "pil"):
+        # allow_empty: empty class folders are reported by check_classes with a clearer message
+        super().__init__(root, loader=lambda p: load_image(p, decoder), allow_empty=True)
+
+
+def check_classes(root: str, dataset: CheckedImageFolder) -> None:
+    """Raise DataError for class folders with no images."""
+    counts = np.bincount(np.asarray(dataset.targets, dtype=np.int64), minlength=len(dataset.classes))
+    empty = [c for c, n in zip(dataset.classes, counts) if n == 0]
+    if not dataset.classes:
+        raise DataError(f"{root}: no class folders found (expected {root}/<class>/<image>)")
+    if empty:
+        raise DataError(f"{root}: class folder(s) with no images ({', '.join(IMG_EXTENSIONS)}): {empty}")
+
+
+def build_base_dataset(root: str, split: str, decoder: str = "pil") -> tuple[Dataset, list[str]]:
+    """Return an untransformed dataset of (image, target) and its class names."""
+    kind, _, path = root.partition(":")
+    if kind in CIFAR_FILES:
+        return _build_cifar(kind, path, split)
+    folder = os.path.join(root, split)
+    if not os.path.isdir(folder):
+        raise DataError(f"dataset folder not found: {folder}")
+    dataset = CheckedImageFolder(folder, decoder)
+    check_classes(folder, dataset)
+    return dataset, list(dataset.classes)
+
+
+def _build_cifar(kind: str, root: str, split: str) -> tuple[Dataset, list[str]]:
+    subdir, files = CIFAR_FILES[kind]
+    missing = [f for f in files if not os.path.isfile(os.path.join(root, subdir, f))]
+    if missing:
+        raise DataError(
+            f"{kind} files missing under {os.path.join(root, subdir)}: {missing} "
+            "(extract the python version of the archive there; nothing is downloaded at run time)"
+        )
+    cls = torchvision.datasets.CIFAR10 if kind == "cifar10" else torchvision.datasets.CIFAR100
+    dataset = cls(root, train=split == "train", download=False)
+    return dataset, list(dataset.classes)
+
+
+class SyntheticDataset(Dataset):
+    """In-memory random images (already normalised tensors) and labels, for speed tests."""
+
+    def __init__(self, size: int, im_size: int, num_classes: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.images = torch.randn(size, 3, im_size, im_size, generator=g)
+        self.targets = torch.randint(0, num_classes, (size,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):
+        return self.images[index], int(self.targets[index])
+
+
+class SeededTransformDataset(Dataset):
+    """Apply ``transform`` with an RNG seeded from (seed, epoch, index) for each sample.
+
+    Keys are ``(epoch, index)`` pairs from ResumableDistributedSampler. Seeding per sample makes
+    the augmentation of a sample independent of the number of workers, the world size and where
+    a resumed epoch starts, so a mid-epoch resume reproduces an uninterrupted run exactly.
+    ``fork_rng`` restores the global CPU RNG afterwards, so the main process's stream (dropout,
+    mixup) is untouched when there are no workers. With ``skip_bad``, an undecodable image
+    yields ``None`` and the collate function drops and counts it.
+    """
+
+    def __init__(self, base: Dataset, transform: Callable | None, seed: int, skip_bad: bool = False):
+        self.base, self.transform, self.seed, self.skip_bad = base, transform, seed, skip_bad
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, key):
+        epoch, index = key if isinstance(key, tuple) else (0, key)
+        try:
+            image, target = self.base[index]
+        except BadImageError:
+            if self.skip_bad:
+                return None
+            raise
+        if self.transform is None:
+            return image, target
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+            return self.transform(image), target
+
+
+def collate_skipping_bad(batch: list):
+    """Collate like the default, dropping ``None`` samples; returns (images, targets, n_dropped)."""
+    kept = [b for b in batch if b is not None]
+    if not kept:
+        raise BadImageError(f"every image of a batch of {len(batch)} was unreadable")
+    images, targets = torch.utils.data.default_collate(kept)
+    return images, targets, len(batch) - len(kept)

@@ -1,0 +1,99 @@
+"""Train and val DataLoaders from the config, with the checks that must run before training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from yacs.config import CfgNode
+
+from distribuuuu.config import ConfigError
+from distribuuuu.data.datasets import (
+    DataError,
+    SeededTransformDataset,
+    SyntheticDataset,
+    build_base_dataset,
+    collate_skipping_bad,
+)
+from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
+from distribuuuu.data.transforms import build_train_transform, build_val_transform
+from distribuuuu.distributed import DistEnv
+
+
+@dataclass
+class Split:
+    """A split's loader with its dataset, sampler and class names."""
+
+    loader: DataLoader
+    dataset: Dataset
+    sampler: torch.utils.data.Sampler
+    classes: list[str]
+
+
+def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, list[str]]:
+    if cfg.MODEL.DUMMY_INPUT:
+        size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(cfg.MODEL.NUM_CLASSES)]
+        seed = cfg.RNG_SEED + (0 if train else 1)
+        return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
+    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER)
+    if len(classes) > cfg.MODEL.NUM_CLASSES:
+        raise ConfigError(
+            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {root}/{split} has {len(classes)} class folders"
+        )
+    return base, classes
+
+
+def _loader(cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train: bool) -> DataLoader:
+    workers = cfg.TRAIN.WORKERS
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=cfg.TRAIN.PIN_MEMORY and env.device.type == "cuda",
+        drop_last=train,  # no tiny last batch in training (BatchNorm); eval sees every sample
+        persistent_workers=workers > 0 and cfg.TRAIN.PERSISTENT_WORKERS,
+        prefetch_factor=cfg.TRAIN.PREFETCH_FACTOR if workers > 0 else None,
+        collate_fn=collate_skipping_bad,
+        # Its own generator, so creating an epoch's iterator does not draw from the global RNG:
+        # otherwise a resumed run's random stream would drift from the uninterrupted run's.
+        generator=torch.Generator().manual_seed(cfg.RNG_SEED),
+    )
+
+
+def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
+    """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
+    base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+    transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg)
+    dataset = SeededTransformDataset(base, transform, cfg.RNG_SEED, cfg.DATA.BAD_IMAGE == "skip")
+    sampler = ResumableDistributedSampler(dataset, env.world_size, env.rank, seed=cfg.RNG_SEED)
+    if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
+        raise ConfigError(
+            f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS}) "
+            f"exceeds the {len(sampler)} training samples each of {env.world_size} rank(s) gets"
+        )
+    loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, train=True)
+    return Split(loader, dataset, sampler, classes)
+
+
+def build_val_split(cfg: CfgNode, env: DistEnv) -> Split:
+    """Val loader: every sample evaluated exactly once across ranks."""
+    base, classes = _base(cfg, cfg.TEST.DATASET, cfg.TEST.SPLIT, train=False)
+    transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg)
+    dataset = SeededTransformDataset(base, transform, cfg.RNG_SEED, cfg.DATA.BAD_IMAGE == "skip")
+    sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
+    loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, train=False)
+    return Split(loader, dataset, sampler, classes)
+
+
+def check_same_classes(train: Split, val: Split, cfg: CfgNode) -> None:
+    """Raise DataError when train and val class folders differ (ImageFolder would renumber)."""
+    if train.classes == val.classes:
+        return
+    only_train = sorted(set(train.classes) - set(val.classes))
+    only_val = sorted(set(val.classes) - set(train.classes))
+    raise DataError(
+        f"class folders differ between {cfg.TRAIN.DATASET}/{cfg.TRAIN.SPLIT} and "
+        f"{cfg.TEST.DATASET}/{cfg.TEST.SPLIT}: only in train {only_train}, only in val {only_val}"
+    )

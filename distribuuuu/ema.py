@@ -1,0 +1,47 @@
+"""Exponential moving average of model weights."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class ModelEMA:
+    """EMA of a model's parameters and floating-point buffers, with optional decay warmup.
+
+    ``ema = d * ema + (1 - d) * weights`` with ``d = min(decay, (1 + n) / (10 + n))`` for the
+    n-th update when ``warmup`` is on. Written here rather than with ``AveragedModel``: that
+    class reads its update counter from a device tensor (a host sync per update) and has no
+    decay warmup, which short runs need so the average is not dominated by initial weights.
+    """
+
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = True):
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self.decay, self.warmup, self.updates = decay, warmup, 0
+
+    def current_decay(self) -> float:
+        """Decay used by the next update."""
+        if not self.warmup:
+            return self.decay
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """Move the average towards ``model``'s current weights (no host sync)."""
+        weight = 1.0 - self.current_decay()
+        ema_state, state = self.module.state_dict(), model.state_dict()
+        floats = [k for k, v in ema_state.items() if v.is_floating_point()]
+        torch._foreach_lerp_([ema_state[k] for k in floats], [state[k] for k in floats], weight)
+        for k, v in ema_state.items():
+            if not v.is_floating_point():
+                v.copy_(state[k])  # integer buffers (BatchNorm's num_batches_tracked) are copied
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"module": self.module.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.module.load_state_dict(state["module"])
+        self.updates = int(state["updates"])

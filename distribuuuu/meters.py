@@ -1,0 +1,86 @@
+"""Metrics: top-k counts and exact, sample-weighted sums reduced across ranks only when asked."""
+
+from __future__ import annotations
+
+import torch
+
+from distribuuuu.distributed import all_reduce_sum
+
+
+class AverageMeter:
+    """Running average of a scalar (kept for scripts written against Distribuuuu's API)."""
+
+    def __init__(self, name: str = "", fmt: str = ":f"):
+        self.name, self.fmt = name, fmt
+        self.reset()
+
+    def reset(self) -> None:
+        self.val = self.avg = self.sum = 0.0
+        self.count = 0
+
+    def update(self, val: float, n: int = 1) -> None:
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count
+
+    def __str__(self) -> str:
+        return ("{name} {val" + self.fmt + "} ({avg" + self.fmt + "})").format(**self.__dict__)
+
+
+@torch.no_grad()
+def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -> list[torch.Tensor]:
+    """Number of samples whose target is among the top-k logits, for each k (no host sync)."""
+    pred = logits.topk(max(ks), dim=1).indices
+    hits = pred.eq(target.view(-1, 1))
+    return [hits[:, :k].any(dim=1).sum() for k in ks]
+
+
+@torch.no_grad()
+def accuracy(logits: torch.Tensor, target: torch.Tensor, topk: tuple[int, ...] = (1,)) -> list[torch.Tensor]:
+    """Top-k accuracy in percent of this batch, for each k (Distribuuuu's helper)."""
+    return [c.float() * (100.0 / target.size(0)) for c in topk_correct(logits, target, topk)]
+
+
+class MetricSums:
+    """Sums of loss x samples, top-1 and top-k hits and samples, kept on the device.
+
+    Adding a batch costs no host sync; ``reduce`` sums over ranks (one all-reduce) and is called
+    only at PRINT_FREQ and at the end of an epoch. Means derived from these sums are exact for
+    any world size, unlike a mean of per-rank means. Batches with a non-finite loss are counted
+    in ``nonfinite`` and left out of the loss mean.
+    """
+
+    FIELDS = (
+        "loss_sum", "loss_samples", "top1", "topk", "samples", "nonfinite",
+        "skipped_images", "scaler_skips", "stop",
+    )  # fmt: skip
+
+    def __init__(self, device: torch.device, k: int):
+        self.k = k
+        self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
+        """Accumulate a batch: ``loss`` is its mean loss, ``target`` its hard labels."""
+        n = target.size(0)
+        loss = loss.detach()
+        top1, topk = topk_correct(logits, target, (1, self.k))
+        finite = torch.isfinite(loss)
+        update = [torch.where(finite, loss * n, 0.0), finite * n, top1, topk, top1.new_full((), n), ~finite]
+        self.sums[:6] += torch.stack([t.double() for t in update])
+
+    def add_field(self, field: str, value: float | torch.Tensor) -> None:
+        """Add to one field (skipped images, or the stop flag that is summed over ranks)."""
+        self.sums[self.FIELDS.index(field)] += value
+
+    def reduce(self) -> dict[str, float]:
+        """Sum over ranks (one all-reduce, one host sync); return the totals and the means."""
+        totals = dict(zip(self.FIELDS, all_reduce_sum(self.sums.clone()).tolist()))
+        n = max(totals["samples"], 1.0)
+        totals["loss"] = totals["loss_sum"] / max(totals["loss_samples"], 1.0)
+        totals["top1_acc"] = 100.0 * totals["top1"] / n
+        totals["topk_acc"] = 100.0 * totals["topk"] / n
+        return totals
+
+    def reset(self) -> None:
+        self.sums.zero_()

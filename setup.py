@@ -1,0 +1,30 @@
+"""Packaging for distribuuuu; runtime requirements are read from requirements.txt."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+REQUIREMENTS = [
+    line.strip()
+    for line in (HERE / "requirements.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
+
+setup(
+    name="distribuuuu",
+    version="0.1.0",
+    description="Distributed (DDP) image-classification training in pure PyTorch",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["distribuuuu", "distribuuuu.*"]),
+    python_requires=">=3.9",
+    install_requires=REQUIREMENTS,
+    extras_require={
+        "test": ["pytest", "matplotlib"],
+        "plot": ["matplotlib"],
+        "timm": ["timm"],
+        "dev": ["pytest", "matplotlib", "ruff"],
+    },
+    license="MIT",
+)

@@ -1,0 +1,79 @@
+"""Shared test helpers: run tools and launchers as real, time-bounded subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from distribuuuu.distributed import find_free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "tools" / "train_net.py")
+TEST = str(REPO / "tools" / "test_net.py")
+
+# Small, fast settings for runs that test behaviour rather than accuracy.
+FAST = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without launcher variables, one thread, the repo importable."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_"))
+    }
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; kill the whole group if it outlives ``timeout``."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env or clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"{cmd} did not finish in {timeout}s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+        ) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list[str]:
+    """A torchrun command line on 127.0.0.1 with a free port."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={find_free_port()}", *extra, script, *args,
+    ]  # fmt: skip
+
+
+def python(script: str, *args: str) -> list[str]:
+    return [sys.executable, script, *args]
+
+
+def read_metrics(out_dir: Path | str) -> list[dict]:
+    """The records of OUT_DIR/metrics.jsonl."""
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
+    )

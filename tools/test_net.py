@@ -1,0 +1,15 @@
+"""Evaluate a checkpoint: ``torchrun --nproc_per_node=N tools/test_net.py --cfg FILE MODEL.WEIGHTS PATH``.
+
+Prints top-1/top-k on the val split and appends a ``"split": "test"`` line to OUT_DIR/metrics.jsonl.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from distribuuuu.cli import run_tool  # noqa: E402
+from distribuuuu.trainer import test_model  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(run_tool(test_model, description=__doc__))
