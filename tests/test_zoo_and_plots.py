@@ -1,0 +1,159 @@
+"""The config zoo loads and is self-consistent; tools/plot_metrics.py draws and fails cleanly."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distribuuuu.config import ConfigError, load_cfg
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_DIR = REPO / "config"
+IMAGENET_DIR = CONFIG_DIR / "imagenet"
+PLOT = REPO / "tools" / "plot_metrics.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+ALL_YAMLS = sorted(CONFIG_DIR.rglob("*.yaml"))
+IMAGENET_YAMLS = sorted(IMAGENET_DIR.glob("*.yaml"))
+
+# Machine-readable header lines of every config/imagenet recipe, e.g.
+#   # gpus: 64 = 8 nodes x 8 GPUs (one process per GPU)
+#   # global_batch: 8192 = 128 x 64 GPUs  (TRAIN.BATCH_SIZE 128 per process)
+#   # lr_rule: BASE_LR = 0.1 x global_batch / 128 = 6.4
+GPUS_RE = re.compile(r"^# gpus: (\d+) = (\d+) nodes? x (\d+) GPUs", re.MULTILINE)
+BATCH_RE = re.compile(r"^# global_batch: (\d+) = (\d+) x (\d+) GPUs", re.MULTILINE)
+LR_RE = re.compile(r"^# lr_rule: BASE_LR = ([\d.]+) x global_batch / (\d+) = ([\d.]+(?:e-?\d+)?)", re.MULTILINE)
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def _header(path: Path, pattern: re.Pattern[str]) -> tuple[str, ...]:
+    match = pattern.search(path.read_text())
+    assert match, f"{_rel(path)}: header line matching {pattern.pattern!r} missing"
+    return match.groups()
+
+
+def test_zoo_is_not_empty() -> None:
+    assert len(IMAGENET_YAMLS) >= 10, [_rel(p) for p in IMAGENET_YAMLS]
+
+
+@pytest.mark.parametrize("path", ALL_YAMLS, ids=_rel)
+def test_config_loads_and_validates(path: Path) -> None:
+    try:
+        load_cfg(str(path))
+    except ConfigError as e:
+        pytest.fail(f"{_rel(path)} does not load: {e}")
+
+
+@pytest.mark.parametrize("path", IMAGENET_YAMLS, ids=_rel)
+def test_recipe_header_matches_batch(path: Path) -> None:
+    cfg = load_cfg(str(path))
+    gpus, nodes, per_node = map(int, _header(path, GPUS_RE))
+    global_batch, per_gpu, batch_gpus = map(int, _header(path, BATCH_RE))
+    assert gpus == nodes * per_node, f"{_rel(path)}: gpus header is inconsistent"
+    assert batch_gpus == gpus, f"{_rel(path)}: global_batch header assumes another GPU count"
+    assert per_gpu == cfg.TRAIN.BATCH_SIZE, f"{_rel(path)}: header per-GPU batch != BATCH_SIZE"
+    assert global_batch == cfg.TRAIN.BATCH_SIZE * gpus * cfg.TRAIN.ACCUM_STEPS, _rel(path)
+
+
+@pytest.mark.parametrize("path", IMAGENET_YAMLS, ids=_rel)
+def test_recipe_lr_follows_stated_linear_rule(path: Path) -> None:
+    cfg = load_cfg(str(path))
+    global_batch = int(_header(path, BATCH_RE)[0])
+    ref_lr, ref_batch, stated_lr = _header(path, LR_RE)
+    expected = float(ref_lr) * global_batch / int(ref_batch)
+    assert math.isclose(cfg.OPTIM.BASE_LR, expected, rel_tol=1e-9), _rel(path)
+    assert math.isclose(float(stated_lr), expected, rel_tol=1e-9), _rel(path)
+    # BASE_LR is already scaled: the automatic rule must not scale it a second time
+    assert cfg.OPTIM.REFERENCE_BATCH == 0, _rel(path)
+
+
+@pytest.mark.parametrize("path", IMAGENET_YAMLS, ids=_rel)
+def test_recipe_common_settings(path: Path) -> None:
+    cfg = load_cfg(str(path))
+    assert cfg.MODEL.NUM_CLASSES == 1000
+    assert (cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT) == ("./data/ILSVRC", "train")
+    assert (cfg.TEST.DATASET, cfg.TEST.SPLIT) == ("./data/ILSVRC", "val")
+    assert cfg.TRAIN.TOPK == 5 and cfg.TRAIN.WORKERS == 8
+    assert cfg.OUT_DIR == f"./output/{path.stem}"
+    assert cfg.OPTIM.MAX_EPOCH == 100 and cfg.OPTIM.LR_POLICY == "cos"
+    assert cfg.OPTIM.WARMUP_EPOCHS == 5 and cfg.OPTIM.NESTEROV
+
+
+def _record(epoch: int, split: str, loss: float, **extra: object) -> dict[str, object]:
+    record = {"epoch": epoch, "split": split, "loss": loss, "top1": 100 - 30 * loss}
+    record.update(topk=100 - 5 * loss, k=5, images_per_s=1000.0 + epoch, time_s=3.0)
+    record.update(samples=512, **extra)
+    return record
+
+
+def _write_run(out_dir: Path, epochs: int, with_ema: bool) -> Path:
+    out_dir.mkdir(parents=True)
+    lines = []
+    for epoch in range(1, epochs + 1):
+        loss = 2.0 / epoch
+        lines.append(_record(epoch, "train", loss, lr=0.1 * (epochs - epoch + 1) / epochs))
+        lines.append(_record(epoch, "val", loss * 0.9, weights="model"))
+        if with_ema:
+            lines.append(_record(epoch, "val", loss * 0.8, weights="ema"))
+    lines.append(_record(2, "train", 0.9, lr=0.05))  # a resumed run repeats epoch 2
+    lines.append(_record(epochs, "test", 0.5))
+    (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return out_dir
+
+
+def _run_plot(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MPLCONFIGDIR": str(tmp_path / "mpl")}
+    return subprocess.run(
+        [sys.executable, str(PLOT), *args],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file(), f"{path} was not written"
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert len(data) > 1024, f"{path} is suspiciously small ({len(data)} bytes)"
+
+
+def test_plot_metrics_two_runs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run_a = _write_run(tmp_path / "run_a", epochs=6, with_ema=False)
+    run_b = _write_run(tmp_path / "run_b", epochs=4, with_ema=True)
+    out = tmp_path / "both.png"
+    proc = _run_plot(str(run_a), str(run_b), "-o", str(out), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    _assert_png(out)
+
+
+def test_plot_metrics_single_run_default_output(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run = _write_run(tmp_path / "only", epochs=3, with_ema=True)
+    proc = _run_plot(str(run), "--labels", "only run", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    _assert_png(run / "metrics.png")
+
+
+def test_plot_metrics_missing_file_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_run"
+    proc = _run_plot(str(missing), "-o", str(tmp_path / "x.png"), tmp_path=tmp_path)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert str(missing / "metrics.jsonl") in lines[0]
+    assert not (tmp_path / "x.png").exists()
