@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Callable
@@ -13,7 +14,7 @@ from distribuuuu.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg, parse_args
 from distribuuuu.data import BadImageError, DataError
 from distribuuuu.distributed import LaunchError, detect_env_rank, find_free_port
-from distribuuuu.faults import EXIT_PREEMPTED, CollectiveError, NonFiniteLossError, Preempted
+from distribuuuu.faults import EXIT_PREEMPTED, PREEMPT_SIGNALS, CollectiveError, NonFiniteLossError, Preempted
 
 EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
 EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher environment or checkpoint
@@ -25,19 +26,41 @@ _KNOWN = _SAME_ON_EVERY_RANK + (BadImageError, CollectiveError)
 def run_tool(main: Callable[[CfgNode], object], argv: Sequence[str] | None = None, description: str = "") -> int:
     """Parse ``--cfg FILE KEY VALUE ...``, then run ``main(cfg)`` here or in ``--nproc`` workers."""
     args = parse_args(argv, description)
-    if args.nproc > 1:
-        return spawn(main, args.nproc, [a for a in (["--cfg", args.cfg_file] if args.cfg_file else [])] + args.opts)
+    if args.nproc > 1 and _launcher_in_env():
+        _print_error(f"--nproc cannot be used under a launcher ({_launcher_in_env()}): it starts the processes")
+        return EXIT_BAD_INPUT
     try:
-        main(load_cfg(args.cfg_file, args.opts))
+        # Parsed before any worker starts: a bad config costs no process start-up and prints once.
+        cfg = load_cfg(args.cfg_file, args.opts)
+    except ConfigError as e:
+        _print_error(_one_line(e))
+        return EXIT_BAD_INPUT
+    if args.nproc > 1:
+        return spawn(main, args.nproc, cfg)
+    return run_main(main, cfg)
+
+
+def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
+    """Run ``main(cfg)`` and turn the known errors into one printed line and an exit code."""
+    try:
+        main(cfg)
     except Preempted as e:
-        print(f"distribuuuu: {e}; exiting with {EXIT_PREEMPTED} (resume with TRAIN.AUTO_RESUME True)", file=sys.stderr)
+        if detect_env_rank() == 0:  # every rank stops at the same step: one line says it
+            print(
+                f"distribuuuu: {e}; exiting with {EXIT_PREEMPTED} (resume with TRAIN.AUTO_RESUME True)", file=sys.stderr
+            )
         return EXIT_PREEMPTED
     except _KNOWN as e:
-        rank = detect_env_rank()
-        if rank == 0 or not isinstance(e, _SAME_ON_EVERY_RANK):
+        if detect_env_rank() == 0 or not isinstance(e, _SAME_ON_EVERY_RANK):
             print(f"distribuuuu: error: {_one_line(e)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError)) else EXIT_FAILED
     return 0
+
+
+def _print_error(message: str) -> None:
+    # Under a launcher every rank hits the same error: rank 0 alone reports it.
+    if detect_env_rank() == 0:
+        print(f"distribuuuu: error: {message}", file=sys.stderr, flush=True)
 
 
 def _one_line(e: Exception) -> str:
@@ -48,7 +71,21 @@ def _one_line(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, argv: list[str]) -> None:
+def _launcher_in_env() -> str:
+    """Name the launcher that already started this process ('' if none)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun: RANK is set"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env:
+        return "MPI: OMPI_COMM_WORLD_SIZE or PMI_SIZE is set"
+    # srun sets SLURM_STEP_NUM_TASKS; an sbatch script alone (one process) may spawn workers.
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) > 1:
+        return "srun: SLURM_STEP_NUM_TASKS > 1"
+    return ""
+
+
+def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, cfg: CfgNode) -> None:
+    """One worker: the variables torchrun would set, then ``main(cfg)``; exits with its code."""
     os.environ.update(
         RANK=str(local_rank),
         WORLD_SIZE=str(nproc),
@@ -57,20 +94,48 @@ def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, argv: 
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    code = run_tool(main, argv)
+    code = run_main(main, cfg)
     if code:
         sys.exit(code)
 
 
-def spawn(main: Callable[[CfgNode], object], nproc: int, argv: list[str]) -> int:
-    """Start ``nproc`` local workers with torch.multiprocessing, set up exactly as torchrun would."""
+def spawn(main: Callable[[CfgNode], object], nproc: int, cfg: CfgNode) -> int:
+    """Start ``nproc`` local workers with torch.multiprocessing, set up exactly as torchrun would.
+
+    Preemption signals that reach this parent are forwarded to the workers (as torchrun does), so
+    they checkpoint and exit with EXIT_PREEMPTED instead of dying with the parent.
+    """
     import torch.multiprocessing as mp
 
-    if "RANK" in os.environ:
-        print("distribuuuu: error: --nproc cannot be used under a launcher (RANK is set)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    context = mp.start_processes(
+        _spawn_worker, args=(nproc, find_free_port(), main, cfg), nprocs=nproc, join=False, start_method="spawn"
+    )
+    previous = _forward_signals([p.pid for p in context.processes])
     try:
-        mp.spawn(_spawn_worker, args=(nproc, find_free_port(), main, argv), nprocs=nproc, join=True)
+        while not context.join():
+            pass
     except mp.ProcessExitedException as e:
-        return e.exit_code if e.exit_code and e.exit_code > 0 else EXIT_FAILED
+        if e.exit_code and e.exit_code > 0:
+            return e.exit_code  # the worker has printed its own error line
+        print(f"distribuuuu: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    except mp.ProcessRaisedException as e:
+        print(f"distribuuuu: error: a worker failed:\n{e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _forward_signals(pids: list[int]) -> dict:
+    """Relay SIGTERM/SIGUSR1 from this process to ``pids``; return the handlers it replaced."""
+
+    def forward(signum, frame) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    return {getattr(signal, name): signal.signal(getattr(signal, name), forward) for name in PREEMPT_SIGNALS}

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import threading
+import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from distribuuuu.logger import get_logger
 
@@ -31,6 +34,79 @@ class NonFiniteLossError(RuntimeError):
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the rank and the step."""
+
+
+# How long a rank whose collective failed waits for the other ranks to report the same failure.
+PEER_REPORT_S = 5.0
+_FAILED_KEY = "distribuuuu/collective_failed"
+# What gloo, NCCL and the store say when a peer is gone or late (their errors name no rank).
+_COMM_FAILURE = re.compile(
+    r"timed? ?out|timeout|closed by peer|connection|pair closure|broken pipe|nccl|gloo|store", re.IGNORECASE
+)
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """True for the errors of a failed or timed-out collective (not, say, a shape error)."""
+    return isinstance(e, dist.DistError) or bool(_COMM_FAILURE.search(str(e)))
+
+
+def silent_ranks(rank: int, world_size: int, wait_s: float = PEER_REPORT_S) -> list[int] | None:
+    """After a failed collective, the ranks that do not report a failure too: the stalled or dead ones.
+
+    gloo and NCCL name an address at best, never the rank that stopped answering. Every rank whose
+    collective fails writes a key to the process group's store, which keeps answering while a
+    worker is stopped (it lives in torchrun's agent, or in rank 0); ranks that have written none
+    after ``wait_s`` are stuck elsewhere or gone. None when the store cannot tell (no process
+    group, or the store itself does not answer, e.g. because rank 0 hosts it and is the one stuck).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or world_size < 2:
+        return None
+    result: list[list[int]] = []
+    # torchrun's static rendezvous keeps one store across restarts: keys are per attempt.
+    prefix = f"{_FAILED_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+    def report_and_poll() -> None:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{prefix}/{rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            missing = [r for r in range(world_size) if not store.check([f"{prefix}/{r}"])]
+            if not missing or time.monotonic() >= deadline:
+                result.append(missing)
+                return
+            time.sleep(0.2)
+
+    # A thread, because a store op on a store that does not answer blocks for the long timeout.
+    thread = threading.Thread(target=_quietly, args=(report_and_poll,), daemon=True)
+    thread.start()
+    try:
+        thread.join(wait_s + 2.0)
+    except Exception:  # a signal handler raised meanwhile (DataLoader's SIGCHLD): keep the first error
+        return None
+    return result[0] if result else None
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # the store is gone too: silent_ranks returns None
+        pass
+
+
+def collective_error(e: BaseException, rank: int, world_size: int, what: str, timeout_s: float) -> CollectiveError:
+    """A one-line CollectiveError naming this rank, what failed (with epoch and step) and the silent peers."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop gloo's "[/path/to/pair.cc:561]" prefix
+    if not is_comm_failure(e):
+        return CollectiveError(f"rank {rank}: {what} failed: {first}")
+    silent = silent_ranks(rank, world_size)
+    if silent:
+        peers = f"rank(s) {silent} did not report the failure within {PEER_REPORT_S:g}s: stalled or dead"
+    elif silent == []:
+        peers = "every rank saw it fail"
+    else:
+        peers = "could not tell which rank stalled"
+    return CollectiveError(f"rank {rank}: {what} failed (DIST.TIMEOUT_S={timeout_s:g}): {peers}; backend: {first}")
 
 
 class PreemptionHandler:
@@ -72,11 +148,46 @@ class PreemptionHandler:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def stop_requested_by_peer(self) -> None:
+        """Record that this rank stops for another rank's signal (so __exit__ keeps the handlers)."""
+        if not self.requested:
+            self.signal_name = "a peer's signal"
+
     def __exit__(self, *exc) -> None:
+        if self.requested:
+            # Stopping: keep the handlers (and the hard-exit timer) until the process exits, since
+            # torchrun re-sends SIGTERM to workers that are slow to exit; with the default action
+            # restored, that second signal would kill a worker that already wrote its checkpoint
+            # and turn its exit code 75 into -15.
+            return
         if self._timer is not None:
             self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def ignore_preemption_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: a worker ignores preemption signals unless its trainer sends them.
+
+    torchrun forwards a signal to each worker's whole process group, and Slurm signals every
+    process of a step: a DataLoader worker killed by it would crash the trainer before that
+    reaches its checkpoint. SIGUSR1 is ignored outright. SIGTERM cannot be: the DataLoader (and
+    multiprocessing at exit) stop workers with it, and a worker that ignored it would hang the
+    exit. So SIGTERM is blocked and a thread obeys it only when the sender is the parent trainer.
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: keep SIGTERM's default there
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit it
+    threading.Thread(target=_obey_sigterm_from, args=(os.getppid(),), daemon=True).start()
+
+
+def _obey_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            # As torch's own worker SIGTERM handler does for its parent: a clean exit, which the
+            # DataLoader's SIGCHLD check does not report as a crash.
+            os._exit(0)
 
 
 def requeue_slurm_job() -> None:

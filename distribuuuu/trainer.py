@@ -28,11 +28,12 @@ from distribuuuu.distributed import (
 )
 from distribuuuu.ema import ModelEMA
 from distribuuuu.faults import (
-    CollectiveError,
     NonFiniteLossError,
     Preempted,
     PreemptionHandler,
     capture_rng_state,
+    collective_error,
+    is_comm_failure,
     requeue_slurm_job,
     restore_rng_state,
     seed_everything,
@@ -176,13 +177,15 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         steps_per_epoch, base_lr,
         f" (OPTIM.BASE_LR x {global_batch}/{cfg.OPTIM.REFERENCE_BATCH})" if cfg.OPTIM.REFERENCE_BATCH else "",
     )  # fmt: skip
+    forward_model = wrap_model(model, cfg, env)
+    # After the DDP wrap, which broadcasts rank 0's initial weights: every rank's EMA starts from them.
     ema = ModelEMA(model, cfg.OPTIM.EMA_DECAY, cfg.OPTIM.EMA_WARMUP) if cfg.OPTIM.EMA_DECAY > 0 else None
     compiled_or_plain = wrap_model(model, cfg, DistEnv(world_size=1)) if t.COMPILE else model
     return Run(
         cfg=cfg,
         env=env,
         model=model,
-        forward_model=wrap_model(model, cfg, env),
+        forward_model=forward_model,
         eval_model=compiled_or_plain,
         optimizer=build_optimizer(model, cfg.OPTIM, zero=cfg.OPTIM.ZERO and is_dist()),
         scaler=torch.amp.GradScaler(env.device.type, enabled=t.PRECISION == "fp16"),
@@ -311,9 +314,9 @@ def train_epoch(run: Run, epoch: int) -> dict:
 
 
 def _with_context(e: RuntimeError, run: Run, epoch: int, step: int) -> RuntimeError:
-    """Name the rank, epoch and step of a failed step (a collective timeout, most often)."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return CollectiveError(f"rank {run.env.rank}: training step failed at epoch {epoch + 1}, step {step + 1}: {first}")
+    """Name the rank, epoch and step of a failed step, and the stalled peers of a failed all-reduce."""
+    what = f"training step (forward, backward, gradient all-reduce) at epoch {epoch + 1}, step {step + 1}"
+    return collective_error(e, run.env.rank, run.env.world_size, what, run.cfg.DIST.TIMEOUT_S)
 
 
 def _accumulate(acc: dict, totals: dict) -> None:
@@ -327,10 +330,8 @@ def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, st
     try:
         totals = window.reduce()
     except RuntimeError as e:
-        raise CollectiveError(
-            f"rank {run.env.rank}: metrics all-reduce failed at epoch {epoch + 1}, step {step} "
-            f"(DIST.TIMEOUT_S={run.cfg.DIST.TIMEOUT_S}): another rank stalled or died: {str(e).splitlines()[0]}"
-        ) from e
+        what = f"metrics all-reduce at epoch {epoch + 1}, step {step}"
+        raise collective_error(e, run.env.rank, run.env.world_size, what, run.cfg.DIST.TIMEOUT_S) from e
     if totals["nonfinite"] and run.cfg.TRAIN.NAN_POLICY == "stop":
         raise NonFiniteLossError(
             f"non-finite loss at epoch {epoch + 1}, step {_first_nonfinite_step(window_losses, step)}: "
@@ -518,7 +519,9 @@ def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool 
 
 def stop_for_preemption(run: Run) -> None:
     """Checkpoint at this (synchronised) step, requeue if asked, and raise Preempted."""
-    signal_name = run.preempt.signal_name if run.preempt and run.preempt.requested else "a peer's signal"
+    if run.preempt is not None:
+        run.preempt.stop_requested_by_peer()  # a no-op on the ranks that got the signal themselves
+    signal_name = run.preempt.signal_name if run.preempt is not None else "a peer's signal"
     logger.warning(
         "preemption (%s): checkpointing at epoch %d, step %d", signal_name, run.state.epoch + 1, run.state.step_in_epoch
     )
@@ -536,6 +539,7 @@ def train_model(cfg: CfgNode) -> dict:
     check_dataset_paths(cfg)
     model_source(cfg.MODEL.ARCH)  # an unknown architecture fails before any set-up
     env, writer = setup_environment(cfg)
+    run: Run | None = None
     try:
         run = build_run(cfg, env, writer)
         resume_or_load_weights(run)
@@ -553,6 +557,14 @@ def train_model(cfg: CfgNode) -> dict:
                 if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
                     break
         return last_val
+    except RuntimeError as e:
+        # A raw backend error from a collective outside the training step (validation, checkpoint,
+        # resume): our own errors already carry their context and pass through unchanged.
+        if not is_dist() or not (type(e) is RuntimeError or isinstance(e, dist.DistError)) or not is_comm_failure(e):
+            raise
+        state = run.state if run is not None else TrainState()
+        what = f"collective outside a training step, at epoch {state.epoch + 1}, step {state.step_in_epoch}"
+        raise collective_error(e, env.rank, env.world_size, what, cfg.DIST.TIMEOUT_S) from e
     finally:
         writer.close()
         cleanup_distributed()

@@ -19,6 +19,7 @@ from distribuuuu.data.datasets import (
 from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
 from distribuuuu.data.transforms import build_train_transform, build_val_transform
 from distribuuuu.distributed import DistEnv
+from distribuuuu.faults import ignore_preemption_signals
 
 
 @dataclass
@@ -56,6 +57,7 @@ def _loader(cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train
         persistent_workers=workers > 0 and cfg.TRAIN.PERSISTENT_WORKERS,
         prefetch_factor=cfg.TRAIN.PREFETCH_FACTOR if workers > 0 else None,
         collate_fn=collate_skipping_bad,
+        worker_init_fn=ignore_preemption_signals,  # the trainer handles them: see faults.py
         # Its own generator, so creating an epoch's iterator does not draw from the global RNG:
         # otherwise a resumed run's random stream would drift from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.RNG_SEED),

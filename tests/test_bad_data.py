@@ -1,0 +1,117 @@
+"""Bad data: a truncated image stops the run naming its path (or is skipped and counted), non-image
+files are ignored, and an empty class folder, mismatched splits or too few classes stop before training."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from PIL import Image
+
+from distribuuuu import cli, trainer
+
+DIGITS = REPO / "data" / "digits"
+PER_CLASS = {"train": 8, "val": 2}
+GOOD_TRAIN = 10 * PER_CLASS["train"]
+# Batch 9 with 80 good images + 1 bad: 9 full batches, so drop_last never hides the bad one.
+SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "9"]
+SMALL += ["TRAIN.PRINT_FREQ", "3", "OPTIM.WARMUP_EPOCHS", "0"]
+
+
+pytestmark = pytest.mark.usefixtures("plain_logging")
+
+
+def _digits_tree(root: Path) -> Path:
+    """A small ImageFolder copy of the digits: 8 train and 2 val PNGs per class, plus a notes.txt."""
+    for split, n in PER_CLASS.items():
+        for cls in sorted(p.name for p in (DIGITS / split).iterdir()):
+            dest = root / split / cls
+            dest.mkdir(parents=True)
+            for png in sorted((DIGITS / split / cls).glob("*.png"))[:n]:
+                shutil.copy(png, dest)
+    (root / "train" / "0" / "notes.txt").write_text("not an image: ImageFolder must ignore it\n")
+    return root
+
+
+def _truncated_jpeg(path: Path) -> Path:
+    """A JPEG written by PIL, then cut in half: its header opens, its pixels do not decode."""
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(path, quality=95)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.fixture
+def bad_tree(tmp_path) -> tuple[Path, Path]:
+    """A digits tree whose train/3 holds a truncated JPEG; returns (root, the bad file)."""
+    root = _digits_tree(tmp_path / "data")
+    return root, _truncated_jpeg(root / "train" / "3" / "broken.jpg")
+
+
+def _train(root: Path, out: Path, *extra: str):
+    args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(root), "TEST.DATASET", str(root), *SMALL, *extra]
+    return run(python(TRAIN, *args), timeout=300, env=clean_env())
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("distribuuuu: error:")]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_truncated_image_stops_the_run_naming_its_path(bad_tree, tmp_path, workers):
+    root, bad = bad_tree
+    result = _train(root, tmp_path / "out", "TRAIN.WORKERS", str(workers))
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = _error_lines(result.stderr)
+    assert len(errors) == 1 and f"unreadable image {bad}" in errors[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "checkpoints" / "ckpt_ep_001.pth.tar").exists(), "the epoch did not finish"
+
+
+def test_bad_image_skip_drops_and_counts_it_and_ignores_non_images(bad_tree, tmp_path):
+    root, _ = bad_tree
+    out = tmp_path / "out"
+    assert_ok(_train(root, out, "DATA.BAD_IMAGE", "skip"))
+    train = [r for r in read_metrics(out) if r["split"] == "train"]
+    # The epoch visits every file once: the bad JPEG is skipped once, notes.txt never loaded.
+    assert [(r["skipped_images"], r["samples"]) for r in train] == [(1, GOOD_TRAIN)]
+    val = [r for r in read_metrics(out) if r["split"] == "val"]
+    assert val[-1]["samples"] == 10 * PER_CLASS["val"] and val[-1]["skipped_images"] == 0
+
+
+def _before_training(root: Path, out: Path, capsys, *extra: str) -> str:
+    """Run train_model in this process; assert it stops with exit 2 before training; return the line."""
+    args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(root), "TEST.DATASET", str(root), *SMALL, *extra]
+    assert cli.run_tool(trainer.train_model, args) == cli.EXIT_BAD_INPUT
+    assert not (out / "metrics.jsonl").exists() and not list((out / "checkpoints").glob("*"))
+    errors = _error_lines(capsys.readouterr().err)
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_empty_class_folder_is_an_error_before_training(tmp_path, capsys):
+    root = _digits_tree(tmp_path / "data")
+    for png in (root / "train" / "4").glob("*.png"):
+        png.unlink()
+    (root / "train" / "4" / "README.md").write_text("only a non-image left: the class is empty")
+    line = _before_training(root, tmp_path / "out", capsys)
+    assert f"{root / 'train'}: class folder(s) with no images" in line and "'4'" in line
+
+
+def test_train_val_class_mismatch_is_an_error_before_training(tmp_path, capsys):
+    root = _digits_tree(tmp_path / "data")
+    shutil.rmtree(root / "val" / "9")
+    (root / "val" / "x").mkdir()
+    shutil.copy(next((DIGITS / "val" / "9").glob("*.png")), root / "val" / "x")
+    line = _before_training(root, tmp_path / "out", capsys)
+    assert "class folders differ" in line and "only in train ['9'], only in val ['x']" in line
+
+
+def test_num_classes_smaller_than_class_folders_is_an_error_before_training(tmp_path, capsys):
+    root = _digits_tree(tmp_path / "data")
+    line = _before_training(root, tmp_path / "out", capsys, "MODEL.NUM_CLASSES", "5")
+    assert "MODEL.NUM_CLASSES is 5" in line and "10 class folders" in line

@@ -1,0 +1,419 @@
+"""Faults: killed, preempted and stalled ranks; corrupt, malicious and unwritable checkpoints; NaN losses.
+
+The training jobs run ``tests/scripts/fault_train.py``: ``tools/train_net.py``'s entry point with a
+tiny registered CNN (so an epoch costs about a second) and fault injection at exact steps. Every
+resumed run is compared with an uninterrupted run of the same configuration: the weights must be
+bit-identical, which holds only if model, optimizer, EMA, LR position, RNG states and the sampler
+position all came back exactly.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FAST, REPO, assert_ok, clean_env, python, read_metrics, run, torchrun
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu import cli, trainer
+from distribuuuu.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
+from distribuuuu.distributed import find_free_port
+
+FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
+DIGITS = str(REPO / "data" / "digits")
+# Mixup draws from the global RNG and EMA has its own state: an exact resume must restore both.
+TINY = [
+    "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
+    "DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9", "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS,
+]  # fmt: skip
+ONE = [*TINY, "TRAIN.PRINT_FREQ", "5", "TRAIN.CKPT_PERIOD_ITERS", "10"]
+# 2 ranks: one epoch of 22 steps (the single-process runs cover resuming into a later epoch).
+TWO = [*TINY, "TRAIN.PRINT_FREQ", "3", "TRAIN.CKPT_PERIOD_ITERS", "4", "TRAIN.WORKERS", "1", "OPTIM.MAX_EPOCH", "1"]
+STEPS_ONE = 1436 // 32  # optimizer steps per epoch: train images // (TRAIN.BATCH_SIZE x ranks)
+# pytorch/pytorch#135712: torchrun's default (static) rendezvous keeps its store across restarts,
+# and a restarted round may read its peers' stale gloo addresses ("connectFullMesh failed ...
+# Connection refused", or a hang). The c10d rendezvous with this variable gives each round its own.
+ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
+
+
+pytestmark = pytest.mark.usefixtures("plain_logging")
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------------
+class Job:
+    """A launched command, watched while it runs; on exit it and every worker it started are killed.
+
+    torchrun starts each worker in its own session, so killing torchrun's process group alone
+    would leave them running: their pids are remembered and their groups killed too.
+    """
+
+    def __init__(self, cmd: list[str], log_dir: Path, env: dict | None = None):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.out, self.err = log_dir / "stdout.txt", log_dir / "stderr.txt"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=out, stderr=err, start_new_session=True)
+        self.seen: set[int] = set()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.workers()  # remember any worker started since the last look
+        for pid in [*self.seen, self.proc.pid]:
+            for sig in (signal.SIGCONT, signal.SIGKILL):  # SIGCONT: a stopped process as well
+                try:
+                    os.killpg(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.proc.wait(timeout=30)
+
+    def workers(self) -> dict[int, int]:
+        """{rank: pid} of the processes torchrun started (read from /proc: ppid and RANK)."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                if ppid != self.proc.pid:
+                    continue
+                environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+            if rank is not None:
+                found[rank] = int(stat.parent.name)
+        self.seen.update(found.values())
+        return found
+
+    def wait_until(self, predicate, timeout: float, what: str) -> float:
+        """Poll ``predicate`` until true; return the time it took. Fails if the job exits first."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if predicate():
+                return time.monotonic() - start
+            if self.proc.poll() is not None:
+                raise AssertionError(f"job exited {self.proc.returncode} before {what}\n{self.tail()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} within {timeout}s\n{self.tail()}")
+
+    def finish(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"job did not finish in {timeout}s\n{self.tail()}") from None
+        return subprocess.CompletedProcess(
+            self.proc.args, self.proc.returncode, self.out.read_text(), self.err.read_text()
+        )
+
+    def tail(self) -> str:
+        return f"stdout:\n{self.out.read_text()[-3000:]}\nstderr:\n{self.err.read_text()[-3000:]}"
+
+
+def _job(cmd: list[str], log_dir: Path, timeout: float = 400) -> subprocess.CompletedProcess:
+    with Job(cmd, log_dir) as job:
+        return job.finish(timeout)
+
+
+def _mid_epoch_checkpoints(out: Path) -> list[str]:
+    return [n for n in os.listdir(out / "checkpoints") if "_it_" in n] if (out / "checkpoints").is_dir() else []
+
+
+def _final_state(out: Path, epochs: int = 2) -> dict:
+    return load_checkpoint(str(out / "checkpoints" / ckpt.checkpoint_name(epochs)))
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    """Model, EMA and optimizer tensors bit-identical (torch.equal, not allclose)."""
+    for name, x, y in (
+        ("model", a["model"], b["model"]),
+        ("ema", a["ema"]["module"], b["ema"]["module"]),
+        ("momentum", a["optimizer"]["state"], b["optimizer"]["state"]),
+    ):
+        assert x.keys() == y.keys(), name
+        for key in x:
+            xs, ys = (x[key], y[key]) if name != "momentum" else (x[key]["momentum_buffer"], y[key]["momentum_buffer"])
+            assert torch.equal(xs, ys), f"{name} {key} differs from the uninterrupted run"
+
+
+def _train_epochs(out: Path) -> list[int]:
+    return [r["epoch"] for r in read_metrics(out) if r["split"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def reference_one(tmp_path_factory) -> dict:
+    """Final state of an uninterrupted single-process run (WORKERS 0)."""
+    out = tmp_path_factory.mktemp("reference_one")
+    assert_ok(run(python(FAULT, "OUT_DIR", str(out), *ONE), timeout=300, env=ENV))
+    # TRAIN.KEEP_CKPTS 3 (default) of the 8 mid-epoch and 2 epoch-end checkpoints; best kept apart.
+    kept = [ckpt.checkpoint_name(2, 30), ckpt.checkpoint_name(2, 40), ckpt.checkpoint_name(2)]
+    assert [Path(p).name for p in ckpt.list_checkpoints(str(out / "checkpoints"))] == kept
+    assert (out / ckpt.BEST_NAME).is_file()
+    return _final_state(out)
+
+
+@pytest.fixture(scope="module")
+def reference_two(tmp_path_factory) -> dict:
+    """Final state of an uninterrupted 2-process torchrun run."""
+    out = tmp_path_factory.mktemp("reference_two")
+    assert_ok(_job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), out / "logs"))
+    return _final_state(out, epochs=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Killed, preempted and stalled ranks (2-process gloo jobs under torchrun)
+# ------------------------------------------------------------------------------------------------
+def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights(tmp_path, reference_two):
+    out = tmp_path / "run"
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *rdzv, FAULT, "OUT_DIR", str(out), *TWO]
+    with Job(cmd, tmp_path / "logs") as job:
+        job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
+        first_round = job.workers()
+        os.kill(first_round[1], signal.SIGKILL)
+        result = job.finish(400)
+    assert_ok(result)
+    resumed = RESUMED.search(result.stdout)
+    assert resumed and "_it_" in resumed[1], f"no mid-epoch resume:\n{result.stdout[-3000:]}"
+    assert _train_epochs(out) == [1]
+    _assert_same_weights(_final_state(out, epochs=1), reference_two)
+
+
+def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same_weights(tmp_path, reference_two):
+    out = tmp_path / "run"
+    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "preempted") as job:
+        job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
+        # Signal the workers as Slurm does (every process of the step): torchrun then reports
+        # their exit codes. (Signalling torchrun works too: it forwards SIGTERM to the workers.)
+        for pid in job.workers().values():
+            os.kill(pid, signal.SIGTERM)
+        result = job.finish(300)
+    # torchrun itself exits 1 whenever a worker exits non-zero; its report names each exit code.
+    assert result.returncode == 1, job.tail()
+    assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M) == ["75", "75"], result.stderr[-3000:]
+    stop = re.search(r"preempted at epoch (\d+), step (\d+); exiting with 75", result.stderr)
+    assert stop, result.stderr[-3000:]
+    epoch, step = int(stop[1]), int(stop[2])
+    assert step % 3 == 0 or step == 1436 // 64, "the ranks stop together at a PRINT_FREQ sync point"
+    said = f"preemption (SIGTERM): checkpointing at epoch {epoch}, step {step}"
+    assert said in result.stdout and re.search(rf"\[rank 1 .*\] {re.escape(said)}", result.stderr)
+    path = out / "checkpoints" / ckpt.checkpoint_name(epoch, step)
+    state = load_checkpoint(str(path))
+    assert (state["epoch"], state["step_in_epoch"], len(state["rng"])) == (epoch - 1, step, 2)
+
+    resumed = _job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "resumed")
+    assert_ok(resumed)
+    assert RESUMED.search(resumed.stdout)[1] == str(path)
+    assert _train_epochs(out) == [1]
+    _assert_same_weights(_final_state(out, epochs=1), reference_two)
+
+
+def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_path):
+    timeout_s = 15
+    out = tmp_path / "run"
+    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "OPTIM.MAX_EPOCH", "20", "DIST.TIMEOUT_S", str(timeout_s))
+    with Job(cmd, tmp_path / "logs") as job:
+        job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
+        workers = job.workers()
+        os.kill(workers[1], signal.SIGSTOP)
+        rank0 = Path(f"/proc/{workers[0]}")
+        # Rank 0 waits in a collective for the stopped rank 1, then must give up and exit.
+        stalled_for = job.wait_until(
+            lambda: not rank0.exists() or "Z" in (rank0 / "stat").read_text().rsplit(")", 1)[1].split()[0],
+            timeout_s + 120,
+            "rank 0's exit",
+        )
+    stderr = job.err.read_text()
+    print(f"rank 0 exited {stalled_for:.1f}s after rank 1 was stopped (DIST.TIMEOUT_S={timeout_s})")
+    # The timeout, plus up to 5 s waiting for the peers to report, plus a loaded machine's slack.
+    assert timeout_s - 1 <= stalled_for <= timeout_s + 40
+    error = re.search(r"distribuuuu: error: rank 0: (.*)", stderr)
+    assert error, stderr[-3000:]
+    assert re.search(r"at epoch \d+, step \d+ failed \(DIST.TIMEOUT_S=15\): rank\(s\) \[1\] did not report", error[1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Exact resume in one process: deterministic preemption, with and without DataLoader workers
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "workers,sig,truncate_newest", [(0, "SIGTERM", False), (2, "SIGUSR1", True)], ids=["workers0", "workers2-truncated"]
+)
+def test_preempted_run_resumes_to_bit_identical_weights(tmp_path, reference_one, workers, sig, truncate_newest):
+    out = tmp_path / "run"
+    args = ["OUT_DIR", str(out), *ONE, "TRAIN.WORKERS", str(workers)]
+    signal_after = STEPS_ONE + 13  # the signal after step 13 of epoch 2 ...
+    stop_step = math.ceil(13 / 5) * 5  # ... stops at its next PRINT_FREQ sync point
+    # A stand-in for Slurm's scontrol records the requeue that DIST.REQUEUE asks for.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "requeued"}\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    env = clean_env(
+        FAULT_SIGNAL_AT_STEP=str(signal_after),
+        FAULT_SIGNAL=sig,
+        SLURM_JOB_ID="4242",
+        PATH=f"{fake_bin}:{os.environ['PATH']}",
+    )
+    preempted = run(python(FAULT, *args, "DIST.REQUEUE", "True"), timeout=300, env=env)
+    assert preempted.returncode == 75, preempted.stderr[-3000:]
+    assert f"preempted at epoch 2, step {stop_step}" in preempted.stderr
+    assert f"preemption ({sig}): checkpointing at epoch 2, step {stop_step}" in preempted.stdout
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"]
+    newest = out / "checkpoints" / ckpt.checkpoint_name(2, stop_step)
+    periodic = out / "checkpoints" / ckpt.checkpoint_name(2, 10)  # TRAIN.CKPT_PERIOD_ITERS 10
+    assert newest.is_file() and periodic.is_file()
+    expected = newest
+    if truncate_newest:
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+        expected = periodic
+
+    resumed = run(python(FAULT, *args), timeout=300, env=ENV)
+    assert_ok(resumed)
+    assert RESUMED.search(resumed.stdout)[1] == str(expected)
+    if truncate_newest:
+        assert f"checkpoint {newest} is unreadable" in resumed.stdout + resumed.stderr
+        assert not newest.exists() and Path(f"{newest}.corrupt").is_file()
+    assert _train_epochs(out) == [1, 2]
+    _assert_same_weights(_final_state(out), reference_one)
+
+
+# ------------------------------------------------------------------------------------------------
+# Non-finite losses
+# ------------------------------------------------------------------------------------------------
+def test_nan_loss_stops_naming_epoch_and_first_bad_step(tmp_path):
+    bad_step = 7  # forward calls 7 and 8 (= optimizer steps 7 and 8 of epoch 1) return NaN
+    env = clean_env(FAULT_NAN_CALLS=f"{bad_step},{bad_step + 1}")
+    result = run(python(FAULT, "OUT_DIR", str(tmp_path), *ONE, "OPTIM.MAX_EPOCH", "1"), timeout=300, env=env)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
+    assert len(errors) == 1 and f"non-finite loss at epoch 1, step {bad_step}:" in errors[0]
+    # It raised at the first sync point after the NaN (step 10) instead of logging it and going on.
+    assert "step 5/44" in result.stdout and "step 10/44" not in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_nan_policy_skip_skips_and_counts_the_bad_steps(tmp_path):
+    bad = [7, 8, 20]  # forward calls = optimizer steps of epoch 1
+    env = clean_env(FAULT_NAN_CALLS=",".join(map(str, bad)))
+    args = ["OUT_DIR", str(tmp_path), *ONE, "OPTIM.MAX_EPOCH", "1", "TRAIN.NAN_POLICY", "skip"]
+    result = run(python(FAULT, *args), timeout=300, env=env)
+    assert_ok(result)
+    train = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
+    assert [r["nonfinite_steps"] for r in train] == [len(bad)]
+    assert "step 10/44" in result.stdout and "non-finite steps skipped 2" in result.stdout  # window 6-10
+    # One NaN gradient applied would have made every weight NaN: the steps were really skipped.
+    final = load_checkpoint(str(tmp_path / "checkpoints" / ckpt.checkpoint_name(1)))
+    assert all(torch.isfinite(t).all() for t in final["model"].values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoint files: truncated, malicious, bit-flipped, failed writes; unwritable OUT_DIR
+# ------------------------------------------------------------------------------------------------
+def _tiny_state(value: float) -> dict:
+    return {"model": {"w": torch.full((64,), value)}, "epoch": int(value)}
+
+
+def test_find_resumable_moves_broken_newest_aside_and_falls_back(tmp_path, caplog):
+    paths = [tmp_path / ckpt.checkpoint_name(e) for e in (1, 2, 3)]
+    for e, p in enumerate(paths, 1):
+        save_checkpoint(_tiny_state(e), str(p))
+    paths[2].write_bytes(paths[2].read_bytes()[:100])  # truncated
+    paths[1].write_bytes(b"")  # empty
+    with caplog.at_level("WARNING"):
+        assert find_resumable(str(tmp_path)) == str(paths[0])
+    for broken in paths[1:]:
+        assert not broken.exists() and Path(f"{broken}.corrupt").is_file()
+        assert any(str(broken) in r.getMessage() and "moved it aside" in r.getMessage() for r in caplog.records)
+    assert find_resumable(str(tmp_path / "none")) is None
+
+
+class _Payload:
+    """Unpickling this runs ``fn(*args)``: what a malicious checkpoint does with weights_only=False."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.mark.parametrize("kind", ["os.system", "open"])
+def test_checkpoint_that_would_run_code_is_refused(tmp_path, kind):
+    marker = tmp_path / "pwned"
+    payload = _Payload(os.system, (f"touch {marker}",)) if kind == "os.system" else _Payload(open, (str(marker), "w"))
+    path = tmp_path / "evil.pth.tar"
+    torch.save({"model": {"w": torch.zeros(2)}, "extra": payload}, path)
+    with pytest.raises(CheckpointError, match=f"refusing to load {re.escape(str(path))}"):
+        load_checkpoint(str(path))
+    assert not marker.exists()
+
+
+def test_train_net_refuses_malicious_weights_in_one_line(tmp_path, capsys):
+    """train_net.py's own entry point (cli.run_tool(train_model)), in this process."""
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pth.tar"
+    torch.save({"model": _Payload(os.system, (f"touch {marker}",))}, path)
+    args = ["OUT_DIR", str(tmp_path / "out"), *FAST, "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS]
+    assert cli.run_tool(trainer.train_model, [*args, "MODEL.WEIGHTS", str(path)]) != 0
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("distribuuuu: error:")]
+    assert len(errors) == 1 and f"refusing to load {path}" in errors[0], err[-3000:]
+    assert "Traceback" not in err and not marker.exists()
+    assert not (tmp_path / "out" / "metrics.jsonl").exists(), "nothing trained"
+
+
+def test_flipped_bit_in_tensor_data_fails_the_checksum(tmp_path):
+    path = tmp_path / "ckpt.pth.tar"
+    weights = torch.arange(256, dtype=torch.float32)
+    save_checkpoint({"model": {"w": weights}}, str(path))
+    data = bytearray(path.read_bytes())
+    offset = data.find(weights.numpy().tobytes())
+    assert offset > 0
+    data[offset + 513] ^= 0x04
+    path.write_bytes(data)
+    assert not torch.equal(load_checkpoint(str(path), verify=False)["model"]["w"], weights), "torch.load accepts it"
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(path))} fails its checksum"):
+        load_checkpoint(str(path))
+
+
+def test_failed_checkpoint_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / ckpt.checkpoint_name(1)
+    save_checkpoint(_tiny_state(1.0), str(path))
+    before = path.read_bytes()
+    real_save = torch.save
+
+    def disk_full(obj, f, *args, **kwargs):
+        import io
+
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])  # half the bytes reach the disk
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=f"could not write checkpoint {re.escape(str(path))}.*No space left"):
+        save_checkpoint(_tiny_state(2.0), str(path))
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == [path.name], "no temp file left behind"
+    assert load_checkpoint(str(path))["epoch"] == 1
+
+
+def test_unwritable_out_dir_fails_before_training_with_exit_2(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = blocker / "out"
+    args = ["OUT_DIR", str(out), "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS]
+    assert cli.run_tool(trainer.train_model, args) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"distribuuuu: error: OUT_DIR: cannot write to {out}" in err
+    assert blocker.read_text() == "not a directory"
