@@ -279,9 +279,30 @@ def load_cfg(cfg_file: str | None = None, opts: Sequence[str] = ()) -> CN:
         config.merge_from_list(list(opts))
     except Exception as e:
         raise ConfigError(f"command line: {_yacs_message(e)}") from None
+    _resolve_nulls(config)
     validate_cfg(config)
     config.freeze()
     return config
+
+
+# Distribuuuu's own YAML files write these two keys as null: no weights, and an unseeded run
+# (every run here is seeded, so null means the default seed).
+_NULL_MEANS_DEFAULT = ("MODEL.WEIGHTS", "RNG_SEED")
+
+
+def _resolve_nulls(config: CN, prefix: str = "") -> None:
+    """Replace the nulls Distribuuuu wrote with their defaults; any other null is a ConfigError."""
+    for name, value in config.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, CN):
+            _resolve_nulls(value, key + ".")
+        elif value is None:
+            if key not in _NULL_MEANS_DEFAULT:
+                raise ConfigError(f"{key} must have a value, got null")
+            default = _C
+            for part in key.split("."):
+                default = default[part]
+            config[name] = default
 
 
 def _yacs_message(e: Exception) -> str:

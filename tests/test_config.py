@@ -1,0 +1,200 @@
+"""Config: defaults, overrides and YAML merge; every bad input stops the run with one clear line."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from helpers import TRAIN, assert_ok, python, read_metrics, run, torchrun
+
+from distribuuuu.config import ConfigError, dump_cfg, get_cfg_defaults, load_cfg, parse_args, validate_cfg
+
+EXIT_BAD_INPUT = 2
+ERROR_PREFIX = "distribuuuu: error:"
+TINY_DUMMY = ["DATA.DUMMY_SIZE", "64", "OPTIM.MAX_EPOCH", "1", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading and merging (in process)
+# ------------------------------------------------------------------------------------------------
+def test_defaults_load_validate_and_freeze():
+    defaults = get_cfg_defaults()
+    validate_cfg(defaults)
+    cfg = load_cfg()
+    assert cfg == defaults
+    assert cfg.is_frozen()
+    with pytest.raises(AttributeError):
+        cfg.TRAIN.BATCH_SIZE = 1
+
+
+def test_get_cfg_defaults_returns_an_independent_copy():
+    first = get_cfg_defaults()
+    first.TRAIN.BATCH_SIZE = 999
+    assert get_cfg_defaults().TRAIN.BATCH_SIZE != 999
+
+
+def test_key_value_overrides_apply_with_int_widened_to_float_and_lists_parsed():
+    cfg = load_cfg(opts=["OPTIM.BASE_LR", "1", "OPTIM.STEPS", "[2, 4]", "TRAIN.BATCH_SIZE", "8", "MODEL.ARCH", "vgg11"])
+    assert cfg.OPTIM.BASE_LR == 1.0 and isinstance(cfg.OPTIM.BASE_LR, float)
+    assert cfg.OPTIM.STEPS == [2, 4]
+    assert cfg.TRAIN.BATCH_SIZE == 8
+    assert cfg.MODEL.ARCH == "vgg11"
+
+
+def test_yaml_file_is_merged_then_command_line_overrides_win(tmp_path):
+    cfg_file = tmp_path / "exp.yaml"
+    cfg_file.write_text("TRAIN:\n  BATCH_SIZE: 16\n  TOPK: 3\nOPTIM:\n  BASE_LR: 0.2\n  WARMUP_EPOCHS: 2\n")
+    cfg = load_cfg(str(cfg_file), ["TRAIN.BATCH_SIZE", "8"])
+    assert cfg.TRAIN.BATCH_SIZE == 8, "the command line wins over the file"
+    assert cfg.TRAIN.TOPK == 3 and cfg.OPTIM.BASE_LR == 0.2, "the file wins over the defaults"
+    assert cfg.OPTIM.WARMUP_EPOCHS == 2.0 and isinstance(cfg.OPTIM.WARMUP_EPOCHS, float)
+    assert cfg.TEST.BATCH_SIZE == get_cfg_defaults().TEST.BATCH_SIZE, "untouched keys keep their defaults"
+
+
+def test_a_bad_yaml_file_names_the_file_and_the_key(tmp_path):
+    cfg_file = tmp_path / "typo.yaml"
+    cfg_file.write_text("TRAIN:\n  BATCH_SIZ: 16\n")
+    with pytest.raises(ConfigError) as err:
+        load_cfg(str(cfg_file))
+    assert str(cfg_file) in str(err.value) and "TRAIN.BATCH_SIZ" in str(err.value)
+
+
+# A config in the form the original Distribuuuu wrote them (every key, `null` for unset ones).
+DISTRIBUUUU_STYLE_YAML = """\
+CFG_DEST: config.yaml
+CUDNN: {BENCHMARK: true, DETERMINISTIC: false}
+MODEL: {ARCH: resnet18, DUMMY_INPUT: false, NUM_CLASSES: 1000, PRETRAINED: false, SYNCBN: false, WEIGHTS: null}
+OPTIM:
+  BASE_LR: 0.2
+  DAMPENING: 0.0
+  LR_MULT: 0.1
+  LR_POLICY: cos
+  MAX_EPOCH: 100
+  MIN_LR: 0.0
+  MOMENTUM: 0.9
+  NESTEROV: true
+  STEPS: []
+  WARMUP_EPOCHS: 5
+  WARMUP_FACTOR: 0.1
+  WEIGHT_DECAY: 5.0e-05
+OUT_DIR: ./exp
+RNG_SEED: null
+TEST: {BATCH_SIZE: 200, DATASET: ./data/ILSVRC/, IM_SIZE: 256, PRINT_FREQ: 10, SPLIT: val}
+TRAIN: {AUTO_RESUME: true, BATCH_SIZE: 32, DATASET: ./data/ILSVRC/, IM_SIZE: 224, LOAD_OPT: true,
+        PIN_MEMORY: true, PRINT_FREQ: 30, SPLIT: train, TOPK: 5, WORKERS: 4}
+"""
+
+
+def test_a_distribuuuu_yaml_file_loads_unchanged_with_its_nulls_meaning_unset(tmp_path):
+    cfg_file = tmp_path / "resnet18.yaml"
+    cfg_file.write_text(DISTRIBUUUU_STYLE_YAML)
+    cfg = load_cfg(str(cfg_file))
+    assert cfg.MODEL.NUM_CLASSES == 1000 and cfg.OPTIM.BASE_LR == 0.2 and cfg.OPTIM.STEPS == []
+    assert cfg.OPTIM.WARMUP_EPOCHS == 5.0 and cfg.TRAIN.WORKERS == 4 and cfg.TEST.IM_SIZE == 256
+    assert cfg.MODEL.WEIGHTS == "", "WEIGHTS: null means no weights"
+    assert cfg.RNG_SEED == get_cfg_defaults().RNG_SEED, "RNG_SEED: null still gives a seeded run"
+
+
+def test_null_for_any_other_key_names_the_key():
+    with pytest.raises(ConfigError, match=r"^TRAIN\.BATCH_SIZE must have a value, got null$"):
+        load_cfg(opts=["TRAIN.BATCH_SIZE", "None"])
+
+
+def test_an_odd_override_list_is_refused():
+    with pytest.raises(ConfigError, match="KEY VALUE pairs"):
+        load_cfg(opts=["TRAIN.BATCH_SIZE"])
+
+
+@pytest.mark.parametrize("argv", [["--local_rank", "0"], ["--local-rank=0"]], ids=["local_rank", "local-rank="])
+def test_parse_args_accepts_the_old_launchers_local_rank(monkeypatch, argv):
+    monkeypatch.setenv("LOCAL_RANK", "")
+    monkeypatch.delenv("LOCAL_RANK")  # recorded, so the value parse_args sets is undone afterwards
+    args = parse_args([*argv, "--cfg", "x.yaml", "OUT_DIR", "/tmp/o"])
+    assert args.local_rank == 0
+    assert args.cfg_file == "x.yaml" and args.opts == ["OUT_DIR", "/tmp/o"]
+    assert os.environ["LOCAL_RANK"] == "0", "setup_distributed reads LOCAL_RANK from the environment"
+
+
+def test_dump_cfg_writes_cfg_dest_and_it_loads_back_equal(tmp_path):
+    cfg = load_cfg(opts=["CFG_DEST", "merged.yaml", "OPTIM.STEPS", "[1.5, 3]", "DATA.MEAN", "[0.5, 0.5, 0.5]"])
+    path = dump_cfg(cfg, str(tmp_path))
+    assert path == str(tmp_path / "merged.yaml")
+    assert load_cfg(path) == cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input through tools/train_net.py: exit 2, one line naming the key or path, nothing trained
+# ------------------------------------------------------------------------------------------------
+BAD_INPUTS = {
+    # id: (arguments, what the error line must name)
+    "unknown-key": (["TRAIN.BATCH_SIZ", "8"], "TRAIN.BATCH_SIZ"),
+    "wrong-type": (["TRAIN.BATCH_SIZE", "abc"], "TRAIN.BATCH_SIZE"),
+    "batch-size-0": (["TRAIN.BATCH_SIZE", "0"], "TRAIN.BATCH_SIZE"),
+    "topk-above-classes": (["TRAIN.TOPK", "11"], "TRAIN.TOPK"),
+    "unknown-lr-policy": (["OPTIM.LR_POLICY", "exp"], "OPTIM.LR_POLICY"),
+    "descending-steps": (["OPTIM.LR_POLICY", "steps", "OPTIM.STEPS", "[4, 2]"], "OPTIM.STEPS"),
+    "steps-not-a-list": (["OPTIM.STEPS", "3"], "OPTIM.STEPS"),
+    "missing-dataset": (["TRAIN.DATASET", "/nonexistent/imagenet"], "/nonexistent/imagenet"),
+    "missing-cfg-file": (["--cfg", "/nonexistent/exp.yaml"], "/nonexistent/exp.yaml"),
+    "unknown-arch": (["MODEL.ARCH", "resnet_nope"], "MODEL.ARCH"),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory) -> dict:
+    """Run every bad input once, a few at a time: each costs a Python + torch start-up (~5 s)."""
+
+    def one(case: str):
+        args, _ = BAD_INPUTS[case]
+        out_dir = tmp_path_factory.mktemp(case)
+        cfg_args = args[:2] if args[0] == "--cfg" else []  # --cfg must precede the KEY VALUE pairs
+        opts = args[2:] if cfg_args else args
+        return out_dir, run(python(TRAIN, *cfg_args, "OUT_DIR", str(out_dir), *opts), timeout=300)
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(zip(BAD_INPUTS, pool.map(one, BAD_INPUTS)))
+
+
+def _assert_one_error_line(stderr: str, names: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX), stderr
+    assert names in lines[0], f"the error line does not name {names!r}: {lines[0]}"
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line_naming_it_and_trains_nothing(bad_runs, case):
+    out_dir, result = bad_runs[case]
+    assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr}"
+    _assert_one_error_line(result.stderr, BAD_INPUTS[case][1])
+    assert not list(Path(out_dir).rglob("*.pth.tar")), "no checkpoint may be written"
+    assert not (Path(out_dir) / "metrics.jsonl").exists()
+
+
+def test_bad_input_under_torchrun_is_reported_once_not_once_per_rank(tmp_path):
+    missing = "/nonexistent/imagenet"
+    result = run(torchrun(2, TRAIN, "OUT_DIR", str(tmp_path), "TRAIN.DATASET", missing), timeout=300)
+    assert result.returncode != 0
+    combined = result.stdout + result.stderr
+    errors = [line for line in combined.splitlines() if ERROR_PREFIX in line]
+    assert len(errors) == 1, combined[-4000:]
+    assert missing in errors[0]
+    assert not list(tmp_path.rglob("*.pth.tar"))
+
+
+def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_written(tmp_path):
+    opts = ["TRAIN.DATASET", "/nonexistent/imagenet", "MODEL.DUMMY_INPUT", "True", *TINY_DUMMY]
+    result = run(python(TRAIN, "OUT_DIR", str(tmp_path), *opts), timeout=300)
+    assert_ok(result)
+    assert ERROR_PREFIX not in result.stderr
+    [train] = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
+    [val] = [r for r in read_metrics(tmp_path) if r["split"] == "val"]
+    assert train["epoch"] == 1 and train["samples"] == 64, "trained one epoch on the 64 synthetic images"
+    assert val["samples"] == 64
+    assert (tmp_path / "checkpoints" / "ckpt_ep_001.pth.tar").is_file()
+    # OUT_DIR/config.yaml holds exactly the merged config the run used.
+    written = load_cfg(str(tmp_path / "config.yaml"))
+    assert written == load_cfg(opts=["OUT_DIR", str(tmp_path), *opts])
+    assert written.MODEL.DUMMY_INPUT is True and written.TRAIN.IM_SIZE == 16
