@@ -1,0 +1,72 @@
+"""tools/benchmark.py runs under plain python and prints one well-formed JSON object per measurement.
+
+A smoke test: tiny sizes, no timing assertions (the machine is shared and timings are noise here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+from helpers import REPO, assert_ok, python, run
+
+BENCH = str(REPO / "tools" / "benchmark.py")
+TINY = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "16"]
+COMMON = ["arch", "world_size", "batch_per_proc", "im_size", "precision", "channels_last", "threads_per_proc"]
+FIELDS = {
+    "train": COMMON + ["impl", "steps", "repeats", "images_per_s_median", "images_per_s_min", "images_per_s_max",
+                       "images_per_s_iqr", "images_per_s_per_proc", "ms_per_step_median"],
+    "ratio": COMMON + ["framework_over_plain", "paired_ratio_median", "paired_ratio_min", "paired_ratio_max"],
+    "breakdown": COMMON + ["data_ms", "fwd_bwd_ms", "allreduce_exposed_ms", "optimizer_ms", "bookkeeping_ms", "ddp"],
+    "eval": COMMON + ["images", "images_per_s_median"],
+    "variant": COMMON + ["impl", "steps", "images_per_s_median", "ms_per_step_median"],
+    "data": ["dataset", "decoder", "workers", "world_size", "images_per_s", "images_per_s_per_proc"],
+    "decode": ["decoder", "image", "images", "images_per_s_per_proc"],
+    "decode_pipeline": ["dataset", "decoder", "workers", "im_size", "images_per_s", "images_per_s_per_proc"],
+}  # fmt: skip
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    what = "train,plain,breakdown,eval,variants,data,decode"
+    cmd = python(BENCH, "--steps", "2", "--warmup", "1", "--repeats", "2", "--workers", "0,1", "--data-batches", "2")
+    cmd += ["--photos", "8", "--bf16-steps", "1", "--json", str(out), "--what", what, *TINY]
+    result = run(cmd, timeout=400)
+    assert_ok(result)
+    records = json_lines(result.stdout)
+    assert records == json_lines(out.read_text()), "--json must hold exactly the printed JSON lines"
+    kinds = [r["what"] for r in records]
+    # train and plain, their ratio, one breakdown, one eval, 4 variants, 2 worker counts, 2 decoders x (1 + 2)
+    assert sorted(kinds) == sorted(
+        ["train", "train", "ratio", "breakdown", "eval"]
+        + ["variant"] * 4
+        + ["data"] * 2
+        + ["decode", "decode_pipeline", "decode_pipeline"] * 2
+    ), kinds
+    for r in records:
+        missing = [f for f in FIELDS[r["what"]] if f not in r]
+        assert not missing, f"{r['what']} record lacks {missing}: {r}"
+    train = {r["impl"]: r for r in records if r["what"] == "train"}
+    assert set(train) == {"framework", "plain"}
+    for r in train.values():
+        assert r["arch"] == "resnet18" and r["world_size"] == 1 and r["batch_per_proc"] == 8 and r["steps"] == 2
+        assert 0 < r["images_per_s_min"] <= r["images_per_s_median"] <= r["images_per_s_max"]
+    ratio = next(r for r in records if r["what"] == "ratio")
+    assert ratio["framework_over_plain"] > 0
+    variants = {(r["precision"], r["channels_last"]) for r in records if r["what"] == "variant"}
+    assert variants == {("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)}
+    assert {r["workers"] for r in records if r["what"] == "data"} == {0, 1}
+    assert {r["decoder"] for r in records if r["what"] == "decode"} == {"pil", "torchvision"}
+    assert "framework/plain" in result.stdout  # the table follows the JSON lines
+
+
+def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
+    spec = importlib.util.spec_from_file_location("benchmark_tool", BENCH)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(["--what", "train", "TRAIN.NO_SUCH_KEY", "1"]) == 2  # in-process: fails before any set-up
+    assert "unknown config key TRAIN.NO_SUCH_KEY" in capsys.readouterr().err

@@ -1,0 +1,209 @@
+"""The training loop talks to other ranks and syncs the host only at its PRINT_FREQ sync points.
+
+Every public collective of ``torch.distributed`` and every host-sync method of ``torch.Tensor``
+(``item``, ``tolist``, ``__bool__``, ...) is wrapped to record the step at which it was called,
+then ``trainer.train_epoch`` trains 25 steps on the embedded digits with PRINT_FREQ 10. DDP's own
+gradient all-reduce runs inside its C++ reducer and is not counted. Run as a script, this file is
+the worker of the two-process job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import REPO, assert_ok, clean_env, run, torchrun
+from torch import nn
+
+from distribuuuu import trainer
+from distribuuuu.config import load_cfg
+from distribuuuu.distributed import DistEnv, all_reduce_sum, cleanup_distributed, setup_distributed
+from distribuuuu.logger import NullWriter
+from distribuuuu.models import register_model
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "barrier", "gather", "gather_object", "scatter", "scatter_object_list",
+    "send", "recv", "isend", "irecv", "monitored_barrier",
+)  # fmt: skip
+HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+STEPS, PRINT_FREQ = 25, 10
+SYNC_STEPS = [10, 20, 25]  # every PRINT_FREQ-th step and the epoch's last
+
+
+class TinyNet(nn.Module):
+    """Conv-BN-ReLU and a linear head: the loop, not the model, is under test."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2)
+        )
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+@register_model("hot_loop_tiny")
+def hot_loop_tiny(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    return TinyNet(num_classes)
+
+
+def hot_loop_cfg(world_size: int):
+    """25 steps per epoch of the digits' val split (361 images: quick to decode), sync every 10 steps."""
+    batch = 361 // world_size // STEPS  # 14 for one rank, 7 for two: 25 full batches each
+    return load_cfg(
+        None,
+        [
+            "MODEL.ARCH", "hot_loop_tiny", "TRAIN.DATASET", str(REPO / "data" / "digits"), "TRAIN.SPLIT", "val", "TEST.DATASET", str(REPO / "data" / "digits"), "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
+            "TRAIN.BATCH_SIZE", str(batch), "TRAIN.PRINT_FREQ", str(PRINT_FREQ), "OPTIM.MAX_EPOCH", "2",
+        ],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def digits_batches() -> list:
+    """The 25 training batches of one epoch, decoded once for the module.
+
+    The data pipeline runs on the host by design (its augmentations call ``.item()`` on CPU
+    tensors); decoding beforehand leaves only the loop's own calls in the recorded epoch.
+    """
+    return list(_digits_run(DistEnv()).train.loader)
+
+
+def _digits_run(env: DistEnv) -> trainer.Run:
+    torch.manual_seed(0)
+    run = trainer.build_run(hot_loop_cfg(env.world_size), env, NullWriter())
+    run.train.sampler.set_epoch(0)
+    return run
+
+
+def with_batches(run: trainer.Run, batches: list) -> trainer.Run:
+    """The run with its train loader replaced by already decoded batches."""
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, loader=batches))
+
+
+@contextlib.contextmanager
+def recording(run: trainer.Run):
+    """Record (kind, name, step_in_epoch) for every collective and host sync while inside."""
+    calls: list[tuple[str, str, int]] = []
+    patched = [(dist, name, "collective") for name in COLLECTIVES if hasattr(dist, name)]
+    patched += [(torch.Tensor, name, "host_sync") for name in HOST_SYNCS]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+
+    def wrap(fn, kind: str, name: str):
+        def recorded(*args, **kwargs):
+            calls.append((kind, name, run.state.step_in_epoch))
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    try:
+        for (owner, name, kind), (_, _, fn) in zip(patched, originals):
+            setattr(owner, name, wrap(fn, kind, name))
+        yield calls
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
+def record_epoch(run: trainer.Run, start: int = 0) -> list[tuple[str, str, int]]:
+    """Train one epoch from step ``start`` while recording collectives and host syncs."""
+    run.state = trainer.TrainState(epoch=0, step_in_epoch=start)
+    with recording(run) as calls:
+        trainer.train_epoch(run, 0)
+    return list(calls)
+
+
+def check_collectives(calls: list, first_step: int = 0) -> None:
+    """Assert exactly one collective, the metrics all-reduce, at each sync point and none between."""
+    expected = [s for s in SYNC_STEPS if s > first_step]
+    collectives = [(name, step) for kind, name, step in calls if kind == "collective"]
+    assert collectives == [("all_reduce", s) for s in expected], (
+        f"collectives outside the sync points {expected} (name, step_in_epoch when called): {collectives}"
+    )
+
+
+def check_host_syncs(calls: list, first_step: int = 0) -> None:
+    """Assert the host waits for the device only at the sync points."""
+    expected = [s for s in SYNC_STEPS if s > first_step]
+    steps = sorted({step for kind, _, step in calls if kind == "host_sync"})
+    assert steps == expected, f"host syncs at steps {steps}, expected only at {expected}: {calls}"
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """An in-process gloo group of one rank: every collective really runs, no port needed."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_loop_syncs_only_every_print_freq_steps(digits_batches):
+    with one_rank_group():
+        run = with_batches(_digits_run(DistEnv()), digits_batches)
+        assert run.steps_per_epoch == STEPS
+        calls = record_epoch(run)
+    check_collectives(calls)
+    check_host_syncs(calls)
+
+
+def test_the_checks_catch_a_per_step_all_reduce_and_item(digits_batches, monkeypatch):
+    """What the original Distribuuuu did every step, an all-reduce and an ``.item()``, must fail both checks."""
+    train_step = trainer.train_step
+
+    def chatty_train_step(run, micro_batches, sums):
+        loss = train_step(run, micro_batches, sums)
+        all_reduce_sum(loss.detach().clone()).item()
+        return loss
+
+    monkeypatch.setattr(trainer, "train_step", chatty_train_step)
+    with one_rank_group():
+        calls = record_epoch(with_batches(_digits_run(DistEnv()), digits_batches), start=STEPS - 6)
+    for check, message in ((check_collectives, "collectives outside"), (check_host_syncs, "host syncs at steps")):
+        with pytest.raises(AssertionError, match=message):
+            check(calls, first_step=STEPS - 6)
+    assert sorted({step for _, name, step in calls if name == "item"}) == list(range(STEPS - 6, STEPS))
+
+
+def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(tmp_path):
+    result = run(torchrun(2, __file__, str(tmp_path)), timeout=300, env=clean_env())
+    assert_ok(result)
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["ddp"], "with two processes the trainer must train through DDP"
+        assert record["steps_per_epoch"] == STEPS
+        calls = [tuple(c) for c in record["calls"]]
+        check_collectives(calls)
+        check_host_syncs(calls)
+
+
+def _worker(out_dir: str) -> None:
+    """One rank of the two-process job: record an epoch and write what was called."""
+    env = setup_distributed("gloo", 300)
+    try:
+        run = _digits_run(env)
+        run = with_batches(run, list(run.train.loader))
+        calls = record_epoch(run)
+        record = {
+            "ddp": isinstance(run.forward_model, nn.parallel.DistributedDataParallel),
+            "steps_per_epoch": run.steps_per_epoch,
+            "calls": calls,
+        }
+        Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(record))
+    finally:
+        cleanup_distributed()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

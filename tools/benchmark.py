@@ -1,0 +1,569 @@
+"""Measure training, evaluation and data-pipeline speed; compare the trainer with a hand-written DDP loop.
+
+Runs under the same launchers as training and reads the same config::
+
+    python tools/benchmark.py [--steps 30 --repeats 5 --what train,plain] [--cfg FILE] [KEY VALUE ...]
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 tools/benchmark.py MODEL.ARCH resnet18 TRAIN.BATCH_SIZE 64
+    srun python tools/benchmark.py --cfg FILE
+
+Rank 0 prints one JSON object per line per measurement (also appended to ``--json PATH``) and a
+table at the end. Training is measured on MODEL.DUMMY_INPUT data (in memory), by the trainer's
+own ``train_epoch``, alternating with a minimal hand-written loop (same model, initial weights,
+batch, optimizer and parameter groups, data, world size) so drift hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from yacs.config import CfgNode  # noqa: E402
+
+from distribuuuu import trainer  # noqa: E402
+from distribuuuu.config import ConfigError, load_cfg, parse_args  # noqa: E402
+from distribuuuu.data import DataError, build_train_split, load_image  # noqa: E402
+from distribuuuu.distributed import (  # noqa: E402
+    DistEnv,
+    LaunchError,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    cleanup_distributed,
+    setup_distributed,
+)
+from distribuuuu.faults import seed_everything  # noqa: E402
+from distribuuuu.logger import NullWriter  # noqa: E402
+from distribuuuu.meters import MetricSums  # noqa: E402
+from distribuuuu.models import build_model  # noqa: E402
+from distribuuuu.optim import LARS  # noqa: E402
+
+WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants")
+DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
+PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet photo
+
+
+# ------------------------------------------------------------------------------------------------
+# Arguments, config, output
+# ------------------------------------------------------------------------------------------------
+def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """Split the benchmark's own flags from the training tools' ``--cfg FILE KEY VALUE ...``."""
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per repetition")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before measuring each implementation")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median and spread reported)")
+    p.add_argument("--what", default=DEFAULT_WHAT, help=f"comma-separated subset of {','.join(WHAT)}")
+    p.add_argument("--workers", default="0,1,2", help="DataLoader worker counts for --what data")
+    p.add_argument("--data-batches", type=int, default=20, help="batches timed per data-pipeline measurement")
+    p.add_argument("--photos", type=int, default=96, help="synthetic 500x375 JPEGs generated for --what decode")
+    p.add_argument("--bf16-steps", type=int, default=3, help="timed steps of the bf16 variants (slow on CPUs)")
+    p.add_argument("--json", default="", help="also append the JSON lines to this file")
+    bench, rest = p.parse_known_args(argv)
+    what = [w for w in bench.what.split(",") if w]
+    unknown = [w for w in what if w not in WHAT]
+    if unknown or min(bench.steps, bench.repeats, bench.data_batches, bench.bf16_steps) < 1 or bench.warmup < 0:
+        p.error(f"--what must name items of {WHAT} (got {unknown}); --steps, --repeats, ... must be >= 1")
+    bench.what = what
+    bench.workers = [int(w) for w in bench.workers.split(",") if w != ""]
+    return bench, parse_args(rest, __doc__)
+
+
+def bench_cfg(cfg_args: argparse.Namespace, *extra: str) -> CfgNode:
+    """The user's config with ``extra`` KEY VALUE overrides applied last."""
+    return load_cfg(cfg_args.cfg_file, [*cfg_args.opts, *extra])
+
+
+def synthetic_cfg(cfg_args: argparse.Namespace, env: DistEnv, steps: int, *extra: str) -> CfgNode:
+    """The config on in-memory synthetic data sized so that one epoch is exactly ``steps`` steps."""
+    base = bench_cfg(cfg_args, *extra)
+    per_step = base.TRAIN.BATCH_SIZE * base.TRAIN.ACCUM_STEPS * env.world_size
+    size = per_step * steps
+    return bench_cfg(cfg_args, *extra, "MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", str(size))
+
+
+class Report:
+    """Collect measurements; rank 0 prints each as one JSON line and appends it to --json."""
+
+    def __init__(self, env: DistEnv, json_path: str):
+        self.env, self.json_path, self.records = env, json_path, []
+
+    def emit(self, record: dict) -> None:
+        record = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}
+        self.records.append(record)
+        if not self.env.is_main_process:
+            return
+        line = json.dumps(record)
+        print(line, flush=True)
+        if self.json_path:
+            with open(self.json_path, "a") as f:
+                f.write(line + "\n")
+
+
+def spread(values: list[float], prefix: str) -> dict:
+    """Median, min, max and interquartile range of ``values`` under ``prefix``."""
+    q1, q3 = statistics.quantiles(values, n=4, method="inclusive")[::2] if len(values) > 1 else (values[0],) * 2
+    return {
+        f"{prefix}_median": statistics.median(values),
+        f"{prefix}_min": min(values),
+        f"{prefix}_max": max(values),
+        f"{prefix}_iqr": q3 - q1,
+    }
+
+
+def describe(cfg: CfgNode, env: DistEnv) -> dict:
+    """The settings a throughput figure depends on."""
+    return {
+        "arch": cfg.MODEL.ARCH,
+        "world_size": env.world_size,
+        "batch_per_proc": cfg.TRAIN.BATCH_SIZE,
+        "accum_steps": cfg.TRAIN.ACCUM_STEPS,
+        "im_size": cfg.TRAIN.IM_SIZE,
+        "precision": cfg.TRAIN.PRECISION,
+        "channels_last": cfg.TRAIN.CHANNELS_LAST,
+        "threads_per_proc": torch.get_num_threads(),
+        "device": env.device.type,
+    }
+
+
+def sync_device(env: DistEnv) -> None:
+    """Wait for queued device work, so a clock reading covers it (no-op on the CPU)."""
+    if env.device.type == "cuda":
+        torch.cuda.synchronize(env.device)
+
+
+def timed(fn: Callable[[], object], env: DistEnv) -> float:
+    """Seconds ``fn`` takes on the whole job: every rank starts together and the last one to end stops the clock."""
+    barrier()
+    tic = time.perf_counter()
+    fn()
+    sync_device(env)
+    barrier()
+    return time.perf_counter() - tic
+
+
+# ------------------------------------------------------------------------------------------------
+# Training: the trainer's own loop and a hand-written one
+# ------------------------------------------------------------------------------------------------
+def framework_epoch(run: trainer.Run, steps: int, epoch: int) -> None:
+    """Run the last ``steps`` steps of an epoch through trainer.train_epoch (sync points included)."""
+    run.state = trainer.TrainState(epoch=epoch % run.cfg.OPTIM.MAX_EPOCH, step_in_epoch=run.steps_per_epoch - steps)
+    trainer.train_epoch(run, run.state.epoch)
+
+
+class PlainLoop:
+    """A minimal hand-written DDP training loop, as a tutorial would write it.
+
+    Same model and initial weights, batch, data, optimizer class, hyper-parameters and parameter
+    groups (no weight decay on biases and norm weights) as the run; DDP with its default knobs,
+    a constant LR and no metrics. What the trainer adds (LR schedule, metrics, sync points,
+    EMA, mixup, NaN checks) is counted as the trainer's cost.
+    """
+
+    def __init__(self, run: trainer.Run):
+        cfg, env = run.cfg, run.env
+        self.cfg, self.env = cfg, env
+        model = build_model(cfg.MODEL).to(env.device)
+        model.load_state_dict(run.model.state_dict())
+        if cfg.TRAIN.CHANNELS_LAST:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model
+        if env.world_size > 1:
+            ids = [env.device.index] if env.device.type == "cuda" else None
+            self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.optimizer = self._optimizer(model, cfg, run.base_lr)
+        base = run.train.dataset.base  # the very tensors the trainer reads
+        data = torch.utils.data.TensorDataset(base.images, base.targets)
+        sampler = torch.utils.data.DistributedSampler(data, env.world_size, env.rank, seed=cfg.RNG_SEED)
+        self.sampler = sampler
+        self.loader = torch.utils.data.DataLoader(data, cfg.TRAIN.BATCH_SIZE, sampler=sampler, drop_last=True)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.TRAIN.PRECISION)
+
+    @staticmethod
+    def _optimizer(model: nn.Module, cfg: CfgNode, lr: float) -> torch.optim.Optimizer:
+        o = cfg.OPTIM
+        decay = [p for p in model.parameters() if p.ndim > 1 or o.WEIGHT_DECAY_NORM_BIAS]
+        no_decay = [p for p in model.parameters() if p.ndim <= 1 and not o.WEIGHT_DECAY_NORM_BIAS]
+        groups = [{"params": decay, "weight_decay": o.WEIGHT_DECAY}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0, "lars_adapt": False})
+        if o.OPTIMIZER == "adamw":
+            return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.BETAS))
+        if o.OPTIMIZER == "lars":  # PyTorch has no LARS: the framework's class is the only one
+            return LARS(groups, lr=lr, momentum=o.MOMENTUM, trust=o.LARS_TRUST)
+        return torch.optim.SGD(groups, lr=lr, momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV)
+
+    def run_steps(self, steps: int, epoch: int) -> None:
+        """Train ``steps`` optimizer steps."""
+        t, device = self.cfg.TRAIN, self.env.device
+        self.model.train()
+        self.sampler.set_epoch(epoch)
+        batches = iter(self.loader)
+        for _ in range(steps):
+            for i in range(t.ACCUM_STEPS):
+                images, targets = next(batches)
+                images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                if t.CHANNELS_LAST:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                last = i == t.ACCUM_STEPS - 1
+                no_sync = self.model.no_sync() if not last and self.env.world_size > 1 else contextlib.nullcontext()
+                with no_sync, torch.autocast(device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                    out = self.model(images)
+                    loss = nn.functional.cross_entropy(out.float(), targets, label_smoothing=t.LABEL_SMOOTHING)
+                (loss / t.ACCUM_STEPS).backward()
+            if t.CLIP_GRAD_NORM > 0:
+                nn.utils.clip_grad_norm_(self.model.parameters(), t.CLIP_GRAD_NORM)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def build_bench_run(cfg: CfgNode, env: DistEnv) -> trainer.Run:
+    """A trainer.Run exactly as train_model builds it (no checkpoint, no OUT_DIR)."""
+    seed_everything(cfg.RNG_SEED + env.rank)
+    return trainer.build_run(cfg, env, NullWriter())
+
+
+def measure_training(run: trainer.Run, bench, report: Report, with_framework: bool, with_plain: bool) -> None:
+    """Time framework and plain repetitions alternately (ABBA order); report both and their ratio."""
+    cfg, env, steps = run.cfg, run.env, bench.steps
+    plain = PlainLoop(run) if with_plain else None
+    impls: dict[str, Callable[[int], None]] = {}
+    if with_framework:
+        impls["framework"] = lambda r, n=steps: framework_epoch(run, n, r)
+    if plain is not None:
+        impls["plain"] = lambda r, n=steps: plain.run_steps(n, r)
+    if bench.warmup:
+        if with_framework:
+            framework_epoch(run, min(bench.warmup, steps), 0)
+        if plain is not None:
+            plain.run_steps(min(bench.warmup, steps), 0)
+    seconds: dict[str, list[float]] = {name: [] for name in impls}
+    for r in range(bench.repeats):
+        order = list(impls) if r % 2 == 0 else list(reversed(impls))
+        for name in order:
+            seconds[name].append(timed(partial(impls[name], r + 1), env))
+    images = steps * cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS * env.world_size
+    rates = {}
+    for name, secs in seconds.items():
+        rates[name] = [images / s for s in secs]
+        report.emit(
+            {
+                "what": "train",
+                "impl": name,
+                **describe(cfg, env),
+                "steps": steps,
+                "repeats": bench.repeats,
+                **spread(rates[name], "images_per_s"),
+                "images_per_s_per_proc": statistics.median(rates[name]) / env.world_size,
+                **spread([1000 * s / steps for s in secs], "ms_per_step"),
+            }
+        )
+    if "framework" in rates and "plain" in rates:
+        pairs = [f / p for f, p in zip(rates["framework"], rates["plain"])]
+        report.emit(
+            {
+                "what": "ratio",
+                **describe(cfg, env),
+                "framework_over_plain": statistics.median(rates["framework"]) / statistics.median(rates["plain"]),
+                **spread(pairs, "paired_ratio"),
+            }
+        )
+
+
+def measure_breakdown(run: trainer.Run, env: DistEnv, bench, report: Report) -> None:
+    """Time the parts of a trainer step: data wait, forward+backward, exposed all-reduce, optimizer step.
+
+    Each part starts after a barrier, so a slow rank's delay is not charged to the next part. The
+    all-reduce is the backward with DDP's gradient sync minus the same backward under no_sync:
+    DDP overlaps communication with backward, so this is its exposed, not total, cost.
+    """
+    cfg = run.cfg
+    run.forward_model.train()
+    run.state = trainer.TrainState(epoch=0, step_in_epoch=0)
+    run.train.sampler.set_epoch(0)
+    run.train.sampler.set_start(0)
+    batches = iter(run.train.loader)
+    sums = MetricSums(env.device, cfg.TRAIN.TOPK)
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("data", "fwd_bwd", "fwd_bwd_allreduce", "optimizer", "bookkeeping")
+    }
+    steps = min(bench.steps, run.steps_per_epoch)
+    for i in range(steps):
+        tic = time.perf_counter()
+        images, targets, _ = next(batches)
+        images, targets = trainer.to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
+        sync_device(env)
+        data_s = time.perf_counter() - tic
+        out: dict = {}
+        fb = [timed(partial(_forward_backward, run, images, targets, sync, out), env) for sync in (False, True)]
+        bookkeeping = timed(partial(_bookkeeping, run, sums, out, targets), env)
+        opt = timed(partial(trainer.optimizer_step, run, sums), env)
+        if i >= min(bench.warmup, steps - 1):
+            for key, value in zip(parts, (data_s, fb[0], fb[1], opt, bookkeeping)):
+                parts[key].append(1000 * value)
+    med = {k: statistics.median(v) for k, v in parts.items()}
+    report.emit(
+        {
+            "what": "breakdown",
+            **describe(cfg, env),
+            "steps": len(parts["data"]),
+            "data_ms": med["data"],
+            "fwd_bwd_ms": med["fwd_bwd"],
+            "allreduce_exposed_ms": med["fwd_bwd_allreduce"] - med["fwd_bwd"],
+            "optimizer_ms": med["optimizer"],
+            "bookkeeping_ms": med["bookkeeping"],
+            "ddp": isinstance(run.forward_model, nn.parallel.DistributedDataParallel),
+        }
+    )
+
+
+def _forward_backward(run: trainer.Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
+    """One forward and backward through the trainer's model, with or without DDP's gradient all-reduce."""
+    run.optimizer.zero_grad(set_to_none=True)
+    with trainer.gradient_sync(run.forward_model, sync), trainer.autocast(run.cfg.TRAIN.PRECISION, run.env.device):
+        logits = run.forward_model(images)
+        loss = run.criterion(logits.float(), targets)
+    loss.backward()
+    out.update(logits=logits.detach(), loss=loss.detach())
+
+
+def _bookkeeping(run: trainer.Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
+    """What train_epoch does per step besides compute: the LR schedule and the metric sums."""
+    trainer.set_lr(run.optimizer, trainer.lr_at(run.global_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
+    sums.add(out["loss"], out["logits"], targets)
+
+
+def measure_variants(cfg_args, env: DistEnv, bench, report: Report) -> None:
+    """Trainer throughput with channels_last and bf16 each on and off (bf16: few steps, one repeat)."""
+    for precision in ("fp32", "bf16"):
+        for channels_last in (False, True):
+            slow = precision == "bf16" and env.device.type == "cpu"
+            steps = bench.bf16_steps if slow else bench.steps
+            extra = ("TRAIN.PRECISION", precision, "TRAIN.CHANNELS_LAST", str(channels_last))
+            cfg = synthetic_cfg(cfg_args, env, steps, *extra)
+            run = build_bench_run(cfg, env)
+            framework_epoch(run, 1, 0)  # warm-up: one step
+            repeats = 1 if slow else bench.repeats
+            secs = [timed(partial(framework_epoch, run, steps, r + 1), env) for r in range(repeats)]
+            images = steps * cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS * env.world_size
+            report.emit(
+                {
+                    "what": "variant",
+                    "impl": "framework",
+                    **describe(cfg, env),
+                    "steps": steps,
+                    "repeats": repeats,
+                    **spread([images / s for s in secs], "images_per_s"),
+                    **spread([1000 * s / steps for s in secs], "ms_per_step"),
+                }
+            )
+
+
+def measure_eval(run: trainer.Run, env: DistEnv, bench, report: Report) -> None:
+    """trainer.validate throughput on the synthetic val split (one warm-up pass)."""
+    trainer.validate(run.eval_model, run.val, run.cfg, env)
+    rates = [trainer.validate(run.eval_model, run.val, run.cfg, env)["images_per_s"] for _ in range(bench.repeats)]
+    report.emit(
+        {
+            "what": "eval",
+            **describe(run.cfg, env),
+            "batch_per_proc": run.cfg.TEST.BATCH_SIZE,
+            "images": len(run.val.dataset),
+            "repeats": bench.repeats,
+            **spread(rates, "images_per_s"),
+        }
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Data pipeline and decoding
+# ------------------------------------------------------------------------------------------------
+def loader_rate(cfg: CfgNode, env: DistEnv, batches: int) -> tuple[float, int]:
+    """Images/s of this rank's training loader (dataset, transforms, collate), after its first batch."""
+    split = build_train_split(cfg, env)
+    split.sampler.set_epoch(0)
+    split.sampler.set_start(0)
+    it = iter(split.loader)
+    next(it)  # workers start and fill their queues: not part of the steady rate
+    n = min(batches, len(split.loader) - 1)
+    if n < 1:
+        raise ConfigError(f"the training split has too few batches ({len(split.loader)}) to time the data pipeline")
+    tic = time.perf_counter()
+    images = sum(len(next(it)[1]) for _ in range(n))
+    rate = images / (time.perf_counter() - tic)
+    del it, split  # shut the workers down before the next measurement
+    return rate, images
+
+
+def measure_data(cfg_args, env: DistEnv, bench, report: Report, label: str = "data", *extra: str) -> None:
+    """Data-pipeline images/s alone (no model), for each worker count."""
+    for workers in bench.workers:
+        cfg = bench_cfg(cfg_args, *extra, "TRAIN.WORKERS", str(workers))
+        barrier()
+        rate, images = loader_rate(cfg, env, bench.data_batches)
+        total = all_reduce_sum(torch.tensor([rate], dtype=torch.float64)).item()
+        report.emit(
+            {
+                "what": label,
+                "dataset": cfg.TRAIN.DATASET,
+                "decoder": cfg.DATA.DECODER,
+                "workers": workers,
+                "world_size": env.world_size,
+                "batch_per_proc": cfg.TRAIN.BATCH_SIZE,
+                "im_size": cfg.TRAIN.IM_SIZE,
+                "images_timed_per_proc": images,
+                "images_per_s_per_proc": rate,
+                "images_per_s": total,
+            }
+        )
+
+
+def make_photo_folder(root: str, count: int, seed: int = 0) -> str:
+    """Write ``count`` synthetic 500x375 JPEG photos (smooth colour fields plus grain) as an ImageFolder."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = PHOTO_SIZE
+    for split, n in (("train", count), ("val", max(2, count // 4))):
+        for i in range(n):
+            folder = os.path.join(root, split, f"class{i % 2}")
+            os.makedirs(folder, exist_ok=True)
+            # Low-frequency structure compresses like a photo; the grain keeps the file realistic (~60 KB).
+            coarse = rng.uniform(0, 255, (h // 25 + 1, w // 25 + 1, 3)).astype(np.uint8)
+            smooth = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), dtype=np.float32)
+            pixels = np.clip(smooth + rng.normal(0, 8, smooth.shape), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(os.path.join(folder, f"{i:05d}.jpg"), quality=90)
+    return root
+
+
+def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
+    """PIL vs torchvision.io decoding of 500x375 JPEGs: decode alone, then the full pipeline."""
+    root = tempfile.mkdtemp(prefix="distribuuuu-photos-") if env.is_main_process else None
+    try:
+        if env.is_main_process:
+            make_photo_folder(root, bench.photos)
+        root = broadcast_object(root)
+        barrier()
+        photo_batch = max(1, min(8, bench.photos // (4 * env.world_size)))  # at least 2 batches per rank
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "train")) for f in fs)
+        for decoder in ("pil", "torchvision"):
+            load_image(files[0], decoder)
+            tic = time.perf_counter()
+            for path in files:
+                load_image(path, decoder)
+            rate = len(files) / (time.perf_counter() - tic)
+            report.emit(
+                {
+                    "what": "decode",
+                    "decoder": decoder,
+                    "image": f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} synthetic JPEG q90",
+                    "images": len(files),
+                    "images_per_s_per_proc": rate,
+                }
+            )
+            photo = ("TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", decoder)
+            photo += ("TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "256", "TRAIN.BATCH_SIZE", str(photo_batch))
+            measure_data(cfg_args, env, bench, report, "decode_pipeline", *photo)
+        barrier()
+    finally:
+        if env.is_main_process and root:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Table and entry point
+# ------------------------------------------------------------------------------------------------
+def format_table(records: list[dict]) -> str:
+    """A human-readable summary of the JSON records."""
+    lines = []
+    for r in records:
+        w = r.get("what")
+        if w in ("train", "variant"):
+            lines.append(
+                f"{w:<9} {r['impl']:<9} {r['arch']:<20} np={r['world_size']} bs={r['batch_per_proc']:<4} "
+                f"{r['precision']:<4} cl={int(r['channels_last'])} thr={r['threads_per_proc']}  "
+                f"{r['images_per_s_median']:9.1f} img/s (min {r['images_per_s_min']:.1f}, max "
+                f"{r['images_per_s_max']:.1f})  {r['ms_per_step_median']:8.1f} ms/step"
+            )
+        elif w == "ratio":
+            lines.append(
+                f"ratio     framework/plain {r['arch']:<10} np={r['world_size']}  {r['framework_over_plain']:.3f} "
+                f"(paired: median {r['paired_ratio_median']:.3f}, min {r['paired_ratio_min']:.3f}, "
+                f"max {r['paired_ratio_max']:.3f})"
+            )
+        elif w == "breakdown":
+            lines.append(
+                f"breakdown {r['arch']:<20} np={r['world_size']}  data {r['data_ms']:.2f} ms  fwd+bwd "
+                f"{r['fwd_bwd_ms']:.1f} ms  all-reduce (exposed) {r['allreduce_exposed_ms']:.1f} ms  optimizer "
+                f"{r['optimizer_ms']:.1f} ms  lr+metrics {r['bookkeeping_ms']:.2f} ms"
+            )
+        elif w in ("data", "decode_pipeline"):
+            lines.append(
+                f"{w:<15} {r['decoder']:<11} workers={r['workers']} np={r['world_size']} im={r['im_size']}  "
+                f"{r['images_per_s']:9.1f} img/s ({r['images_per_s_per_proc']:.1f} per process)"
+            )
+        elif w == "decode":
+            lines.append(
+                f"decode    {r['decoder']:<11} {r['image']}  {r['images_per_s_per_proc']:9.1f} img/s (1 process)"
+            )
+        elif w == "eval":
+            lines.append(
+                f"eval      {r['arch']:<20} np={r['world_size']} bs={r['batch_per_proc']}  "
+                f"{r['images_per_s_median']:9.1f} img/s (min {r['images_per_s_min']:.1f}, max {r['images_per_s_max']:.1f})"
+            )
+    return "\n".join(lines)
+
+
+def benchmark(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> list[dict]:
+    """Run the requested measurements; return the records (rank 0 has printed them)."""
+    first = bench_cfg(cfg_args)  # a bad config fails here, before the process group starts
+    env = setup_distributed(first.DIST.BACKEND, first.DIST.TIMEOUT_S)
+    report = Report(env, bench.json)
+    try:
+        what = set(bench.what)
+        run = None
+        if what & {"train", "plain", "breakdown", "eval"}:
+            run = build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env)
+        if what & {"train", "plain"}:
+            measure_training(run, bench, report, "train" in what, "plain" in what)
+        if "breakdown" in what:
+            measure_breakdown(run, env, bench, report)
+        if "eval" in what:
+            measure_eval(run, env, bench, report)
+        if "variants" in what:
+            measure_variants(cfg_args, env, bench, report)
+        if "data" in what:
+            measure_data(cfg_args, env, bench, report)
+        if "decode" in what:
+            measure_decode(cfg_args, env, bench, report)
+        if env.is_main_process:
+            print("\n" + format_table(report.records), flush=True)
+        return report.records
+    finally:
+        cleanup_distributed()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    bench, cfg_args = parse_bench_args(argv)
+    try:
+        benchmark(bench, cfg_args)
+    except (ConfigError, DataError, LaunchError) as e:
+        print(f"benchmark: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

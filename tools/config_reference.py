@@ -1,0 +1,51 @@
+"""Print the config reference (every key, its default and its comment) as a Markdown table.
+
+The comments in distribuuuu/config.py are the single source: ``python tools/config_reference.py``
+regenerates the README's "Config reference" section from them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from distribuuuu import config  # noqa: E402
+
+_KEY_LINE = re.compile(r"^_C\.([A-Z0-9_.]+) = (?!CN\(\))")
+
+
+def key_comments(source: str) -> dict[str, str]:
+    """Map each config key to the comment lines right above its definition."""
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in source.splitlines():
+        stripped = line.strip()
+        match = _KEY_LINE.match(stripped)
+        if stripped.startswith("# ") and not stripped.startswith("# ---"):
+            pending.append(stripped[2:])
+        elif match:
+            comments[match.group(1)] = " ".join(pending)
+            pending = []
+        else:
+            pending = []
+    return comments
+
+
+def reference_table() -> str:
+    """The Markdown table of every key in the defaults."""
+    with open(config.__file__) as f:
+        comments = key_comments(f.read())
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key in sorted(comments, key=lambda k: (k.count(".") == 0, k)):
+        value = config.get_cfg_defaults()
+        for part in key.split("."):
+            value = value[part]
+        rows.append(f"| `{key}` | `{value!r}` | {comments[key]} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(reference_table())

@@ -1,0 +1,178 @@
+"""Classify images with a checkpoint: ``python tools/predict.py --weights CKPT [--topk 3] PATH [PATH ...]``.
+
+Each PATH is an image file or a folder, searched recursively for image files. The model is rebuilt
+from the checkpoint's own MODEL.ARCH / MODEL.NUM_CLASSES / TRAIN.IM_SIZE / TEST.IM_SIZE /
+DATA.MEAN / DATA.STD (``--cfg FILE`` and trailing ``KEY VALUE`` pairs override them), images get
+the validation transform, and one line per image gives the top-k class names with probabilities
+(``--json``: one JSON object per line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torchvision.datasets.folder import IMG_EXTENSIONS  # noqa: E402
+from yacs.config import CfgNode  # noqa: E402
+
+from distribuuuu.checkpoint import CheckpointError, load_checkpoint, model_state_from  # noqa: E402
+from distribuuuu.config import ConfigError, _yacs_message, get_cfg_defaults, validate_cfg  # noqa: E402
+from distribuuuu.data import BadImageError, build_val_transform, load_image  # noqa: E402
+from distribuuuu.models import build_model  # noqa: E402
+
+EXIT_BAD_INPUT = 2
+# The keys that shape the model and its input: taken from the checkpoint's own config.
+MODEL_KEYS = ("MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "DATA.MEAN", "DATA.STD")
+
+
+class PredictError(ValueError):
+    """Bad input to predict.py: the message is printed as one line and the tool exits with 2."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", required=True, help="checkpoint written by train_net.py")
+    parser.add_argument("--topk", type=int, default=3, help="classes to print per image (default 3)")
+    parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per image")
+    parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
+    parser.add_argument("--device", default="", help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--cfg", dest="cfg_file", default=None, help="YAML whose keys override the checkpoint's")
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders, then KEY VALUE pairs")
+    args = parser.parse_intermixed_args(argv)
+    # Split "PATH ... KEY VALUE ..." at the first upper-case dotted config key (e.g. TEST.IM_SIZE).
+    first_key = next((i for i, a in enumerate(args.paths) if _is_cfg_key(a)), len(args.paths))
+    args.paths, args.opts = args.paths[:first_key], args.paths[first_key:]
+    if not args.paths:
+        parser.error("give at least one image file or folder")
+    return args
+
+
+def _is_cfg_key(arg: str) -> bool:
+    return "." in arg and arg.split(".", 1)[0].isupper() and not os.path.exists(arg)
+
+
+def find_images(paths: Sequence[str]) -> list[str]:
+    """Image files named directly, plus those found recursively in folders (sorted per folder)."""
+    images: list[str] = []
+    for path in paths:
+        if os.path.isdir(path):
+            for root, dirs, files in os.walk(path):
+                dirs.sort()  # a stable, readable order: folder by folder
+                images += [os.path.join(root, f) for f in sorted(files) if f.lower().endswith(IMG_EXTENSIONS)]
+        elif os.path.isfile(path):
+            images.append(path)
+        else:
+            raise PredictError(f"no such file or folder: {path}")
+    if not images:
+        raise PredictError(f"no images ({', '.join(IMG_EXTENSIONS)}) found in {', '.join(paths)}")
+    return images
+
+
+def load_state(path: str) -> dict:
+    """Load a checkpoint safely (weights_only) and check it names its classes."""
+    state = load_checkpoint(path)
+    if not state.get("classes"):
+        raise PredictError(
+            f"checkpoint {path} holds no class names ('classes'): it was not written by train_net.py; "
+            "predict.py needs them to name its predictions"
+        )
+    return state
+
+
+def build_cfg(state: dict, cfg_file: str | None, opts: Sequence[str]) -> CfgNode:
+    """Defaults < the checkpoint's model/input keys < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
+    cfg = get_cfg_defaults()
+    saved = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+    pairs: list = ["MODEL.NUM_CLASSES", len(state["classes"])]  # for checkpoints without a config
+    for key in MODEL_KEYS:
+        section, name = key.split(".")
+        if name in saved.get(section, {}):
+            pairs += [key, saved[section][name]]
+    if state.get("arch"):
+        pairs += ["MODEL.ARCH", state["arch"]]
+    try:
+        cfg.merge_from_list(pairs)
+        if cfg_file:
+            cfg.merge_from_file(cfg_file)
+        if len(opts) % 2:
+            raise ValueError(f"overrides must be KEY VALUE pairs, got {list(opts)}")
+        cfg.merge_from_list(list(opts))
+    except (KeyError, ValueError, OSError, AssertionError) as e:
+        raise ConfigError(_yacs_message(e)) from None
+    cfg.MODEL.PRETRAINED = False  # the checkpoint provides every weight: never fetch pretrained ones
+    validate_cfg(cfg)
+    if cfg.MODEL.NUM_CLASSES != len(state["classes"]):
+        raise ConfigError(f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but the checkpoint names "
+                          f"{len(state['classes'])} classes")  # fmt: skip
+    cfg.freeze()
+    return cfg
+
+
+def load_model(state: dict, cfg: CfgNode, kind: str, device: torch.device) -> nn.Module:
+    """Build MODEL.ARCH and load the checkpoint's raw or EMA weights into it, in eval mode."""
+    if kind == "ema" and not state.get("ema"):
+        raise PredictError("--ema: the checkpoint holds no EMA weights (train with OPTIM.EMA_DECAY > 0)")
+    model, weights = build_model(cfg.MODEL), model_state_from(state, kind)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        lines = str(e).strip().splitlines()
+        detail = (lines[1].strip() if len(lines) > 1 else lines[0])[:160]
+        raise CheckpointError(f"the checkpoint's weights do not fit {cfg.MODEL.ARCH}: {detail}") from None
+    return model.to(device).eval()
+
+
+def batches(items: list[str], size: int) -> Iterator[list[str]]:
+    """Consecutive slices of ``items`` of at most ``size``."""
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@torch.no_grad()
+def predict(model: nn.Module, images: list[str], cfg: CfgNode, device: torch.device, batch_size: int, k: int):
+    """Yield (path, top-k class indices, their probabilities) per image, batch by batch."""
+    transform = build_val_transform(cfg)
+    for paths in batches(images, batch_size):
+        inputs = torch.stack([transform(load_image(p, cfg.DATA.DECODER)) for p in paths]).to(device)
+        probs, indices = model(inputs).float().softmax(dim=1).topk(k, dim=1)
+        yield from zip(paths, indices.tolist(), probs.tolist())
+
+
+def format_line(path: str, names: list[str], probs: list[float], as_json: bool) -> str:
+    """One output line: ``path: name (p), ...`` or a JSON object."""
+    if as_json:
+        return json.dumps({"path": path, "topk": [{"class": n, "prob": round(p, 6)} for n, p in zip(names, probs)]})
+    return f"{path}: " + ", ".join(f"{n} ({p:.3f})" for n, p in zip(names, probs))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, load, classify, print; known errors become one line on stderr and exit code 2."""
+    args = parse_args(argv)
+    try:
+        if args.topk < 1 or args.batch_size < 1:
+            raise PredictError("--topk and --batch-size must be >= 1")
+        images = find_images(args.paths)
+        state = load_state(args.weights)
+        cfg = build_cfg(state, args.cfg_file, args.opts)
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = load_model(state, cfg, "ema" if args.ema else "model", device)
+        k = min(args.topk, cfg.MODEL.NUM_CLASSES)
+        for path, indices, probs in predict(model, images, cfg, device, args.batch_size, k):
+            print(format_line(path, [state["classes"][i] for i in indices], probs, args.json), flush=True)
+    except (PredictError, CheckpointError, ConfigError, BadImageError) as e:
+        print(f"predict.py: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
