@@ -1,0 +1,612 @@
+"""The training recipe: precision, compile, accumulation, clipping, EMA, mixing, optimizers, ZeRO, LR schedule.
+
+Each test compares the trainer with an independent computation: a closed form, a hand-computed
+update, or a second run that must give the same weights by another route (k micro-batches vs one
+batch k times larger; ZeRO-1 vs unsharded).
+
+This file is also the worker of its multi-process tests: ``python tests/test_recipe.py train|test
+KEY VALUE ...`` runs train_net.py's / test_net.py's entry point unchanged, with the tiny model below
+registered and counters (optimizer steps, DDP gradient all-reduces, optimizer-state elements on
+this rank, logits dtypes) written to ``$RECIPE_STATS.rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+if __name__ == "__main__":  # run as the worker script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helpers import REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun  # noqa: E402
+
+from distribuuuu import checkpoint, cli, trainer  # noqa: E402
+from distribuuuu.config import ConfigError, get_cfg_defaults, load_cfg  # noqa: E402
+from distribuuuu.data import build_batch_mixer  # noqa: E402
+from distribuuuu.distributed import DistEnv  # noqa: E402
+from distribuuuu.ema import ModelEMA  # noqa: E402
+from distribuuuu.logger import NullWriter  # noqa: E402
+from distribuuuu.models import register_model  # noqa: E402
+from distribuuuu.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
+
+# Filled by the worker's hooks, written out when the worker exits.
+STATS: dict = {"steps": 0, "allreduces": 0, "state_elements": [], "param_dtypes": [], "logits_dtypes": [], "ema": []}
+TINY = ["MODEL.ARCH", "recipe_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.BASE_LR", "0.1"]
+
+
+class RecipeCNN(nn.Module):
+    """Two 3x3 convolutions and a linear head, no BatchNorm, so that a batch's update does not
+    depend on how it is split; its two largest tensors (2,304 and 2,560) let ZeRO-1 split it evenly."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool2d(4),
+        )  # fmt: skip
+        self.fc = nn.Linear(16 * 4 * 4, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).flatten(1))
+
+
+def _record_logits_dtype(module: nn.Module, inputs, output: torch.Tensor) -> None:
+    if module.training and str(output.dtype) not in STATS["logits_dtypes"]:
+        STATS["logits_dtypes"].append(str(output.dtype))
+
+
+@register_model("recipe_cnn")
+def recipe_cnn(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    model = RecipeCNN(num_classes)
+    model.register_forward_hook(_record_logits_dtype)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side
+# ------------------------------------------------------------------------------------------------
+def _counting_allreduce_hook(state: dict, bucket):
+    """DDP comm hook: count the bucket all-reduces, then do DDP's default all-reduce."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    state["allreduces"] += 1
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def _local_state_elements(optimizer: torch.optim.Optimizer) -> int:
+    """Tensor elements of optimizer state held by this rank (ZeRO's local shard, if sharded)."""
+    local = getattr(optimizer, "optim", optimizer)
+    return sum(v.numel() for s in local.state.values() if s for v in s.values() if torch.is_tensor(v) and v.ndim)
+
+
+def _install_counters() -> None:
+    """Wrap the trainer's DDP wrap and optimizer step with counters."""
+    wrap_model, optimizer_step = trainer.wrap_model, trainer.optimizer_step
+
+    def counting_wrap(model, cfg, env):
+        wrapped = wrap_model(model, cfg, env)
+        if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            wrapped.register_comm_hook(STATS, _counting_allreduce_hook)
+        return wrapped
+
+    def counting_step(run, sums):
+        if not STATS["steps"]:  # optimizer state before the first step: what a resume loaded
+            STATS["state_elements_at_start"] = _local_state_elements(run.optimizer)
+        optimizer_step(run, sums)
+        STATS["steps"] += 1
+        STATS["state_elements"].append(_local_state_elements(run.optimizer))
+        for dtype in {str(p.dtype) for p in run.model.parameters()} - set(STATS["param_dtypes"]):
+            STATS["param_dtypes"].append(dtype)
+        if run.ema is not None:
+            STATS["ema"] = torch.cat([v.double().flatten() for v in run.ema.module.state_dict().values()]).tolist()
+
+    trainer.wrap_model, trainer.optimizer_step = counting_wrap, counting_step
+
+
+def worker(mode: str, argv: list[str]) -> int:
+    """Run train_net.py's (``train``) or test_net.py's (``test``) entry point with counters."""
+    _install_counters()
+    code = cli.run_tool(trainer.train_model if mode == "train" else trainer.test_model, argv)
+    if os.environ.get("RECIPE_STATS"):
+        with open(f"{os.environ['RECIPE_STATS']}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
+            json.dump(STATS, f)
+    return code
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process tests on a real Run (built by trainer.build_run on data/digits, no process group)
+# ------------------------------------------------------------------------------------------------
+def make_run(tmp_path: Path, *opts: str) -> trainer.Run:
+    """A training Run of the tiny model on data/digits in this process, seeded."""
+    cfg = load_cfg(None, [*TINY, "OUT_DIR", str(tmp_path), *opts])
+    torch.manual_seed(0)
+    return trainer.build_run(cfg, DistEnv(), NullWriter())
+
+
+def micro_batches(run: trainer.Run, count: int) -> list:
+    """The first ``count`` training batches of the run's loader."""
+    batches = iter(run.train.loader)
+    return [next(batches) for _ in range(count)]
+
+
+def flat_weights(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().double().flatten() for p in model.parameters()])
+
+
+def sums_for(run: trainer.Run):
+    from distribuuuu.meters import MetricSums
+
+    return MetricSums(run.env.device, run.cfg.TRAIN.TOPK)
+
+
+def test_k_micro_batches_give_the_update_of_one_batch_k_times_larger(tmp_path):
+    accum = make_run(tmp_path, "TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "2")
+    large = make_run(tmp_path, "TRAIN.BATCH_SIZE", "32")
+    half = make_run(tmp_path, "TRAIN.BATCH_SIZE", "16")
+    assert torch.equal(flat_weights(accum.model), flat_weights(large.model))
+    start = flat_weights(accum.model)
+    batches = micro_batches(accum, 4)
+    for step in range(2):  # two steps: momentum and weight decay take part too
+        pair = batches[2 * step : 2 * step + 2]
+        trainer.train_step(accum, pair, sums_for(accum))
+        joined = (torch.cat([b[0] for b in pair]), torch.cat([b[1] for b in pair]), 0)
+        trainer.train_step(large, [joined], sums_for(large))
+        trainer.train_step(half, pair[:1], sums_for(half))
+    moved = flat_weights(large.model) - start
+    assert torch.allclose(flat_weights(accum.model) - start, moved, rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(flat_weights(half.model) - start, moved, rtol=1e-2, atol=1e-5)  # the test can fail
+
+
+def _one_sgd_update(tmp_path: Path, clip: float, scale: float = 0.0) -> torch.Tensor:
+    """The weight change of one plain SGD step (lr 1, no momentum): minus the (clipped) gradient."""
+    run = make_run(
+        tmp_path, "OPTIM.BASE_LR", "1.0", "OPTIM.MOMENTUM", "0.0", "OPTIM.NESTEROV", "False",
+        "OPTIM.WEIGHT_DECAY", "0.0", "TRAIN.CLIP_GRAD_NORM", str(clip), "TRAIN.BATCH_SIZE", "16",
+    )  # fmt: skip
+    if scale:  # as fp16 would: gradients arrive scaled and must be unscaled before clipping
+        run.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    before = flat_weights(run.model)
+    trainer.train_step(run, micro_batches(run, 1), sums_for(run))
+    return flat_weights(run.model) - before
+
+
+def test_clipping_bounds_the_global_gradient_norm_after_unscaling(tmp_path):
+    free = _one_sgd_update(tmp_path, clip=0.0)
+    max_norm = float(free.norm()) / 4
+    clipped = _one_sgd_update(tmp_path, clip=max_norm)
+    assert clipped.norm() == pytest.approx(max_norm, rel=1e-4)  # the global norm over all parameters
+    assert torch.allclose(clipped, free * (max_norm / free.norm()), atol=1e-7)  # same direction
+    scaled = _one_sgd_update(tmp_path, clip=max_norm, scale=2.0**10)
+    assert torch.allclose(scaled, clipped, atol=1e-7)
+    loose = _one_sgd_update(tmp_path, clip=float(free.norm()) * 2)
+    assert torch.allclose(loose, free, atol=1e-7)  # a bound above the norm changes nothing
+
+
+def _closed_form_ema(w0: torch.Tensor, history: list[torch.Tensor], decays: list[float]) -> torch.Tensor:
+    """prod(d) w0 + sum_i (1 - d_i) prod_{j>i} d_j w_i."""
+    total = math.prod(decays) * w0
+    for i, (w, d) in enumerate(zip(history, decays)):
+        total = total + (1 - d) * math.prod(decays[i + 1 :]) * w
+    return total
+
+
+@pytest.mark.parametrize("warmup, period", [(True, 1), (False, 1), (True, 2)])
+def test_ema_equals_the_closed_form_average_of_the_weight_history(tmp_path, warmup, period):
+    decay = 0.8
+    run = make_run(
+        tmp_path, "OPTIM.EMA_DECAY", str(decay), "OPTIM.EMA_WARMUP", str(warmup), "OPTIM.EMA_PERIOD", str(period),
+        "TRAIN.BATCH_SIZE", "16",
+    )  # fmt: skip
+    w0, history = flat_weights(run.model), []
+    for step, batch in enumerate(micro_batches(run, 6)):
+        trainer.train_step(run, [batch], sums_for(run))
+        run.state.step_in_epoch = step + 1  # as train_epoch counts steps
+        if (step + 1) % period == 0:
+            history.append(flat_weights(run.model))
+    decays = [min(decay, (1 + n) / (10 + n)) if warmup else decay for n in range(len(history))]
+    expected = _closed_form_ema(w0, history, decays)
+    assert run.ema.updates == 6 // period
+    assert torch.allclose(flat_weights(run.ema.module), expected, atol=1e-6)
+    assert not torch.allclose(flat_weights(run.model), expected, atol=1e-4)  # the EMA lags the weights
+
+
+def test_ema_state_round_trips_and_skips_integer_buffers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ema = ModelEMA(model, 0.5, warmup=False)
+    model[1].num_batches_tracked += 7
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ema.update(model)
+    assert int(ema.module[1].num_batches_tracked) == 7  # copied, not averaged
+    clone = ModelEMA(model, 0.5)
+    clone.load_state_dict(ema.state_dict())
+    assert clone.updates == 1 and torch.equal(clone.module[0].weight, ema.module[0].weight)
+
+
+def _hand_cross_entropy(logits: torch.Tensor, soft: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """-sum_k t'_k log p_k with t' = (1 - eps) t + eps / K, averaged over the batch."""
+    log_p = logits.double().log_softmax(1)
+    smoothed = soft.double() * (1 - smoothing) + smoothing / logits.size(1)
+    return -(smoothed * log_p).sum(1).mean()
+
+
+def test_label_smoothing_changes_the_loss_exactly_as_its_formula_says(tmp_path):
+    torch.manual_seed(1)
+    logits, targets = torch.randn(12, 10) * 3, torch.randint(0, 10, (12,))
+    one_hot = nn.functional.one_hot(targets, 10)
+    for eps in (0.0, 0.1, 0.3):
+        criterion = make_run(tmp_path, "TRAIN.LABEL_SMOOTHING", str(eps)).criterion
+        expected = _hand_cross_entropy(logits, one_hot, eps)
+        # Also: (1 - eps) x the plain cross-entropy + eps x the mean over classes of -log p.
+        log_p = logits.double().log_softmax(1)
+        other_form = (1 - eps) * -log_p.gather(1, targets[:, None]).mean() + eps * -log_p.mean()
+        assert float(criterion(logits, targets)) == pytest.approx(float(expected), rel=1e-6)
+        assert float(expected) == pytest.approx(float(other_form), rel=1e-9)
+    assert float(_hand_cross_entropy(logits, one_hot, 0.1)) != pytest.approx(
+        float(_hand_cross_entropy(logits, one_hot, 0.0))
+    )
+
+
+def _mixer(*opts: str):
+    return build_batch_mixer(load_cfg(None, list(opts)))
+
+
+def test_mixup_gives_soft_targets_summing_to_one_that_match_the_mixed_images():
+    torch.manual_seed(2)
+    images, targets = torch.randn(8, 3, 16, 16), torch.arange(8)  # neighbours differ in class
+    mixed, soft = _mixer("DATA.MIXUP_ALPHA", "0.4")(images, targets)
+    assert soft.shape == (8, 10) and torch.allclose(soft.sum(1), torch.ones(8)) and (soft >= 0).all()
+    lam = soft[0, 0]  # one lambda per batch; the batch is mixed with itself rolled by one
+    assert 0 < lam < 1
+    expected_soft = lam * nn.functional.one_hot(targets, 10) + (1 - lam) * nn.functional.one_hot(targets.roll(1), 10)
+    assert torch.allclose(soft, expected_soft.float(), atol=1e-6)
+    assert torch.allclose(mixed, lam * images + (1 - lam) * images.roll(1, 0), atol=1e-5)
+
+
+def test_cutmix_label_weights_are_the_pasted_area_fractions():
+    torch.manual_seed(3)
+    images, targets = torch.randn(8, 3, 16, 16), torch.arange(8)
+    mixed, soft = _mixer("DATA.CUTMIX_ALPHA", "1.0")(images, targets)
+    assert torch.allclose(soft.sum(1), torch.ones(8))
+    pasted = (mixed == images.roll(1, 0)).all(1) & (mixed != images).any(1)  # pixels from the neighbour
+    for i in range(8):
+        assert float(soft[i, targets[i - 1]]) == pytest.approx(float(pasted[i].float().mean()), abs=1e-6)
+        assert float(soft[i, targets[i]]) == pytest.approx(1 - float(pasted[i].float().mean()), abs=1e-6)
+
+
+def test_mix_prob_zero_and_switch_prob_pick_as_configured():
+    images, targets = torch.randn(8, 3, 16, 16), torch.arange(8)
+    plain, soft = _mixer("DATA.MIXUP_ALPHA", "0.4", "DATA.MIX_PROB", "0.0")(images, targets)
+    assert torch.equal(plain, images) and torch.equal(soft, nn.functional.one_hot(targets, 10).float())
+    # MIX_SWITCH_PROB 1.0: always cutmix, whose images keep unmixed pixel values (mixup's would not).
+    mixed, _ = _mixer("DATA.MIXUP_ALPHA", "0.4", "DATA.CUTMIX_ALPHA", "1.0", "DATA.MIX_SWITCH_PROB", "1.0")(
+        images, targets
+    )
+    assert ((mixed == images) | (mixed == images.roll(1, 0))).all()
+    assert _mixer() is None
+
+
+def test_the_training_loss_accepts_mixed_soft_targets(tmp_path):
+    eps = 0.1
+    run = make_run(tmp_path, "DATA.MIXUP_ALPHA", "0.4", "DATA.CUTMIX_ALPHA", "1.0", "TRAIN.LABEL_SMOOTHING", str(eps))
+    torch.manual_seed(4)
+    mixed, soft = run.mixer(torch.randn(6, 3, 16, 16), torch.arange(6))
+    with torch.no_grad():
+        logits = run.model(mixed)
+    assert float(run.criterion(logits, soft)) == pytest.approx(float(_hand_cross_entropy(logits, soft, eps)), rel=1e-5)
+    loss = trainer.train_step(run, micro_batches(run, 1), sums_for(run))
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("policy", ["randaugment", "trivialaugment", "autoaugment"])
+def test_auto_augment_and_random_erasing_are_in_the_train_transform(policy):
+    from torchvision.transforms import v2
+
+    from distribuuuu.data import build_train_transform
+
+    cfg = load_cfg(None, ["DATA.AUTO_AUGMENT", policy, "DATA.RANDOM_ERASING", "0.5"])
+    kinds = [type(t) for t in build_train_transform(cfg).transforms]
+    wanted = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide, "autoaugment": v2.AutoAugment}
+    assert wanted[policy] in kinds and kinds[-1] is v2.RandomErasing
+    assert kinds.index(wanted[policy]) < kinds.index(v2.ToDtype)  # on uint8 images, before normalising
+
+
+def test_fp16_is_refused_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # keep this process's thread count as it is
+    cfg = load_cfg(None, ["TRAIN.PRECISION", "fp16", "OUT_DIR", str(tmp_path / "fp16")])
+    with pytest.raises(ConfigError, match="fp16 needs CUDA"):
+        trainer.setup_environment(cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimizer groups, LARS, AdamW, linear scaling, LR schedule
+# ------------------------------------------------------------------------------------------------
+def _decay_of(optimizer: torch.optim.Optimizer) -> dict[int, float]:
+    return {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+
+
+def test_no_weight_decay_on_norm_weights_and_biases_unless_asked():
+    import torchvision
+
+    model = torchvision.models.resnet18(num_classes=10)
+    norm_or_bias = {
+        id(p)
+        for m in model.modules()
+        for name, p in m.named_parameters(recurse=False)
+        if isinstance(m, nn.BatchNorm2d) or name == "bias"
+    }
+    assert len(norm_or_bias) == 2 * 20 + 1  # 20 BatchNorms (weight, bias) and the fc bias
+    o = get_cfg_defaults().OPTIM
+    decay = _decay_of(build_optimizer(model, o))
+    assert len(decay) == len(list(model.parameters()))
+    for p in model.parameters():
+        assert decay[id(p)] == (0.0 if id(p) in norm_or_bias else o.WEIGHT_DECAY)
+    o.WEIGHT_DECAY_NORM_BIAS = True
+    assert set(_decay_of(build_optimizer(model, o)).values()) == {o.WEIGHT_DECAY}
+
+
+def test_one_lars_step_matches_a_hand_computation():
+    torch.manual_seed(5)
+    model = nn.Linear(3, 2)
+    o = get_cfg_defaults().OPTIM
+    o.OPTIMIZER, o.BASE_LR, o.MOMENTUM, o.WEIGHT_DECAY, o.LARS_TRUST = "lars", 0.1, 0.9, 0.01, 0.02
+    optimizer = build_optimizer(model, o)
+    assert isinstance(optimizer, LARS)
+    w, b = model.weight.detach().clone(), model.bias.detach().clone()
+    grads = [(torch.randn(2, 3), torch.randn(2)) for _ in range(2)]
+    w_buf = b_buf = None
+    for gw, gb in grads:
+        model.weight.grad, model.bias.grad = gw.clone(), gb.clone()
+        optimizer.step()
+        # Weight: decay, then the layer-wise trust ratio eta ||w|| / ||g + wd w||, then momentum.
+        g = gw + 0.01 * w
+        local_lr = 0.02 * w.norm() / g.norm()
+        w_buf = local_lr * g if w_buf is None else 0.9 * w_buf + local_lr * g
+        w = w - 0.1 * w_buf
+        # Bias (1-D): no decay, no adaptation, plain momentum SGD.
+        b_buf = gb if b_buf is None else 0.9 * b_buf + gb
+        b = b - 0.1 * b_buf
+        assert torch.allclose(model.weight, w, atol=1e-7) and torch.allclose(model.bias, b, atol=1e-7)
+
+
+def test_adamw_builds_with_the_configured_betas_and_decay_groups():
+    o = get_cfg_defaults().OPTIM
+    o.OPTIMIZER, o.BETAS, o.WEIGHT_DECAY = "adamw", [0.8, 0.95], 0.05
+    optimizer = build_optimizer(nn.Linear(3, 2), o)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert [(g["betas"], g["weight_decay"]) for g in optimizer.param_groups] == [
+        ((0.8, 0.95), 0.05),
+        ((0.8, 0.95), 0.0),
+    ]
+
+
+def test_linear_scaling_rule():
+    o = get_cfg_defaults().OPTIM
+    o.BASE_LR, o.REFERENCE_BATCH = 0.1, 256
+    assert scaled_base_lr(o, 1024) == pytest.approx(0.4)
+    assert scaled_base_lr(o, 64) == pytest.approx(0.025)
+    o.REFERENCE_BATCH = 0
+    assert scaled_base_lr(o, 1024) == 0.1
+
+
+def _schedule(policy: str):
+    o = get_cfg_defaults().OPTIM
+    o.LR_POLICY, o.BASE_LR, o.MIN_LR, o.MAX_EPOCH = policy, 0.4, 0.01, 10
+    o.WARMUP_EPOCHS, o.WARMUP_FACTOR, o.STEPS, o.LR_MULT = 2.0, 0.1, [3, 6], 0.1
+    return o
+
+
+@pytest.mark.parametrize(
+    "policy, step, expected",
+    [
+        # 50 steps an epoch; warmup multiplies by 0.1 (1 - a) + a, a = epoch / 2, for epochs < 2.
+        ("cos", 0, 0.4 * 0.1),
+        ("cos", 50, (0.01 + 0.39 * 0.5 * (1 + math.cos(math.pi * 0.1))) * 0.55),
+        ("cos", 100, 0.01 + 0.39 * 0.5 * (1 + math.cos(math.pi * 0.2))),
+        ("cos", 250, 0.01 + 0.39 * 0.5),
+        ("cos", 500, 0.01),
+        ("lin", 25, (0.4 - 0.39 * 0.05) * 0.325),
+        ("lin", 250, 0.4 - 0.39 * 0.5),
+        ("lin", 400, 0.4 - 0.39 * 0.8),
+        ("steps", 25, 0.4 * 0.325),
+        ("steps", 149, 0.4),
+        ("steps", 150, 0.04),
+        ("steps", 299, 0.04),
+        ("steps", 300, 0.004),
+    ],
+)
+def test_lr_at_matches_its_formula(policy, step, expected):
+    assert lr_at(step, 50, _schedule(policy)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_lr_changes_within_an_epoch_and_base_lr_overrides():
+    o = _schedule("cos")
+    assert lr_at(10, 50, o) < lr_at(11, 50, o)  # warmup, step by step
+    assert lr_at(260, 50, o) < lr_at(259, 50, o)  # cosine, step by step
+    assert lr_at(250, 50, o, base_lr=0.8) == pytest.approx(0.01 + 0.79 * 0.5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Real runs of the training entry point (this file as the worker), 2-process gloo jobs included
+# ------------------------------------------------------------------------------------------------
+WORKER = str(Path(__file__).resolve())
+ONE_EPOCH = [*TINY, "OPTIM.MAX_EPOCH", "1", "OPTIM.EMA_DECAY", "0.9", "OPTIM.EMA_WARMUP", "False"]
+
+
+def worker_run(out_dir: Path, nproc: int, *opts: str, mode: str = "train", timeout: float = 300):
+    """Run the worker (1 plain process or a 2-process torchrun job); return (result, per-rank stats)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stats_prefix = out_dir / f"stats_{mode}"
+    args = (mode, "OUT_DIR", str(out_dir), *opts)
+    cmd = torchrun(nproc, WORKER, *args) if nproc > 1 else python(WORKER, *args)
+    result = run(cmd, timeout=timeout, env=clean_env(RECIPE_STATS=str(stats_prefix)))
+    assert_ok(result)
+    stats = [json.loads(Path(f"{stats_prefix}.rank{r}.json").read_text()) for r in range(nproc)]
+    return result, stats
+
+
+def final_checkpoint(out_dir: Path) -> dict:
+    return checkpoint.load_checkpoint(checkpoint.list_checkpoints(str(out_dir / checkpoint.CKPT_DIR))[-1])
+
+
+def weight_count() -> int:
+    return sum(p.numel() for p in RecipeCNN(10).parameters())
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory) -> dict:
+    """One epoch of the tiny model on 2 gloo ranks: batch 32, the same as 16 x 2 accumulated, and ZeRO-1.
+
+    Each run's global batch is 64 and OPTIM.REFERENCE_BATCH 128 halves OPTIM.BASE_LR.
+    """
+    root = tmp_path_factory.mktemp("two_process")
+    common = [*ONE_EPOCH, "OPTIM.REFERENCE_BATCH", "128", "OPTIM.BASE_LR", "0.2"]
+    variants = {
+        "plain": ["TRAIN.BATCH_SIZE", "32"],
+        "accum": ["TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "2"],
+        "zero": ["TRAIN.BATCH_SIZE", "32", "OPTIM.ZERO", "True"],
+    }
+    runs = {}
+    for name, opts in variants.items():
+        result, stats = worker_run(root / name, 2, *common, *opts)
+        runs[name] = {"dir": root / name, "stdout": result.stdout, "stats": stats}
+    return runs
+
+
+def test_accumulation_matches_the_large_batch_and_all_reduces_once_per_optimizer_step(two_process_runs):
+    plain, accum = two_process_runs["plain"], two_process_runs["accum"]
+    steps = 1436 // 2 // 32  # optimizer steps of the epoch, for both
+    for r in (0, 1):
+        assert plain["stats"][r]["steps"] == accum["stats"][r]["steps"] == steps
+        buckets = plain["stats"][r]["allreduces"] // steps
+        assert buckets >= 1 and plain["stats"][r]["allreduces"] == steps * buckets
+        # Twice as many micro-batches, the same number of all-reduces: no_sync skips every other one.
+        assert accum["stats"][r]["allreduces"] == steps * buckets
+    assert _final_val_top1(plain["dir"]) > 50  # the run did train (chance: 10%)
+    a, b = final_checkpoint(plain["dir"])["model"], final_checkpoint(accum["dir"])["model"]
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), k
+
+
+def _final_val_top1(out_dir: Path, weights: str = "model") -> float:
+    return [r for r in read_metrics(out_dir) if r["split"] == "val" and r["weights"] == weights][-1]["top1"]
+
+
+def test_the_linear_scaling_rule_is_logged_and_drives_the_schedule(two_process_runs):
+    plain = two_process_runs["plain"]
+    assert "global batch 64 (32 x 2 ranks x 1 accumulation)" in plain["stdout"]
+    assert "base LR 0.1 (OPTIM.BASE_LR x 64/128)" in plain["stdout"]
+    record = next(r for r in read_metrics(plain["dir"]) if r["split"] == "train")
+    optim = load_cfg(None, ["OPTIM.MAX_EPOCH", "1"]).OPTIM
+    steps = record["step"]
+    assert record["lr"] == pytest.approx(lr_at(steps - 1, steps, optim, base_lr=0.2 * 64 / 128), rel=1e-9)
+
+
+def test_ema_is_the_same_on_every_rank_and_evaluated_beside_the_raw_weights(two_process_runs):
+    for name, runs in two_process_runs.items():
+        ema0, ema1 = (torch.tensor(s["ema"]) for s in runs["stats"])
+        assert torch.equal(ema0, ema1), f"{name}: the ranks' EMA weights differ"
+        val = [r["weights"] for r in read_metrics(runs["dir"]) if r["split"] == "val"]
+        assert val == ["model", "ema"]
+        state = final_checkpoint(runs["dir"])
+        assert state["best_weights"] in ("model", "ema") and state["ema"]["updates"] == runs["stats"][0]["steps"]
+
+
+def test_zero_shards_the_optimizer_state_and_trains_the_same_weights(two_process_runs):
+    plain, zero = two_process_runs["plain"], two_process_runs["zero"]
+    total = weight_count()  # SGD momentum: one buffer element per weight
+    assert [s["state_elements"][-1] for s in plain["stats"]] == [total, total]
+    shards = [s["state_elements"][-1] for s in zero["stats"]]
+    assert sum(shards) == total and all(0.4 * total <= n <= 0.6 * total for n in shards), shards
+    a, b = final_checkpoint(plain["dir"]), final_checkpoint(zero["dir"])
+    for k in a["model"]:
+        assert torch.allclose(a["model"][k], b["model"][k], rtol=1e-5, atol=1e-6), k
+    # The checkpoint holds the consolidated state of both shards, as the unsharded run's.
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    assert len(b["optimizer"]["state"]) == len(a["model"])
+    for i, s in a["optimizer"]["state"].items():
+        assert torch.allclose(s["momentum_buffer"], b["optimizer"]["state"][i]["momentum_buffer"], atol=1e-6)
+    assert [g["weight_decay"] for g in b["optimizer"]["param_groups"]] == [5e-5, 0.0]
+
+
+def test_a_zero_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(two_process_runs["zero"]["dir"], out)
+    common = [*ONE_EPOCH, "OPTIM.REFERENCE_BATCH", "128", "OPTIM.BASE_LR", "0.2", "TRAIN.BATCH_SIZE", "32"]
+    result, (stats,) = worker_run(out, 1, *common, "OPTIM.ZERO", "True", "OPTIM.MAX_EPOCH", "2")
+    assert "resumed from" in result.stdout and "ckpt_ep_001.pth.tar at epoch 2" in result.stdout
+    assert stats["state_elements_at_start"] == weight_count()  # both shards' momentum, loaded
+    state = final_checkpoint(out)
+    assert state["epoch"] == 2 and state["world_size"] == 1
+    assert [r["epoch"] for r in read_metrics(out) if r["split"] == "train"] == [1, 2]
+
+
+def test_a_bf16_run_trains_with_float32_weights(tmp_path):
+    out = tmp_path / "bf16"
+    result, (stats,) = worker_run(
+        out, 1, *TINY, "TRAIN.PRECISION", "bf16", "TRAIN.CHANNELS_LAST", "True", "OPTIM.MAX_EPOCH", "1"
+    )
+    assert stats["logits_dtypes"] == ["torch.bfloat16"]  # autocast was on in every training forward
+    assert stats["param_dtypes"] == ["torch.float32"]  # and the weights stayed float32 after every step
+    # The mean loss of each PRINT_FREQ window of the epoch: the last is well below the first.
+    windows = [float(m) for m in re.findall(r"step \d+/\d+  loss ([\d.]+)", result.stdout)]
+    assert len(windows) == 5 and windows[-1] < 0.75 * windows[0], windows
+    assert _final_val_top1(out) > 50  # chance: 10%
+    assert {v.dtype for v in final_checkpoint(out)["model"].values()} == {torch.float32}
+
+
+def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
+    out = tmp_path / "compiled"
+    worker_run(out, 1, *TINY, "TRAIN.COMPILE", "True", "OPTIM.MAX_EPOCH", "1", timeout=400)
+    state = final_checkpoint(out)
+    assert list(state["model"]) == list(RecipeCNN(10).state_dict())  # no _orig_mod. prefixes
+    path = out / checkpoint.CKPT_DIR / "ckpt_ep_001.pth.tar"
+    result, _ = worker_run(out, 1, *TINY, "MODEL.WEIGHTS", str(path), mode="test")
+    test = [r for r in read_metrics(out) if r["split"] == "test"][-1]
+    # Eager and compiled kernels may round differently: allow one of 361 images to flip.
+    assert abs(test["top1"] - _final_val_top1(out)) <= 100 / 361 + 1e-9
+    assert test["top1"] > 50
+
+
+# ------------------------------------------------------------------------------------------------
+# The digits recipe, end to end
+# ------------------------------------------------------------------------------------------------
+RECIPE = str(REPO / "config" / "digits_recipe.yaml")
+
+
+def test_the_digits_recipe_reaches_98_percent_under_torchrun_two_processes(tmp_path):
+    result = run(torchrun(2, TRAIN, "--cfg", RECIPE, "OUT_DIR", str(tmp_path)), timeout=900)
+    assert_ok(result)
+    epochs = load_cfg(RECIPE).OPTIM.MAX_EPOCH
+    val = [r for r in read_metrics(tmp_path) if r["split"] == "val"]
+    # The raw and the EMA weights are evaluated every epoch, each on every val image exactly once.
+    assert [(r["epoch"], r["weights"]) for r in val] == [(e, w) for e in range(1, epochs + 1) for w in ("model", "ema")]
+    assert {r["samples"] for r in val} == {361}
+    assert _final_val_top1(tmp_path, "model") >= 98.0
+    assert _final_val_top1(tmp_path, "ema") >= 98.0
+    best = checkpoint.load_checkpoint(str(tmp_path / checkpoint.BEST_NAME))
+    first_best = max(val, key=lambda r: r["top1"])  # max() keeps the first of equals, as the trainer
+    assert (best["best_acc1"], best["best_weights"]) == (first_best["top1"], first_best["weights"])
+    # test_net.py evaluates the EMA weights of the last checkpoint (MODEL.WEIGHTS_KIND ema).
+    last = checkpoint.list_checkpoints(str(tmp_path / checkpoint.CKPT_DIR))[-1]
+    test_out = tmp_path / "test_ema"
+    result = run(
+        python(TEST, "--cfg", RECIPE, "OUT_DIR", str(test_out), "MODEL.WEIGHTS", last, "MODEL.WEIGHTS_KIND", "ema")
+    )
+    assert_ok(result)
+    (test,) = [r for r in read_metrics(test_out) if r["split"] == "test"]
+    assert test["weights"] == "ema"
+    assert abs(test["top1"] - _final_val_top1(tmp_path, "ema")) <= 100 / 361 + 1e-9  # 1 image: batch-size rounding
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1], sys.argv[2:]))
