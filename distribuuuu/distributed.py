@@ -261,6 +261,13 @@ def scaled_all_reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
+def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank, in place."""
+    if is_dist():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src)
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Gather a picklable object from every rank (a one-element list without a process group)."""
     if not is_dist():

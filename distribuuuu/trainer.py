@@ -19,6 +19,7 @@ from distribuuuu.data import Split, build_batch_mixer, build_train_split, build_
 from distribuuuu.distributed import (
     DistEnv,
     all_gather_object,
+    broadcast_buffers,
     broadcast_object,
     check_group,
     cleanup_distributed,
@@ -548,6 +549,7 @@ def train_model(cfg: CfgNode) -> dict:
         with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
             for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
                 train_totals = train_epoch(run, epoch)
+                sync_buffers(run)
                 write_train_record(run, epoch, train_totals)
                 run.state = TrainState(epoch + 1, 0, run.state.best_acc1, run.state.best_weights)
                 is_best = False
@@ -568,6 +570,19 @@ def train_model(cfg: CfgNode) -> dict:
     finally:
         writer.close()
         cleanup_distributed()
+
+
+def sync_buffers(run: Run) -> None:
+    """Give every rank rank 0's BatchNorm statistics (raw and EMA), so all evaluate what is saved.
+
+    DDP broadcasts rank 0's buffers before each forward, and the forward then updates each rank's
+    running statistics from its own batch: after an epoch's last step they differ across ranks
+    (SyncBatchNorm aside), and a rank validating its shard would score other weights than the
+    checkpoint holds. Once per epoch, before evaluation and the checkpoint.
+    """
+    broadcast_buffers(run.model)
+    if run.ema is not None:
+        broadcast_buffers(run.ema.module)
 
 
 def evaluate_epoch(run: Run, epoch: int) -> tuple[dict, bool]:

@@ -87,6 +87,13 @@ def test_two_tasks_with_only_slurm_variables_train_and_checkpoint(tmp_path):
     assert (out_dir / "checkpoints" / "ckpt_ep_001.pth.tar").is_file()
     assert (out_dir / "best.pth.tar").is_file()
     assert load_checkpoint(str(out_dir / "checkpoints" / "ckpt_ep_001.pth.tar"))["world_size"] == 2
+    # The val numbers the 2-rank run reported are those of the weights it saved: one process
+    # evaluating the checkpoint finds them again (BatchNorm statistics included, hence the loss).
+    weights = str(out_dir / "checkpoints" / "ckpt_ep_001.pth.tar")
+    assert_ok(run(python(TEST, "OUT_DIR", str(tmp_path / "test"), *ONE_EPOCH, "MODEL.WEIGHTS", weights), timeout=300))
+    [test] = _split(read_metrics(tmp_path / "test"), "test")
+    assert (test["top1"], test["topk"], test["samples"]) == (val["top1"], val["topk"], val["samples"])
+    assert test["loss"] == pytest.approx(val["loss"], rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
