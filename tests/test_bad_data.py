@@ -12,6 +12,7 @@ from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
 from PIL import Image
 
 from distribuuuu import cli, trainer
+from distribuuuu.data import load_image
 
 DIGITS = REPO / "data" / "digits"
 PER_CLASS = {"train": 8, "val": 2}
@@ -115,3 +116,18 @@ def test_num_classes_smaller_than_class_folders_is_an_error_before_training(tmp_
     root = _digits_tree(tmp_path / "data")
     line = _before_training(root, tmp_path / "out", capsys, "MODEL.NUM_CLASSES", "5")
     assert "MODEL.NUM_CLASSES is 5" in line and "10 class folders" in line
+
+
+def test_auto_decoder_takes_torchvision_for_jpeg_and_pil_for_png_with_the_same_pixels(tmp_path):
+    from torchvision import tv_tensors
+
+    pixels = np.random.default_rng(1).integers(0, 256, (8, 8), dtype=np.uint8)
+    png, jpeg = tmp_path / "a.png", tmp_path / "a.jpg"
+    Image.fromarray(pixels).save(png)
+    Image.fromarray(pixels).save(jpeg, quality=100)
+    from_png, from_jpeg = load_image(str(png), "auto"), load_image(str(jpeg), "auto")
+    assert isinstance(from_png, Image.Image) and from_png.mode == "RGB"
+    assert isinstance(from_jpeg, tv_tensors.Image) and from_jpeg.shape == (3, 8, 8)
+    # Grayscale becomes RGB either way, and both decoders read the same JPEG alike.
+    via_pil = np.asarray(load_image(str(jpeg), "pil")).transpose(2, 0, 1).astype(int)
+    assert np.abs(via_pil - from_jpeg.numpy().astype(int)).max() <= 2

@@ -27,10 +27,16 @@ class BadImageError(RuntimeError):
     """An image file could not be decoded; the message names its path."""
 
 
-def load_image(path: str, decoder: str = "pil"):
-    """Decode an image file to RGB: a PIL image, or a uint8 tv_tensors.Image with ``torchvision``."""
+# Which files each DATA.DECODER sends to torchvision.io (the rest go through PIL). "auto" takes
+# torchvision.io for JPEG only, where tools/benchmark.py measured it faster than PIL (README,
+# "Performance"); PIL keeps PNGs, whose 16-bit variants it rescales below.
+_TORCHVISION_SUFFIXES = {"pil": (), "auto": (".jpg", ".jpeg"), "torchvision": (".jpg", ".jpeg", ".png")}
+
+
+def load_image(path: str, decoder: str = "auto"):
+    """Decode an image file to RGB: a PIL image, or a uint8 tv_tensors.Image via torchvision.io."""
     try:
-        if decoder == "torchvision" and path.lower().endswith((".jpg", ".jpeg", ".png")):
+        if path.lower().endswith(_TORCHVISION_SUFFIXES[decoder]):
             data = torchvision.io.read_file(path)
             return tv_tensors.Image(torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB))
         with Image.open(path) as img:
@@ -46,7 +52,7 @@ def load_image(path: str, decoder: str = "pil"):
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
     """ImageFolder that names the file that fails to decode and can decode with torchvision.io."""
 
-    def __init__(self, root: str, decoder: str = "pil"):
+    def __init__(self, root: str, decoder: str = "auto"):
         # allow_empty: empty class folders are reported by check_classes with a clearer message
         super().__init__(root, loader=lambda p: load_image(p, decoder), allow_empty=True)
 
@@ -61,7 +67,7 @@ def check_classes(root: str, dataset: CheckedImageFolder) -> None:
         raise DataError(f"{root}: class folder(s) with no images ({', '.join(IMG_EXTENSIONS)}): {empty}")
 
 
-def build_base_dataset(root: str, split: str, decoder: str = "pil") -> tuple[Dataset, list[str]]:
+def build_base_dataset(root: str, split: str, decoder: str = "auto") -> tuple[Dataset, list[str]]:
     """Return an untransformed dataset of (image, target) and its class names."""
     kind, _, path = root.partition(":")
     if kind in CIFAR_FILES:
@@ -83,7 +89,10 @@ def _build_cifar(kind: str, root: str, split: str) -> tuple[Dataset, list[str]]:
             "(extract the python version of the archive there; nothing is downloaded at run time)"
         )
     cls = torchvision.datasets.CIFAR10 if kind == "cifar10" else torchvision.datasets.CIFAR100
-    dataset = cls(root, train=split == "train", download=False)
+    try:
+        dataset = cls(root, train=split == "train", download=False)
+    except RuntimeError as e:  # torchvision checks each file's MD5: "Dataset not found or corrupted"
+        raise DataError(f"{kind} files under {os.path.join(root, subdir)} do not load: {e}") from None
     return dataset, list(dataset.classes)
 
 
