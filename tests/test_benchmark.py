@@ -15,7 +15,7 @@ TINY = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.BATCH_SIZE", "8", "T
 COMMON = ["arch", "world_size", "batch_per_proc", "im_size", "precision", "channels_last", "threads_per_proc"]
 FIELDS = {
     "train": COMMON + ["impl", "steps", "repeats", "images_per_s_median", "images_per_s_min", "images_per_s_max",
-                       "images_per_s_iqr", "images_per_s_per_proc", "ms_per_step_median"],
+                       "images_per_s_iqr", "images_per_s_per_proc", "ms_per_step_median", "peak_mem_mib"],
     "ratio": COMMON + ["framework_over_plain", "paired_ratio_median", "paired_ratio_min", "paired_ratio_max"],
     "breakdown": COMMON + ["data_ms", "fwd_bwd_ms", "allreduce_exposed_ms", "optimizer_ms", "bookkeeping_ms", "ddp"],
     "eval": COMMON + ["images", "images_per_s_median"],
@@ -55,6 +55,8 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     for r in train.values():
         assert r["arch"] == "resnet18" and r["world_size"] == 1 and r["batch_per_proc"] == 8 and r["steps"] == 2
         assert 0 < r["images_per_s_min"] <= r["images_per_s_median"] <= r["images_per_s_max"]
+        # The process holds torch and a resnet18 with its gradients and optimizer state: > 100 MiB.
+        assert r["peak_mem_kind"] == "process_rss" and 100 < r["peak_mem_mib"] < 24 * 1024
     ratio = next(r for r in records if r["what"] == "ratio")
     assert ratio["framework_over_plain"] > 0
     variants = {(r["precision"], r["channels_last"]) for r in records if r["what"] == "variant"}

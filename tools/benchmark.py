@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -144,6 +145,19 @@ def sync_device(env: DistEnv) -> None:
         torch.cuda.synchronize(env.device)
 
 
+def reset_peak_memory(env: DistEnv) -> None:
+    """Start a new CUDA peak-memory window (the CPU's peak RSS cannot be reset)."""
+    if env.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(env.device)
+
+
+def peak_memory_mib(env: DistEnv) -> float:
+    """CUDA: peak memory allocated since reset_peak_memory; CPU: this process's peak RSS so far."""
+    if env.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(env.device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def timed(fn: Callable[[], object], env: DistEnv) -> float:
     """Seconds ``fn`` takes on the whole job: every rank starts together and the last one to end stops the clock."""
     barrier()
@@ -250,10 +264,13 @@ def measure_training(run: trainer.Run, bench, report: Report, with_framework: bo
         if plain is not None:
             plain.run_steps(min(bench.warmup, steps), 0)
     seconds: dict[str, list[float]] = {name: [] for name in impls}
+    peak_mib = dict.fromkeys(impls, 0.0)
     for r in range(bench.repeats):
         order = list(impls) if r % 2 == 0 else list(reversed(impls))
         for name in order:
+            reset_peak_memory(env)
             seconds[name].append(timed(partial(impls[name], r + 1), env))
+            peak_mib[name] = max(peak_mib[name], peak_memory_mib(env))
     images = steps * cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS * env.world_size
     rates = {}
     for name, secs in seconds.items():
@@ -268,6 +285,9 @@ def measure_training(run: trainer.Run, bench, report: Report, with_framework: bo
                 **spread(rates[name], "images_per_s"),
                 "images_per_s_per_proc": statistics.median(rates[name]) / env.world_size,
                 **spread([1000 * s / steps for s in secs], "ms_per_step"),
+                # On the CPU both implementations share one process, so its peak RSS covers both.
+                "peak_mem_mib": peak_mib[name],
+                "peak_mem_kind": "cuda_allocated" if env.device.type == "cuda" else "process_rss",
             }
         )
     if "framework" in rates and "plain" in rates:
@@ -496,6 +516,7 @@ def format_table(records: list[dict]) -> str:
                 f"{r['precision']:<4} cl={int(r['channels_last'])} thr={r['threads_per_proc']}  "
                 f"{r['images_per_s_median']:9.1f} img/s (min {r['images_per_s_min']:.1f}, max "
                 f"{r['images_per_s_max']:.1f})  {r['ms_per_step_median']:8.1f} ms/step"
+                + (f"  peak {r['peak_mem_mib']:.0f} MiB ({r['peak_mem_kind']})" if "peak_mem_mib" in r else "")
             )
         elif w == "ratio":
             lines.append(
