@@ -198,3 +198,11 @@ def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_writt
     written = load_cfg(str(tmp_path / "config.yaml"))
     assert written == load_cfg(opts=["OUT_DIR", str(tmp_path), *opts])
     assert written.MODEL.DUMMY_INPUT is True and written.TRAIN.IM_SIZE == 16
+    # TensorBoard holds the same per-epoch scalars as metrics.jsonl.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert {"train/loss", "train/lr", "val/top1", "val/samples"} <= set(events.Tags()["scalars"])
+    [point] = events.Scalars("val/top1")
+    assert (point.step, point.value) == (1, pytest.approx(val["top1"]))

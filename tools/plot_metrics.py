@@ -139,13 +139,16 @@ def draw_run(axes: Any, run: Run, color: str) -> None:
 
 
 def style_axes(axes: Any) -> None:
-    titles = ("loss", "top-1 accuracy (%)", "learning rate", "training throughput (images/s)")
+    titles = ("loss (log scale)", "top-1 accuracy (%)", "learning rate", "training throughput (images/s)")
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("epoch")
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
+    # Losses span decades (an early val loss is often 100x the final one): a log axis shows them all.
+    if all(y > 0 for line in axes[0].get_lines() for y in line.get_ydata()):
+        axes[0].set_yscale("log")
     axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
 
 

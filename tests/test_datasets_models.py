@@ -1,0 +1,92 @@
+"""CIFAR from torchvision's on-disk files, and pretrained weights: loaded, or one clear error."""
+
+from __future__ import annotations
+
+import pickle
+import urllib.error
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from distribuuuu.config import ConfigError, load_cfg
+from distribuuuu.data import DataError, build_train_split
+from distribuuuu.data.datasets import build_base_dataset
+from distribuuuu.distributed import DistEnv
+from distribuuuu.models import build_model
+
+CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+@pytest.fixture
+def cifar10_root(tmp_path):
+    """CIFAR-10's python-format files (5 train batches of 6 images, a test batch of 8), tiny."""
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+
+    def dump(name: str, obj: dict) -> None:
+        with open(folder / name, "wb") as f:
+            pickle.dump(obj, f)
+
+    for i in range(1, 6):
+        dump(f"data_batch_{i}", {"data": rng.integers(0, 256, (6, 3072), dtype=np.uint8), "labels": [i] * 6})
+    dump("test_batch", {"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8), "labels": list(range(8))})
+    dump("batches.meta", {"label_names": CIFAR10_NAMES})
+    return tmp_path
+
+
+@pytest.fixture
+def skip_md5(monkeypatch):
+    """torchvision checks the MD5 of the real CIFAR files; these tiny stand-ins cannot match it."""
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *args, **kwargs: True)
+
+
+def test_cifar10_loads_from_its_on_disk_files_with_train_and_test_splits(cifar10_root, skip_md5):
+    train, classes = build_base_dataset(f"cifar10:{cifar10_root}", "train")
+    val, _ = build_base_dataset(f"cifar10:{cifar10_root}", "val")
+    assert classes == CIFAR10_NAMES
+    assert (len(train), len(val)) == (30, 8)
+    image, label = train[0]
+    assert isinstance(image, Image.Image) and image.size == (32, 32) and label == 1
+
+
+def test_cifar10_feeds_the_training_loader(cifar10_root, skip_md5):
+    root = f"cifar10:{cifar10_root}"
+    cfg = load_cfg(opts=["TRAIN.DATASET", root, "TEST.DATASET", root, "TRAIN.BATCH_SIZE", "4", "TRAIN.IM_SIZE", "24"])
+    split = build_train_split(cfg, DistEnv())
+    images, targets, skipped = next(iter(split.loader))
+    assert images.shape == (4, 3, 24, 24) and targets.shape == (4,) and skipped == 0
+
+
+def test_missing_cifar_files_are_named(cifar10_root):
+    (cifar10_root / "cifar-10-batches-py" / "data_batch_3").unlink()
+    with pytest.raises(DataError, match=r"cifar10 files missing under .*cifar-10-batches-py: \['data_batch_3'\]"):
+        build_base_dataset(f"cifar10:{cifar10_root}", "train")
+
+
+def test_corrupt_cifar_files_are_one_clear_error(cifar10_root):
+    with pytest.raises(DataError, match=r"cifar10 files under .* do not load: .*corrupted"):
+        build_base_dataset(f"cifar10:{cifar10_root}", "train")
+
+
+def test_pretrained_weights_that_cannot_be_fetched_are_a_clear_error(monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no route to download.pytorch.org")
+
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
+    cfg = load_cfg(opts=["MODEL.PRETRAINED", "True"])
+    with pytest.raises(ConfigError, match=r"^MODEL.PRETRAINED: could not load pretrained weights for 'resnet18'"):
+        build_model(cfg.MODEL)
+
+
+def test_pretrained_weights_load_and_a_new_class_count_gets_a_new_head(monkeypatch):
+    imagenet = torchvision.models.resnet18(num_classes=1000).state_dict()
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", lambda *a, **k: imagenet)
+    model = build_model(load_cfg(opts=["MODEL.PRETRAINED", "True", "MODEL.NUM_CLASSES", "10"]).MODEL)
+    state = model.state_dict()
+    assert torch.equal(state["conv1.weight"], imagenet["conv1.weight"])
+    assert torch.equal(state["layer4.1.bn2.running_var"], imagenet["layer4.1.bn2.running_var"])
+    assert state["fc.weight"].shape == (10, 512)
