@@ -468,7 +468,7 @@ def resume_or_load_weights(run: Run) -> None:
     if path:
         if cfg.MODEL.WEIGHTS:
             logger.info("resuming from %s: it wins over MODEL.WEIGHTS %s", path, cfg.MODEL.WEIGHTS)
-        restore_training_state(run, ckpt.load_checkpoint(path, map_location=run.env.device))
+        restore_training_state(run, ckpt.load_checkpoint(path, map_location=run.env.device), path)
         logger.info("resumed from %s at epoch %d, step %d", path, run.state.epoch + 1, run.state.step_in_epoch)
     elif cfg.MODEL.WEIGHTS:
         load_weights(run.model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, strict=False)
@@ -476,7 +476,7 @@ def resume_or_load_weights(run: Run) -> None:
             run.ema.module.load_state_dict(run.model.state_dict())
 
 
-def restore_training_state(run: Run, state: dict) -> None:
+def restore_training_state(run: Run, state: dict, path: str = "the checkpoint") -> None:
     """Load a training checkpoint into the run (weights always; the rest with LOAD_OPT)."""
     run.model.load_state_dict(ckpt.model_state_from(state))
     run.state = TrainState(state["epoch"], state["step_in_epoch"], state["best_acc1"], state["best_weights"])
@@ -490,13 +490,32 @@ def restore_training_state(run: Run, state: dict) -> None:
         )
     if not run.cfg.TRAIN.LOAD_OPT:
         return
-    run.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(run.optimizer, state, run.cfg.OPTIM.OPTIMIZER, path)
     if state["scaler"] and run.scaler.is_enabled():
         run.scaler.load_state_dict(state["scaler"])
     if state["ema"] and run.ema is not None:
         run.ema.load_state_dict(state["ema"])
     if run.env.rank < len(state["rng"]) and state["world_size"] == run.env.world_size:
         restore_rng_state(state["rng"][run.env.rank])
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, optimizer_name: str, path: str) -> None:
+    """Load a checkpoint's optimizer state, or raise CheckpointError naming the file and the way out.
+
+    PyTorch checks only the parameter-group sizes: SGD's state loads into AdamW without complaint
+    and fails at the first step with a KeyError, so the optimizer's name is compared first.
+    """
+    hint = "set TRAIN.LOAD_OPT False to resume from its weights only"
+    saved = CfgNode.load_cfg(state["cfg"]).get("OPTIM", {}).get("OPTIMIZER") if state.get("cfg") else None
+    if saved and saved != optimizer_name:
+        raise ckpt.CheckpointError(
+            f"{path} holds {saved} optimizer state but OPTIM.OPTIMIZER is {optimizer_name}: {hint}"
+        )
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ckpt.CheckpointError(f"{path}: its optimizer state does not fit this run ({detail}): {hint}") from None
 
 
 def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool = True) -> dict:

@@ -417,3 +417,24 @@ def test_unwritable_out_dir_fails_before_training_with_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"distribuuuu: error: OUT_DIR: cannot write to {out}" in err
     assert blocker.read_text() == "not a directory"
+
+
+def test_resume_with_another_optimizer_is_one_clear_error_and_load_opt_false_resumes(tmp_path):
+    args = ["OUT_DIR", str(tmp_path), *ONE]
+    assert_ok(run(python(FAULT, *args, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=300, env=ENV))
+    newest = tmp_path / "checkpoints" / ckpt.checkpoint_name(1)
+
+    changed = run(python(FAULT, *args, "OPTIM.OPTIMIZER", "adamw"), timeout=300, env=ENV)
+    assert changed.returncode == 1, changed.stderr[-3000:]
+    errors = [line for line in changed.stderr.splitlines() if line.startswith("distribuuuu: error:")]
+    assert errors == [
+        f"distribuuuu: error: {newest} holds sgd optimizer state but OPTIM.OPTIMIZER is adamw: "
+        "set TRAIN.LOAD_OPT False to resume from its weights only"
+    ], changed.stderr[-3000:]
+    assert "Traceback" not in changed.stderr and _train_epochs(tmp_path) == [1]
+
+    weights_only = run(
+        python(FAULT, *args, "OPTIM.OPTIMIZER", "adamw", "TRAIN.LOAD_OPT", "False"), timeout=300, env=ENV
+    )
+    assert_ok(weights_only)
+    assert _train_epochs(tmp_path) == [1, 2], "epoch 2 continues from epoch 1's weights"
