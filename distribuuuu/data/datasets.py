@@ -29,8 +29,14 @@ class BadImageError(RuntimeError):
 
 # Which files each DATA.DECODER sends to torchvision.io (the rest go through PIL). "auto" takes
 # torchvision.io for JPEG only, where tools/benchmark.py measured it faster than PIL (README,
-# "Performance"); PIL keeps PNGs, whose 16-bit variants it rescales below.
-_TORCHVISION_SUFFIXES = {"pil": (), "auto": (".jpg", ".jpeg"), "torchvision": (".jpg", ".jpeg", ".png")}
+# "Performance"); PIL keeps PNGs, whose 16-bit variants it rescales below. torchvision 0.29
+# deprecated its image decoders in favour of TorchCodec: once a release drops them, "auto" is PIL.
+_TORCHVISION_DECODES = hasattr(torchvision.io, "decode_image")
+_TORCHVISION_SUFFIXES = {
+    "pil": (),
+    "auto": (".jpg", ".jpeg") if _TORCHVISION_DECODES else (),
+    "torchvision": (".jpg", ".jpeg", ".png"),
+}
 
 
 def load_image(path: str, decoder: str = "auto"):
