@@ -301,6 +301,8 @@ def train_epoch(run: Run, epoch: int) -> dict:
         try:
             window_losses.append(train_step(run, micro_batches, window))
         except RuntimeError as e:
+            if not is_comm_failure(e):
+                raise  # a bug in the model or the step: its traceback is what the user needs
             raise _with_context(e, run, epoch, step) from e
         run.state.step_in_epoch = step + 1
         if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == run.steps_per_epoch:

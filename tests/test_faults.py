@@ -438,3 +438,18 @@ def test_resume_with_another_optimizer_is_one_clear_error_and_load_opt_false_res
     )
     assert_ok(weights_only)
     assert _train_epochs(tmp_path) == [1, 2], "epoch 2 continues from epoch 1's weights"
+
+
+def test_an_error_inside_the_model_keeps_its_traceback(tmp_path):
+    """Only failed collectives become one-line errors: a model's own bug must surface as raised."""
+    from distribuuuu.models import register_model
+
+    class Broken(torch.nn.Module):
+        def forward(self, x):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (32x48 and 64x10)")
+
+    register_model("broken_forward")(lambda num_classes, pretrained=False: Broken())
+    args = ["OUT_DIR", str(tmp_path), *FAST, "MODEL.ARCH", "broken_forward", "TRAIN.DATASET", DIGITS]
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as raised:
+        cli.run_tool(trainer.train_model, [*args, "TEST.DATASET", DIGITS])
+    assert raised.traceback[-1].name == "forward", "the traceback ends where the model failed"
