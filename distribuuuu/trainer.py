@@ -251,11 +251,11 @@ def optimizer_step(run: Run, sums: MetricSums) -> None:
     """Unscale, clip, step (or skip a non-finite step), update the scaler and the EMA."""
     cfg, optimizer = run.cfg, run.optimizer
     run.scaler.unscale_(optimizer)  # no-op unless fp16: clipping must see the true gradients
-    params = [p for p in run.model.parameters() if p.grad is not None]
     if cfg.TRAIN.CLIP_GRAD_NORM > 0:
-        grad_norm = nn.utils.clip_grad_norm_(params, cfg.TRAIN.CLIP_GRAD_NORM, foreach=True)
+        grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), cfg.TRAIN.CLIP_GRAD_NORM, foreach=True)
     elif cfg.TRAIN.NAN_POLICY == "skip":
-        grad_norm = nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        grad_norm = nn.utils.get_total_norm(grads, foreach=True)
     # With NAN_POLICY "skip" the step needs the norm on the host: that one sync is its price.
     # Gradients are already all-reduced, so every rank takes the same decision.
     if cfg.TRAIN.NAN_POLICY == "skip" and not run.scaler.is_enabled() and not torch.isfinite(grad_norm).item():
