@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from distribuuuu.distributed import is_main_process
+from distribuuuu.errors import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"refusing to load {path}: it holds objects that weights_only=True does not allow "
-            f"({str(e).splitlines()[0][:200]}); if you trust its source, convert it once as the "
+            f"({first_line(e)[:200]}); if you trust its source, convert it once as the "
             "README ('Safe loading') shows"
         ) from None
     except Exception as e:

@@ -14,6 +14,7 @@ from distribuuuu.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg, parse_args
 from distribuuuu.data import BadImageError, DataError
 from distribuuuu.distributed import LaunchError, detect_env_rank, find_free_port
+from distribuuuu.errors import first_line
 from distribuuuu.faults import EXIT_PREEMPTED, PREEMPT_SIGNALS, CollectiveError, NonFiniteLossError, Preempted
 
 EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
@@ -67,8 +68,8 @@ def _one_line(e: Exception) -> str:
     # A DataLoader worker's exception arrives wrapped with its traceback: keep the last line.
     text = str(e).strip()
     if "Original Traceback" in text:
-        text = text.splitlines()[-1].split(": ", 1)[-1]
-    return text.splitlines()[0] if text else type(e).__name__
+        return text.splitlines()[-1].split(": ", 1)[-1]
+    return first_line(e)
 
 
 def _launcher_in_env() -> str:

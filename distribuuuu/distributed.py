@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distribuuuu.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29500
@@ -307,7 +309,7 @@ def check_group(env: DistEnv, timeout_s: float) -> list[dict]:
     except Exception as e:
         raise LaunchError(
             f"rank {env.rank}: start-up check of the process group failed within {timeout_s:g}s "
-            f"(DIST.INIT_CHECK_TIMEOUT_S): {str(e).splitlines()[0]}"
+            f"(DIST.INIT_CHECK_TIMEOUT_S): {first_line(e)}"
         ) from None
     if int(probe.item()) != env.world_size:
         raise LaunchError(f"rank {env.rank}: start-up all-reduce gave {probe.item()}, expected {env.world_size}")

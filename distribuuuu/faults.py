@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
 
 logger = get_logger("faults")
@@ -95,8 +96,7 @@ def _quietly(fn) -> None:
 
 def collective_error(e: BaseException, rank: int, world_size: int, what: str, timeout_s: float) -> CollectiveError:
     """A one-line CollectiveError naming this rank, what failed (with epoch and step) and the silent peers."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # drop gloo's "[/path/to/pair.cc:561]" prefix
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first_line(e))  # drop gloo's "[/path/to/pair.cc:561]" prefix
     if not is_comm_failure(e):
         return CollectiveError(f"rank {rank}: {what} failed: {first}")
     silent = silent_ranks(rank, world_size)

@@ -11,6 +11,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
+from distribuuuu.errors import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def _load_torchvision_pretrained(model: nn.Module, arch: str) -> None:
     except Exception as e:
         raise ConfigError(
             f"MODEL.PRETRAINED: could not load pretrained weights for {arch!r} ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}); place the file under "
+            f"{first_line(e)}); place the file under "
             f"{torch.hub.get_dir()}/checkpoints or set MODEL.PRETRAINED False"
         ) from None
     own = model.state_dict()

@@ -28,6 +28,7 @@ from distribuuuu.distributed import (
     setup_distributed,
 )
 from distribuuuu.ema import ModelEMA
+from distribuuuu.errors import first_line
 from distribuuuu.faults import (
     NonFiniteLossError,
     Preempted,
@@ -478,7 +479,7 @@ def resume_or_load_weights(run: Run) -> None:
             run.ema.module.load_state_dict(run.model.state_dict())
 
 
-def restore_training_state(run: Run, state: dict, path: str = "the checkpoint") -> None:
+def restore_training_state(run: Run, state: dict, path: str) -> None:
     """Load a training checkpoint into the run (weights always; the rest with LOAD_OPT)."""
     run.model.load_state_dict(ckpt.model_state_from(state))
     run.state = TrainState(state["epoch"], state["step_in_epoch"], state["best_acc1"], state["best_weights"])
@@ -516,8 +517,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, optimize
     try:
         optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:
-        detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ckpt.CheckpointError(f"{path}: its optimizer state does not fit this run ({detail}): {hint}") from None
+        raise ckpt.CheckpointError(
+            f"{path}: its optimizer state does not fit this run ({first_line(e)}): {hint}"
+        ) from None
 
 
 def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool = True) -> dict:

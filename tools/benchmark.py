@@ -46,6 +46,7 @@ from distribuuuu.distributed import (  # noqa: E402
     cleanup_distributed,
     setup_distributed,
 )
+from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.faults import seed_everything  # noqa: E402
 from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
@@ -581,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         benchmark(bench, cfg_args)
     except (ConfigError, DataError, LaunchError) as e:
-        print(f"benchmark: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        print(f"benchmark: error: {first_line(e)}", file=sys.stderr)
         return 2
     return 0
 
