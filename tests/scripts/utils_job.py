@@ -62,7 +62,9 @@ def main(out_dir: str) -> None:
 
     utils.barrier()
     utils.cleanup_distributed()
-    print(f"OK rank={rank} world={world} loss={loss_meter.avg:.4f}", flush=True)
+    # One write per line: print() writes text and newline separately, and the ranks share a pipe.
+    sys.stdout.write(f"OK rank={rank} world={world} loss={loss_meter.avg:.4f}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
