@@ -148,8 +148,10 @@ _C.DATA.MIX_PROB = 1.0
 _C.DATA.MIX_SWITCH_PROB = 0.5
 # Unreadable or truncated image: "error" (stop naming its path) or "skip" (skip, count, warn)
 _C.DATA.BAD_IMAGE = "error"
-# Image decoding: "auto" (torchvision.io for JPEG, measured faster; PIL for the rest), "pil", or
-# "torchvision" (torchvision.io for JPEG and PNG)
+# Image decoding: "auto" (torchvision.io for JPEG, measured faster; PIL for the rest), "pil",
+# "torchvision" (torchvision.io for JPEG and PNG), or "batched" (workers read JPEG bytes; the
+# training process decodes each batch's JPEGs in one decode_jpeg call on its device, nvJPEG on
+# GPU, and augments them there; other formats as "auto")
 _C.DATA.DECODER = "auto"
 # Number of synthetic samples per split when MODEL.DUMMY_INPUT is on
 _C.DATA.DUMMY_SIZE = 1024
@@ -253,7 +255,7 @@ LR_POLICIES = ("cos", "steps", "lin")
 OPTIMIZERS = ("sgd", "adamw", "lars")
 AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
-DECODERS = ("auto", "pil", "torchvision")
+DECODERS = ("auto", "pil", "torchvision", "batched")
 
 
 class ConfigError(ValueError):
@@ -383,6 +385,14 @@ def validate_cfg(c: CN) -> None:
     check(0 <= c.DATA.MIX_SWITCH_PROB <= 1, "DATA.MIX_SWITCH_PROB", "must be in [0, 1]", c.DATA.MIX_SWITCH_PROB)
     check(c.DATA.BAD_IMAGE in ("error", "skip"), "DATA.BAD_IMAGE", "must be 'error' or 'skip'", c.DATA.BAD_IMAGE)
     check(c.DATA.DECODER in DECODERS, "DATA.DECODER", f"must be one of {DECODERS}", c.DATA.DECODER)
+    if c.DATA.DECODER == "batched":
+        import torchvision.io  # only here: the config module stays light for tools that only read it
+
+        # torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them).
+        has_it = hasattr(torchvision.io, "decode_jpeg")
+        check(
+            has_it, "DATA.DECODER", "'batched' needs torchvision.io.decode_jpeg, gone from this torchvision", "batched"
+        )
     check(c.DATA.DUMMY_SIZE > 0, "DATA.DUMMY_SIZE", "must be > 0", c.DATA.DUMMY_SIZE)
 
     o = c.OPTIM

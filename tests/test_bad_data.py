@@ -62,10 +62,10 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("distribuuuu: error:")]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_truncated_image_stops_the_run_naming_its_path(bad_tree, tmp_path, workers):
+@pytest.mark.parametrize("workers, decoder", [(0, "auto"), (2, "auto"), (2, "batched")])
+def test_truncated_image_stops_the_run_naming_its_path(bad_tree, tmp_path, workers, decoder):
     root, bad = bad_tree
-    result = _train(root, tmp_path / "out", "TRAIN.WORKERS", str(workers))
+    result = _train(root, tmp_path / "out", "TRAIN.WORKERS", str(workers), "DATA.DECODER", decoder)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = _error_lines(result.stderr)
     assert len(errors) == 1 and f"unreadable image {bad}" in errors[0], result.stderr[-3000:]

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
@@ -56,6 +57,7 @@ from distribuuuu.optim import LARS  # noqa: E402
 WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet photo
+DECODE_BATCH = 32  # JPEGs per decode_jpeg call when timing DATA.DECODER "batched" alone
 
 
 # ------------------------------------------------------------------------------------------------
@@ -469,8 +471,21 @@ def make_photo_folder(root: str, count: int, seed: int = 0) -> str:
     return root
 
 
+def decode_files(files: list[str], decoder: str, device: torch.device, batch: int) -> None:
+    """Decode every file as DATA.DECODER would: one at a time, or ``batch`` JPEGs per decode_jpeg call."""
+    if decoder != "batched":
+        for path in files:
+            load_image(path, decoder)
+        return
+    for i in range(0, len(files), batch):
+        data = [torchvision.io.read_file(path) for path in files[i : i + batch]]
+        torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
-    """PIL vs torchvision.io decoding of 500x375 JPEGs: decode alone, then the full pipeline."""
+    """PIL vs torchvision.io vs batched decode_jpeg on 500x375 JPEGs: decode alone, then the full pipeline."""
     root = tempfile.mkdtemp(prefix="distribuuuu-photos-") if env.is_main_process else None
     try:
         if env.is_main_process:
@@ -479,16 +494,18 @@ def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
         barrier()
         photo_batch = max(1, min(8, bench.photos // (4 * env.world_size)))  # at least 2 batches per rank
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "train")) for f in fs)
-        for decoder in ("pil", "torchvision"):
-            load_image(files[0], decoder)
+        decode_batch = min(DECODE_BATCH, len(files))
+        for decoder in ("pil", "torchvision", "batched"):
+            decode_files(files[:decode_batch], decoder, env.device, decode_batch)  # warm-up (nvJPEG starts)
             tic = time.perf_counter()
-            for path in files:
-                load_image(path, decoder)
+            decode_files(files, decoder, env.device, decode_batch)
             rate = len(files) / (time.perf_counter() - tic)
             report.emit(
                 {
                     "what": "decode",
                     "decoder": decoder,
+                    "device": str(env.device) if decoder == "batched" else "cpu",
+                    "batch": decode_batch if decoder == "batched" else 1,
                     "image": f"{PHOTO_SIZE[0]}x{PHOTO_SIZE[1]} synthetic JPEG q90",
                     "images": len(files),
                     "images_per_s_per_proc": rate,
@@ -538,7 +555,8 @@ def format_table(records: list[dict]) -> str:
             )
         elif w == "decode":
             lines.append(
-                f"decode    {r['decoder']:<11} {r['image']}  {r['images_per_s_per_proc']:9.1f} img/s (1 process)"
+                f"decode    {r['decoder']:<11} {r['image']} on {r['device']}, batch {r['batch']}  "
+                f"{r['images_per_s_per_proc']:9.1f} img/s (1 process)"
             )
         elif w == "eval":
             lines.append(

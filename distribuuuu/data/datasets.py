@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable
 
@@ -31,11 +32,14 @@ class BadImageError(RuntimeError):
 # torchvision.io for JPEG only, where tools/benchmark.py measured it faster than PIL (README,
 # "Performance"); PIL keeps PNGs, whose 16-bit variants it rescales below. torchvision 0.29
 # deprecated its image decoders in favour of TorchCodec: once a release drops them, "auto" is PIL.
+# "batched" decodes JPEGs a batch at a time (data/batched.py); a single image it decodes as "auto".
 _TORCHVISION_DECODES = hasattr(torchvision.io, "decode_image")
+JPEG_SUFFIXES = (".jpg", ".jpeg")
 _TORCHVISION_SUFFIXES = {
     "pil": (),
-    "auto": (".jpg", ".jpeg") if _TORCHVISION_DECODES else (),
-    "torchvision": (".jpg", ".jpeg", ".png"),
+    "auto": JPEG_SUFFIXES if _TORCHVISION_DECODES else (),
+    "batched": JPEG_SUFFIXES,
+    "torchvision": JPEG_SUFFIXES + (".png",),
 }
 
 
@@ -117,6 +121,24 @@ class SyntheticDataset(Dataset):
         return self.images[index], int(self.targets[index])
 
 
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The RNG seed of one sample's augmentation in one epoch."""
+    return (seed * 1_000_003 + epoch) * 10_000_019 + index
+
+
+@contextlib.contextmanager
+def seeded_cpu_rng(seed: int):
+    """Run a block with the global CPU generator seeded to ``seed``, then restore its state.
+
+    torchvision's transforms draw their random parameters from this generator, whatever device
+    the image is on. Only the CPU generator is seeded (torch.manual_seed would also reseed CUDA's,
+    which dropout draws from, when transforms run in the training process).
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(seed)
+        yield
+
+
 class SeededTransformDataset(Dataset):
     """Apply ``transform`` with an RNG seeded from (seed, epoch, index) for each sample.
 
@@ -144,8 +166,7 @@ class SeededTransformDataset(Dataset):
             raise
         if self.transform is None:
             return image, target
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((self.seed * 1_000_003 + epoch) * 10_000_019 + index)
+        with seeded_cpu_rng(sample_seed(self.seed, epoch, index)):
             return self.transform(image), target
 
 

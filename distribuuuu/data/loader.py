@@ -9,7 +9,9 @@ from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
+from distribuuuu.data.batched import BatchDecoder, DecodedLoader, EncodedImageDataset, collate_encoded
 from distribuuuu.data.datasets import (
+    CheckedImageFolder,
     DataError,
     SeededTransformDataset,
     SyntheticDataset,
@@ -26,7 +28,7 @@ from distribuuuu.faults import ignore_preemption_signals
 class Split:
     """A split's loader with its dataset, sampler and class names."""
 
-    loader: DataLoader
+    loader: DataLoader | DecodedLoader
     dataset: Dataset
     sampler: torch.utils.data.Sampler
     classes: list[str]
@@ -45,9 +47,19 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, li
     return base, classes
 
 
-def _loader(cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train: bool) -> DataLoader:
+def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform) -> tuple[Dataset, BatchDecoder | None]:
+    """The sampled dataset, and the training-process decoder when JPEGs are decoded by the batch."""
+    skip_bad = cfg.DATA.BAD_IMAGE == "skip"
+    if cfg.DATA.DECODER == "batched" and isinstance(base, CheckedImageFolder):
+        return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad), BatchDecoder(transform, env.device, skip_bad)
+    return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
+
+
+def _loader(
+    cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train: bool, decoder: BatchDecoder | None = None
+):
     workers = cfg.TRAIN.WORKERS
-    return DataLoader(
+    loader = DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
@@ -56,26 +68,27 @@ def _loader(cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train
         drop_last=train,  # no tiny last batch in training (BatchNorm); eval sees every sample
         persistent_workers=workers > 0 and cfg.TRAIN.PERSISTENT_WORKERS,
         prefetch_factor=cfg.TRAIN.PREFETCH_FACTOR if workers > 0 else None,
-        collate_fn=collate_skipping_bad,
+        collate_fn=collate_skipping_bad if decoder is None else collate_encoded,
         worker_init_fn=ignore_preemption_signals,  # the trainer handles them: see faults.py
         # Its own generator, so creating an epoch's iterator does not draw from the global RNG:
         # otherwise a resumed run's random stream would drift from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.RNG_SEED),
     )
+    return loader if decoder is None else DecodedLoader(loader, decoder)
 
 
 def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg)
-    dataset = SeededTransformDataset(base, transform, cfg.RNG_SEED, cfg.DATA.BAD_IMAGE == "skip")
+    dataset, decoder = _dataset(cfg, env, base, transform)
     sampler = ResumableDistributedSampler(dataset, env.world_size, env.rank, seed=cfg.RNG_SEED)
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
             f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS}) "
             f"exceeds the {len(sampler)} training samples each of {env.world_size} rank(s) gets"
         )
-    loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, train=True)
+    loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, True, decoder)
     return Split(loader, dataset, sampler, classes)
 
 
@@ -83,9 +96,9 @@ def build_val_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Val loader: every sample evaluated exactly once across ranks."""
     base, classes = _base(cfg, cfg.TEST.DATASET, cfg.TEST.SPLIT, train=False)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg)
-    dataset = SeededTransformDataset(base, transform, cfg.RNG_SEED, cfg.DATA.BAD_IMAGE == "skip")
+    dataset, decoder = _dataset(cfg, env, base, transform)
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
-    loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, train=False)
+    loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, False, decoder)
     return Split(loader, dataset, sampler, classes)
 
 

@@ -1,0 +1,168 @@
+"""DATA.DECODER "batched": one decode_jpeg call per batch in the training process gives exactly the
+batches of per-sample decoding in the workers, names or skips a bad JPEG, and trains the same weights."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from PIL import Image
+
+from distribuuuu.checkpoint import load_checkpoint, model_state_from
+from distribuuuu.config import load_cfg
+from distribuuuu.data import BadImageError, build_train_split, build_val_split
+from distribuuuu.data.batched import DecodedLoader
+from distribuuuu.distributed import DistEnv
+
+DIGITS = REPO / "data" / "digits"
+PER_CLASS = {"train": 24, "val": 6}
+
+
+@pytest.fixture(scope="module")
+def mixed_tree(tmp_path_factory) -> Path:
+    """A digits subset where every other image is re-saved as a JPEG: batches mix JPEGs and PNGs."""
+    root = tmp_path_factory.mktemp("mixed")
+    for split, n in PER_CLASS.items():
+        for cls in sorted(p.name for p in (DIGITS / split).iterdir()):
+            dest = root / split / cls
+            dest.mkdir(parents=True)
+            for i, png in enumerate(sorted((DIGITS / split / cls).glob("*.png"))[:n]):
+                if i % 2:
+                    Image.open(png).convert("RGB").save(dest / f"{png.stem}.jpg", quality=90)
+                else:
+                    shutil.copy(png, dest)
+    return root
+
+
+def _cfg(root: Path, decoder: str, workers: int, *extra: str):
+    opts = ["TRAIN.DATASET", str(root), "TEST.DATASET", str(root), "DATA.DECODER", decoder]
+    opts += ["TRAIN.WORKERS", str(workers), "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16", *extra]
+    return load_cfg(None, opts)
+
+
+def _train_batches(root: Path, decoder: str, workers: int, epoch: int, start: int) -> list:
+    # Strong augmentation, so a sample given another sample's seed could not go unnoticed.
+    augment = ("DATA.AUTO_AUGMENT", "trivialaugment", "DATA.RANDOM_ERASING", "0.5", "DATA.HFLIP_PROB", "0.5")
+    split = build_train_split(_cfg(root, decoder, workers, *augment), DistEnv())
+    split.sampler.set_epoch(epoch)
+    split.sampler.set_start(start)
+    return list(split.loader)
+
+
+def _assert_same_batches(a: list, b: list) -> None:
+    assert len(a) == len(b) > 0
+    for (images_a, targets_a, dropped_a), (images_b, targets_b, dropped_b) in zip(a, b):
+        assert torch.equal(images_a, images_b) and torch.equal(targets_a, targets_b)
+        assert dropped_a == dropped_b == 0
+
+
+def test_batched_gives_the_per_sample_batches_exactly_from_any_start(mixed_tree):
+    # "auto" decodes each JPEG with torchvision.io and each PNG with PIL in the workers, and
+    # augments there; "batched" decodes the JPEGs in the training process: same pixels, same seeds.
+    for epoch, start in ((0, 0), (3, 48)):  # a fresh epoch, and one resumed after 3 batches
+        per_sample = _train_batches(mixed_tree, "auto", 0, epoch, start)
+        batched = _train_batches(mixed_tree, "batched", 2, epoch, start)
+        _assert_same_batches(per_sample, batched)
+    val = [list(build_val_split(_cfg(mixed_tree, d, w), DistEnv()).loader) for d, w in (("auto", 2), ("batched", 0))]
+    _assert_same_batches(*val)
+
+
+def test_each_batch_is_one_decode_jpeg_call_over_its_jpegs(mixed_tree, monkeypatch):
+    calls = []
+    decode_jpeg = torchvision.io.decode_jpeg
+
+    def counting(data, *args, **kwargs):
+        calls.append(len(data) if isinstance(data, list) else 1)
+        return decode_jpeg(data, *args, **kwargs)
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", counting)
+    split = build_train_split(_cfg(mixed_tree, "batched", 0), DistEnv())
+    assert isinstance(split.loader, DecodedLoader)
+    batches = list(split.loader)
+    jpegs = [sum(1 for i in range(len(b)) if b.shapes[i] is None) for b in split.loader.loader]
+    assert calls == jpegs and len(calls) == len(batches) and min(calls) > 1, (calls, jpegs)
+
+
+def _truncated_jpeg(path: Path) -> Path:
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(path, quality=95)
+    path.write_bytes(path.read_bytes()[:1000])
+    return path
+
+
+@pytest.fixture
+def bad_tree(mixed_tree, tmp_path) -> tuple[Path, Path, Path]:
+    """The mixed tree plus, in train/3, a truncated JPEG and a PNG named .jpg: (root, bad, misnamed)."""
+    root = tmp_path / "data"
+    shutil.copytree(mixed_tree, root)
+    bad = _truncated_jpeg(root / "train" / "3" / "broken.jpg")
+    misnamed = root / "train" / "3" / "png_inside.jpg"
+    shutil.copy(next((DIGITS / "train" / "3").glob("*.png")), misnamed)
+    return root, bad, misnamed
+
+
+def test_a_bad_jpeg_in_a_batch_is_named(bad_tree):
+    root, bad, _ = bad_tree
+    with pytest.raises(BadImageError, match=f"unreadable image {bad}"):
+        list(build_train_split(_cfg(root, "batched", 0), DistEnv()).loader)
+
+
+def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree):
+    root, _, _ = bad_tree
+    batched = list(build_train_split(_cfg(root, "batched", 2, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
+    per_sample = list(build_train_split(_cfg(root, "auto", 0, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
+    assert sum(d for _, _, d in batched) == sum(d for _, _, d in per_sample) == 1
+    for (images_a, targets_a, _), (images_b, targets_b, _) in zip(batched, per_sample):
+        assert torch.equal(images_a, images_b) and torch.equal(targets_a, targets_b)
+
+
+def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_path):
+    """Training and evaluation through train_net.py: the same metrics and checkpointed weights."""
+    runs = {}
+    for decoder, workers in (("auto", 0), ("batched", 2)):
+        out = tmp_path / decoder
+        args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
+        args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
+        args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5"]
+        assert_ok(run(python(TRAIN, *args), timeout=300, env=clean_env()))
+        weights = model_state_from(load_checkpoint(str(out / "checkpoints" / "ckpt_ep_002.pth.tar")))
+        runs[decoder] = (read_metrics(out), weights)
+    (metrics_a, weights_a), (metrics_b, weights_b) = runs.values()
+    val = [[r["top1"] for r in m if r["split"] == "val"] for m in (metrics_a, metrics_b)]
+    assert val[0] == val[1] and val[0][-1] > 30, val  # 10 classes: chance is 10%
+    assert weights_a.keys() == weights_b.keys()
+    assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+
+
+def test_the_per_sample_transforms_leave_the_cuda_generator_alone(mixed_tree, monkeypatch):
+    # torch.manual_seed would reseed CUDA's generator too (dropout on the GPU draws from it) each
+    # time a sample is augmented in the training process (TRAIN.WORKERS 0, or "batched").
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: reseeded.append(seed))
+    for decoder in ("auto", "batched"):
+        next(iter(build_train_split(_cfg(mixed_tree, decoder, 0), DistEnv()).loader))
+    assert reseeded == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_nvjpeg_decodes_each_batch_on_the_gpu_close_to_the_cpu_path(mixed_tree):
+    # nvJPEG and libjpeg-turbo may round differently, and resizing on the GPU may differ in the
+    # last bits: the batches must agree closely, not bit for bit.
+    on_cpu = list(build_val_split(_cfg(mixed_tree, "batched", 0), DistEnv()).loader)
+    env = DistEnv(device=torch.device("cuda", 0))
+    split = build_val_split(_cfg(mixed_tree, "batched", 2, "TRAIN.PIN_MEMORY", "True"), env)
+    assert split.loader.pin_memory is True
+    on_gpu = list(split.loader)
+    assert len(on_gpu) == len(on_cpu)
+    for (images_gpu, targets_gpu, _), (images_cpu, targets_cpu, _) in zip(on_gpu, on_cpu):
+        assert images_gpu.device.type == "cuda" and images_gpu.shape == images_cpu.shape
+        assert torch.equal(targets_gpu.cpu(), targets_cpu)
+        assert (images_gpu.cpu() - images_cpu).abs().mean() < 0.05
+    train = build_train_split(_cfg(mixed_tree, "batched", 2, "DATA.AUTO_AUGMENT", "trivialaugment"), env)
+    images, targets, _ = next(iter(train.loader))
+    assert images.device.type == "cuda" and images.shape == (16, 3, 32, 32) and torch.isfinite(images).all()
