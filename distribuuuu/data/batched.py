@@ -193,4 +193,6 @@ class DecodedLoader:
         return len(self.loader)
 
     def __getattr__(self, name: str):
+        if name == "loader":  # not set yet (copy, pickle): do not recurse
+            raise AttributeError(name)
         return getattr(self.loader, name)
