@@ -155,10 +155,13 @@ class PreemptionHandler:
 
     def __exit__(self, *exc) -> None:
         if self.requested:
-            # Stopping: keep the handlers (and the hard-exit timer) until the process exits, since
-            # torchrun re-sends SIGTERM to workers that are slow to exit; with the default action
-            # restored, that second signal would kill a worker that already wrote its checkpoint
-            # and turn its exit code 75 into -15.
+            # Stopping: ignore further signals (the hard-exit timer stays) until the process exits,
+            # since torchrun sends SIGTERM to the workers still running once one has exited; with
+            # the default action, that signal would kill a worker that already wrote its checkpoint
+            # and turn its exit code 75 into -15. SIG_IGN, not our handler: Python's finalisation
+            # resets Python-level handlers to the default action, but leaves SIG_IGN in place.
+            for sig in self._previous:
+                signal.signal(sig, signal.SIG_IGN)
             return
         if self._timer is not None:
             self._timer.cancel()

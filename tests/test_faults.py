@@ -218,6 +218,39 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same
     _assert_same_weights(_final_state(out, epochs=1), reference_two)
 
 
+_STOPPING_PROCESS = """
+import os, signal, sys, time
+from distribuuuu.faults import PreemptionHandler
+try:
+    with PreemptionHandler(60) as handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        while not handler.requested:
+            time.sleep(0.01)
+        raise KeyboardInterrupt  # leaves the block as Preempted does
+except KeyboardInterrupt:
+    pass
+print("exiting", flush=True)
+sys.exit(75)
+"""
+
+
+def test_a_preempted_process_still_exits_75_when_signalled_again_while_exiting():
+    # torchrun sends SIGTERM to the workers still running once one exits: a worker that already
+    # checkpointed must exit 75 all the same, even while the interpreter shuts down (that race
+    # turned rank 1's 75 into -15 in the test above).
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STOPPING_PROCESS], stdout=subprocess.PIPE, text=True, env=clean_env()
+    )
+    try:
+        assert proc.stdout.readline().strip() == "exiting"
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            os.kill(proc.pid, signal.SIGTERM)  # again and again, until it is gone
+    finally:
+        proc.kill()
+    assert proc.wait(timeout=60) == 75
+
+
 def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_path):
     timeout_s = 15
     out = tmp_path / "run"
