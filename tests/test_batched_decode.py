@@ -4,6 +4,7 @@ batches of per-sample decoding in the workers, names or skips a bad JPEG, and tr
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -123,16 +124,18 @@ def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree):
 
 def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_path):
     """Training and evaluation through train_net.py: the same metrics and checkpointed weights."""
-    runs = {}
-    for decoder, workers in (("auto", 0), ("batched", 2)):
+
+    def train(decoder: str, workers: int):
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
         args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
         args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5"]
         assert_ok(run(python(TRAIN, *args), timeout=300, env=clean_env()))
-        weights = model_state_from(load_checkpoint(str(out / "checkpoints" / "ckpt_ep_002.pth.tar")))
-        runs[decoder] = (read_metrics(out), weights)
-    (metrics_a, weights_a), (metrics_b, weights_b) = runs.values()
+        return read_metrics(out), model_state_from(load_checkpoint(str(out / "checkpoints" / "ckpt_ep_002.pth.tar")))
+
+    with ThreadPoolExecutor(2) as pool:  # two single-threaded runs: mostly start-up time, overlapped
+        runs = list(pool.map(train, ("auto", "batched"), (0, 2)))
+    (metrics_a, weights_a), (metrics_b, weights_b) = runs
     val = [[r["top1"] for r in m if r["split"] == "val"] for m in (metrics_a, metrics_b)]
     assert val[0] == val[1] and val[0][-1] > 30, val  # 10 classes: chance is 10%
     assert weights_a.keys() == weights_b.keys()
