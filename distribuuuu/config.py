@@ -389,10 +389,8 @@ def validate_cfg(c: CN) -> None:
         import torchvision.io  # only here: the config module stays light for tools that only read it
 
         # torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them).
-        has_it = hasattr(torchvision.io, "decode_jpeg")
-        check(
-            has_it, "DATA.DECODER", "'batched' needs torchvision.io.decode_jpeg, gone from this torchvision", "batched"
-        )
+        gone = "'batched' needs torchvision.io.decode_jpeg, gone from this torchvision"
+        check(hasattr(torchvision.io, "decode_jpeg"), "DATA.DECODER", gone, "batched")
     check(c.DATA.DUMMY_SIZE > 0, "DATA.DUMMY_SIZE", "must be > 0", c.DATA.DUMMY_SIZE)
 
     o = c.OPTIM

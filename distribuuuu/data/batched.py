@@ -30,6 +30,7 @@ from distribuuuu.data.datasets import (
     BadImageError,
     CheckedImageFolder,
     load_image,
+    readable,
     sample_seed,
     seeded_cpu_rng,
 )
@@ -106,9 +107,7 @@ class EncodedBatch:
 
 def collate_encoded(batch: list[EncodedSample | None]) -> EncodedBatch:
     """Concatenate the samples' bytes or pixels into one buffer; drop and count ``None``."""
-    kept = [s for s in batch if s is not None]
-    if not kept:
-        raise BadImageError(f"every image of a batch of {len(batch)} was unreadable")
+    kept = readable(batch)
     sizes = [s.data.numel() for s in kept]
     return EncodedBatch(
         buffer=torch.cat([s.data.reshape(-1) for s in kept]),

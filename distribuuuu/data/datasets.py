@@ -170,10 +170,16 @@ class SeededTransformDataset(Dataset):
             return self.transform(image), target
 
 
-def collate_skipping_bad(batch: list):
-    """Collate like the default, dropping ``None`` samples; returns (images, targets, n_dropped)."""
+def readable(batch: list) -> list:
+    """The samples of a batch that are not ``None`` (unreadable, skipped); an error if none is."""
     kept = [b for b in batch if b is not None]
     if not kept:
         raise BadImageError(f"every image of a batch of {len(batch)} was unreadable")
+    return kept
+
+
+def collate_skipping_bad(batch: list):
+    """Collate like the default, dropping ``None`` samples; returns (images, targets, n_dropped)."""
+    kept = readable(batch)
     images, targets = torch.utils.data.default_collate(kept)
     return images, targets, len(batch) - len(kept)
