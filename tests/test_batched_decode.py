@@ -15,7 +15,7 @@ from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
 from PIL import Image
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
-from distribuuuu.config import load_cfg
+from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, build_train_split, build_val_split
 from distribuuuu.data.batched import DecodedLoader
 from distribuuuu.distributed import DistEnv
@@ -169,3 +169,11 @@ def test_on_cuda_nvjpeg_decodes_each_batch_on_the_gpu_close_to_the_cpu_path(mixe
     train = build_train_split(_cfg(mixed_tree, "batched", 2, "DATA.AUTO_AUGMENT", "trivialaugment"), env)
     images, targets, _ = next(iter(train.loader))
     assert images.device.type == "cuda" and images.shape == (16, 3, 32, 32) and torch.isfinite(images).all()
+
+
+def test_batched_without_decode_jpeg_is_a_config_error_naming_the_key(monkeypatch):
+    # torchvision deprecated its image decoders in 0.29: once a release drops them, say so up front.
+    monkeypatch.delattr(torchvision.io, "decode_jpeg")
+    with pytest.raises(ConfigError, match="DATA.DECODER.*decode_jpeg"):
+        load_cfg(None, ["DATA.DECODER", "batched"])
+    assert load_cfg(None, ["DATA.DECODER", "auto"]).DATA.DECODER == "auto"
