@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
 from distribuuuu.distributed import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,3 +80,12 @@ def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"
     )
+
+
+def truncated_jpeg(path: Path) -> Path:
+    """A JPEG written by PIL, then cut in half: its header opens, its pixels do not decode."""
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(path, quality=95)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    return path

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
 from PIL import Image
 
 from distribuuuu import cli, trainer
@@ -37,20 +37,11 @@ def _digits_tree(root: Path) -> Path:
     return root
 
 
-def _truncated_jpeg(path: Path) -> Path:
-    """A JPEG written by PIL, then cut in half: its header opens, its pixels do not decode."""
-    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    Image.fromarray(noise).save(path, quality=95)
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
-    return path
-
-
 @pytest.fixture
 def bad_tree(tmp_path) -> tuple[Path, Path]:
     """A digits tree whose train/3 holds a truncated JPEG; returns (root, the bad file)."""
     root = _digits_tree(tmp_path / "data")
-    return root, _truncated_jpeg(root / "train" / "3" / "broken.jpg")
+    return root, truncated_jpeg(root / "train" / "3" / "broken.jpg")
 
 
 def _train(root: Path, out: Path, *extra: str):

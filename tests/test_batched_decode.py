@@ -7,11 +7,10 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
 from PIL import Image
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
@@ -89,19 +88,12 @@ def test_each_batch_is_one_decode_jpeg_call_over_its_jpegs(mixed_tree, monkeypat
     assert calls == jpegs and len(calls) == len(batches) and min(calls) > 1, (calls, jpegs)
 
 
-def _truncated_jpeg(path: Path) -> Path:
-    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
-    Image.fromarray(noise).save(path, quality=95)
-    path.write_bytes(path.read_bytes()[:1000])
-    return path
-
-
 @pytest.fixture
 def bad_tree(mixed_tree, tmp_path) -> tuple[Path, Path, Path]:
     """The mixed tree plus, in train/3, a truncated JPEG and a PNG named .jpg: (root, bad, misnamed)."""
     root = tmp_path / "data"
     shutil.copytree(mixed_tree, root)
-    bad = _truncated_jpeg(root / "train" / "3" / "broken.jpg")
+    bad = truncated_jpeg(root / "train" / "3" / "broken.jpg")
     misnamed = root / "train" / "3" / "png_inside.jpg"
     shutil.copy(next((DIGITS / "train" / "3").glob("*.png")), misnamed)
     return root, bad, misnamed
