@@ -13,7 +13,7 @@ from yacs.config import CfgNode
 from distribuuuu.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg, parse_args
 from distribuuuu.data import BadImageError, DataError
-from distribuuuu.distributed import LaunchError, detect_env_rank, find_free_port
+from distribuuuu.distributed import LaunchError, RankLaunchError, detect_env_rank, find_free_port
 from distribuuuu.errors import first_line
 from distribuuuu.faults import EXIT_PREEMPTED, PREEMPT_SIGNALS, CollectiveError, NonFiniteLossError, Preempted
 
@@ -52,7 +52,7 @@ def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
             )
         return EXIT_PREEMPTED
     except _KNOWN as e:
-        if detect_env_rank() == 0 or not isinstance(e, _SAME_ON_EVERY_RANK):
+        if detect_env_rank() == 0 or isinstance(e, RankLaunchError) or not isinstance(e, _SAME_ON_EVERY_RANK):
             print(f"distribuuuu: error: {_one_line(e)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError)) else EXIT_FAILED
     return 0

@@ -83,7 +83,8 @@ _C.TRAIN.PRINT_FREQ = 10
 _C.TRAIN.TOPK = 5
 # Micro-batches accumulated per optimizer step (the gradient all-reduce runs on the last only)
 _C.TRAIN.ACCUM_STEPS = 1
-# Mixed precision: "fp32", "bf16" (autocast, CPU and GPU) or "fp16" (autocast + GradScaler, GPU)
+# Mixed precision: "fp32", "bf16" (autocast) or "fp16" (autocast + GradScaler; on the CPU it runs,
+# slowly, for testing the fp16 path)
 _C.TRAIN.PRECISION = "fp32"
 # Use channels_last memory format for the model and its inputs
 _C.TRAIN.CHANNELS_LAST = False

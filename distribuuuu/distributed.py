@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,11 @@ class DistEnv:
 
 class LaunchError(RuntimeError):
     """The launcher's environment is incomplete or inconsistent."""
+
+
+class RankLaunchError(LaunchError):
+    """A launch failure that some ranks see and others may not (a missing peer, a GPU count):
+    every rank that sees it reports it, naming itself, since rank 0 may be the one missing."""
 
 
 def parse_slurm_nodelist(nodelist: str) -> list[str]:
@@ -135,7 +141,9 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         port = int(get("MASTER_PORT", 15000 + job_id % 20000))
         return DistEnv(
             rank=int(env["SLURM_PROCID"]),
-            world_size=int(env["SLURM_NTASKS"]),
+            # Inside a step (srun) the step's own variables win over the job's: `srun -n 4` in an
+            # allocation of 8 tasks runs 4 ranks.
+            world_size=int(get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
             local_rank=int(get("SLURM_LOCALID", 0)),
             local_world_size=_tasks_on_first_node(get("SLURM_STEP_TASKS_PER_NODE") or get("SLURM_TASKS_PER_NODE", "1")),
             master_addr=get("MASTER_ADDR") or parse_slurm_nodelist(nodelist)[0],
@@ -145,23 +153,44 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     return DistEnv()
 
 
-def setup_distributed(backend: str = "", timeout_s: float = 1800, environ: Mapping[str, str] | None = None) -> DistEnv:
+def select_device(local_rank: int, visible_gpus: int) -> torch.device:
+    """The device of a process, from its LOCAL_RANK and the number of GPUs it sees (pure).
+
+    No GPU: the CPU. Exactly one visible GPU: that one, whatever LOCAL_RANK is, because clusters
+    that bind one GPU per task (``srun --gpus-per-task=1``, ``--gpu-bind=single:1``, a prolog
+    setting CUDA_VISIBLE_DEVICES per task) show each task only its own while SLURM_LOCALID runs
+    0..7. Several visible GPUs: the one at LOCAL_RANK.
+    """
+    if visible_gpus == 0:
+        return torch.device("cpu")
+    if visible_gpus == 1:
+        return torch.device("cuda", 0)
+    if local_rank < visible_gpus:
+        return torch.device("cuda", local_rank)
+    raise LaunchError(
+        f"LOCAL_RANK {local_rank} but only {visible_gpus} GPUs visible on {socket.gethostname()}: "
+        "start at most one process per GPU, or show each process one GPU"
+    )
+
+
+def setup_distributed(
+    backend: str = "", timeout_s: float = 1800, environ: Mapping[str, str] | None = None, join_timeout_s: float = 60
+) -> DistEnv:
     """Detect the launcher, pick the device and initialise the process group (if launched).
 
-    NCCL with one GPU per LOCAL_RANK when CUDA is available, else gloo on the CPU; ``backend``
-    overrides the choice. A plain ``python`` run gets no process group at all.
+    NCCL on the process's GPU when CUDA is available, else gloo on the CPU; ``backend`` overrides
+    the choice. A plain ``python`` run gets no process group at all. Every rank must reach the
+    rendezvous within ``join_timeout_s`` (DIST.INIT_CHECK_TIMEOUT_S), so a rank that never starts
+    fails the job quickly, naming itself; collectives then get ``timeout_s``.
     """
     env = detect_env(environ)
-    if torch.cuda.is_available():
-        if env.local_rank >= torch.cuda.device_count():
-            raise LaunchError(
-                f"rank {env.rank}: LOCAL_RANK {env.local_rank} but only "
-                f"{torch.cuda.device_count()} GPU(s) visible on {socket.gethostname()}"
-            )
-        device = torch.device("cuda", env.local_rank)
+    try:
+        device = select_device(env.local_rank, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    except LaunchError as e:
+        raise RankLaunchError(f"rank {env.rank}: {e}") from None
+    if device.type == "cuda":  # GPU seam: bind this process to its GPU
         torch.cuda.set_device(device)
     else:
-        device = torch.device("cpu")
         _set_cpu_threads(env.local_world_size)
     env = DistEnv(**{**env.__dict__, "device": device})
     if not env.distributed or dist.is_initialized():
@@ -169,17 +198,62 @@ def setup_distributed(backend: str = "", timeout_s: float = 1800, environ: Mappi
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise LaunchError("DIST.BACKEND nccl needs CUDA, which is not available: use gloo")
-    os.environ["MASTER_ADDR"] = env.master_addr
-    os.environ["MASTER_PORT"] = str(env.master_port)
+    store = join_rendezvous(env, join_timeout_s)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend=backend,
-        init_method="env://",
+        store=store,
         rank=env.rank,
         world_size=env.world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if backend == "nccl" else None,
     )
     return env
+
+
+def join_rendezvous(env: DistEnv, timeout_s: float) -> dist.Store:
+    """Meet every rank at MASTER_ADDR:MASTER_PORT within ``timeout_s``, or raise a RankLaunchError naming who is missing.
+
+    ``init_process_group`` alone would wait the long collective timeout for a rank that never
+    started. The rendezvous store is opened with the short timeout instead (rank 0 waits there
+    for every rank to connect), then each rank checks in under its own key, which also catches a
+    missing rank where torchrun's agent hosts the store and nobody waits at connect time.
+    """
+    where = f"{env.master_addr}:{env.master_port}"
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = env.master_addr, str(env.master_port)
+    try:
+        store, _, _ = next(
+            dist.rendezvous("env://", env.rank, env.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        )
+    except dist.DistError as e:
+        who = "not every rank reached" if env.rank == 0 else "could not reach rank 0's"
+        raise RankLaunchError(
+            f"rank {env.rank}: {who} rendezvous at {where} within {timeout_s:g}s (DIST.INIT_CHECK_TIMEOUT_S): "
+            f"{first_line(e)}; check that every rank started and that MASTER_ADDR/MASTER_PORT agree"
+        ) from None
+    missing = _check_in(store, env, timeout_s)
+    if missing:
+        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+        raise RankLaunchError(
+            f"rank {env.rank}: rank(s) {shown} of {env.world_size} did not join the rendezvous at {where} "
+            f"within {timeout_s:g}s (DIST.INIT_CHECK_TIMEOUT_S)"
+        )
+    return store
+
+
+def _check_in(store: dist.Store, env: DistEnv, timeout_s: float) -> list[int]:
+    """Write this rank's key, wait for everyone's; return the ranks missing at the deadline."""
+    # torchrun's agent keeps its store across restarts: keys are per attempt.
+    prefix = f"distribuuuu/joined/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.set(f"{prefix}/{env.rank}", "1")
+    count = store.add(f"{prefix}/count", 1)
+    deadline = time.monotonic() + timeout_s
+    while count < env.world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+        count = store.add(f"{prefix}/count", 0)
+    if count >= env.world_size:
+        return []
+    return [r for r in range(env.world_size) if not store.check([f"{prefix}/{r}"])]
 
 
 def _set_cpu_threads(local_world_size: int) -> None:
@@ -307,12 +381,12 @@ def check_group(env: DistEnv, timeout_s: float) -> list[dict]:
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except Exception as e:
-        raise LaunchError(
+        raise RankLaunchError(
             f"rank {env.rank}: start-up check of the process group failed within {timeout_s:g}s "
             f"(DIST.INIT_CHECK_TIMEOUT_S): {first_line(e)}"
         ) from None
     if int(probe.item()) != env.world_size:
-        raise LaunchError(f"rank {env.rank}: start-up all-reduce gave {probe.item()}, expected {env.world_size}")
+        raise RankLaunchError(f"rank {env.rank}: start-up all-reduce gave {probe.item()}, expected {env.world_size}")
     return all_gather_object(me)
 
 

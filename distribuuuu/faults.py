@@ -234,12 +234,12 @@ def capture_rng_state() -> dict:
 
 def restore_rng_state(state: dict) -> None:
     """Restore what capture_rng_state returned."""
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # RNG states are CPU byte tensors, even CUDA's
     n = state["numpy"]
     np.random.set_state(
-        ("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        ("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
     )
     p = state["python"]
     random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"].cpu())

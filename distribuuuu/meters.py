@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distribuuuu.distributed import all_reduce_sum
+from distribuuuu.distributed import all_reduce_sum, get_rank
 
 
 class AverageMeter:
@@ -53,12 +53,13 @@ class MetricSums:
 
     FIELDS = (
         "loss_sum", "loss_samples", "top1", "topk", "samples", "nonfinite",
-        "skipped_images", "scaler_skips", "stop",
+        "skipped_images", "skipped_steps", "stop",
     )  # fmt: skip
 
     def __init__(self, device: torch.device, k: int):
         self.k = k
         self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+        self._counts_once = get_rank() == 0
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
         """Accumulate a batch: ``loss`` is its mean loss, ``target`` its hard labels."""
@@ -72,6 +73,12 @@ class MetricSums:
     def add_field(self, field: str, value: float | torch.Tensor) -> None:
         """Add to one field (skipped images, or the stop flag that is summed over ranks)."""
         self.sums[self.FIELDS.index(field)] += value
+
+    def add_once(self, field: str, value: float | torch.Tensor) -> None:
+        """Add an event that every rank sees alike (a skipped optimizer step): counted on rank 0 only,
+        so the sum over ranks counts it once, whatever the world size."""
+        if self._counts_once:
+            self.add_field(field, value)
 
     def reduce(self) -> dict[str, float]:
         """Sum over ranks (one all-reduce, one host sync); return the totals and the means."""

@@ -66,12 +66,26 @@ def _optimizer_class_and_kwargs(o: CfgNode) -> tuple[type, dict]:
     return torch.optim.SGD, dict(lr=o.BASE_LR, momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV)
 
 
-def build_optimizer(model: nn.Module, optim_cfg: CfgNode, zero: bool = False) -> torch.optim.Optimizer:
-    """Build OPTIM.OPTIMIZER over the model's parameter groups; ZeRO-1 shards its state."""
+def build_optimizer(
+    model: nn.Module, optim_cfg: CfgNode, zero: bool = False, fused: bool = False
+) -> torch.optim.Optimizer:
+    """Build OPTIM.OPTIMIZER over the model's parameter groups; ZeRO-1 shards its state.
+
+    ``fused`` (asked for with fp16) picks PyTorch's fused AdamW and SGD kernels: they take
+    GradScaler's overflow flag on the device and skip the update there, where any other optimizer
+    makes GradScaler copy the flag to the host every step. LARS, ZeRO-1 and SGD with dampening
+    keep that per-step sync.
+    """
     groups = param_groups(model, optim_cfg.WEIGHT_DECAY, optim_cfg.WEIGHT_DECAY_NORM_BIAS)
     cls, kwargs = _optimizer_class_and_kwargs(optim_cfg)
     if not zero:
-        return cls(groups, **kwargs)
+        fused_sgd = cls is torch.optim.SGD and optim_cfg.DAMPENING == 0
+        if fused and (cls is torch.optim.AdamW or fused_sgd):
+            kwargs["fused"] = True
+        optimizer = cls(groups, **kwargs)
+        if kwargs.get("fused") and fused_sgd and optim_cfg.MOMENTUM > 0:
+            _zero_momentum_buffers(optimizer)
+        return optimizer
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     # ZeroRedundancyOptimizer takes the first group at construction and the rest via add_param_group.
@@ -80,6 +94,18 @@ def build_optimizer(model: nn.Module, optim_cfg: CfgNode, zero: bool = False) ->
     for group in groups[1:]:
         optimizer.add_param_group(group)
     return optimizer
+
+
+def _zero_momentum_buffers(optimizer: torch.optim.SGD) -> None:
+    """Start fused SGD with zero momentum buffers.
+
+    PyTorch's fused SGD creates a missing buffer with ``torch.empty`` and leaves it unwritten when
+    GradScaler skips that step (seen with torch 2.14 on the CPU): the garbage then enters the next
+    update. With dampening 0, a zero buffer gives the same first step: 0 x momentum + gradient.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def scaled_base_lr(optim_cfg: CfgNode, global_batch: int) -> float:

@@ -90,10 +90,8 @@ class Run:
 # ------------------------------------------------------------------------------------------------
 def setup_environment(cfg: CfgNode) -> tuple[DistEnv, object]:
     """Start the process group, check it, prepare OUT_DIR, logging, seeds and cuDNN."""
-    env = setup_distributed(cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_S)
+    env = setup_distributed(cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_S, join_timeout_s=cfg.DIST.INIT_CHECK_TIMEOUT_S)
     table = check_group(env, cfg.DIST.INIT_CHECK_TIMEOUT_S)
-    if cfg.TRAIN.PRECISION == "fp16" and env.device.type != "cuda":
-        raise ConfigError("TRAIN.PRECISION fp16 needs CUDA (GradScaler); use bf16 on the CPU")
     # Rank 0 checks OUT_DIR; every rank learns the verdict, so all stop together, quietly but one.
     problem = _prepare_out_dir(cfg.OUT_DIR) if env.is_main_process else None
     problem = broadcast_object(problem)
@@ -101,6 +99,8 @@ def setup_environment(cfg: CfgNode) -> tuple[DistEnv, object]:
         raise ConfigError(problem)
     setup_logging(cfg.OUT_DIR if env.is_main_process else None, env.rank)
     logger.info("%s launch, %d process(es):\n%s", env.launcher, env.world_size, format_rank_table(table))
+    if cfg.TRAIN.PRECISION == "fp16" and env.device.type == "cpu":
+        logger.warning("TRAIN.PRECISION fp16 on the CPU is slow and meant for testing the fp16 path; use bf16")
     seed_everything(cfg.RNG_SEED + env.rank)
     torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
     torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
@@ -189,7 +189,7 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         model=model,
         forward_model=forward_model,
         eval_model=compiled_or_plain,
-        optimizer=build_optimizer(model, cfg.OPTIM, zero=cfg.OPTIM.ZERO and is_dist()),
+        optimizer=build_optimizer(model, cfg.OPTIM, zero=cfg.OPTIM.ZERO and is_dist(), fused=t.PRECISION == "fp16"),
         scaler=torch.amp.GradScaler(env.device.type, enabled=t.PRECISION == "fp16"),
         criterion=nn.CrossEntropyLoss(label_smoothing=t.LABEL_SMOOTHING),
         train=train,
@@ -249,30 +249,42 @@ def train_step(run: Run, micro_batches: list, sums: MetricSums) -> torch.Tensor:
 
 
 def optimizer_step(run: Run, sums: MetricSums) -> None:
-    """Unscale, clip, step (or skip a non-finite step), update the scaler and the EMA."""
+    """Unscale, clip, step (or skip a non-finite step), update the scaler and the EMA.
+
+    Skipped steps are counted once per optimizer step: gradients are already all-reduced, so
+    every rank sees the same norm and takes the same decision, and ``add_once`` counts it on one.
+    """
     cfg, optimizer = run.cfg, run.optimizer
     run.scaler.unscale_(optimizer)  # no-op unless fp16: clipping must see the true gradients
-    if cfg.TRAIN.CLIP_GRAD_NORM > 0:
-        grad_norm = nn.utils.clip_grad_norm_(run.model.parameters(), cfg.TRAIN.CLIP_GRAD_NORM, foreach=True)
-    elif cfg.TRAIN.NAN_POLICY == "skip":
-        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
-        grad_norm = nn.utils.get_total_norm(grads, foreach=True)
-    # With NAN_POLICY "skip" the step needs the norm on the host: that one sync is its price.
-    # Gradients are already all-reduced, so every rank takes the same decision.
-    if cfg.TRAIN.NAN_POLICY == "skip" and not run.scaler.is_enabled() and not torch.isfinite(grad_norm).item():
+    grad_norm = gradient_norm(run)
+    if run.scaler.is_enabled():
+        # GradScaler skips exactly the steps whose unscaled gradients hold an inf or NaN, which is
+        # when their norm is not finite: counted on the device, with no host sync (get_scale()
+        # would copy the scale to the host every step).
+        sums.add_once("skipped_steps", ~torch.isfinite(grad_norm))
+        run.scaler.step(optimizer)
+        run.scaler.update()
+    elif cfg.TRAIN.NAN_POLICY == "skip" and not torch.isfinite(grad_norm).item():
+        # With NAN_POLICY "skip" the step needs the norm on the host: that one sync is its price.
+        sums.add_once("skipped_steps", 1)
         optimizer.zero_grad(set_to_none=True)
         return
-    if run.scaler.is_enabled():
-        scale = run.scaler.get_scale()
-        run.scaler.step(optimizer)  # skips the step itself when gradients overflowed
-        run.scaler.update()
-        if run.scaler.get_scale() < scale:
-            sums.add_field("scaler_skips", 1)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if run.ema is not None and (run.global_step + 1) % cfg.OPTIM.EMA_PERIOD == 0:
         run.ema.update(run.model)
+
+
+def gradient_norm(run: Run) -> torch.Tensor | None:
+    """The global gradient norm (clipping to TRAIN.CLIP_GRAD_NORM first), or None when nothing needs it."""
+    t = run.cfg.TRAIN
+    if t.CLIP_GRAD_NORM > 0:
+        return nn.utils.clip_grad_norm_(run.model.parameters(), t.CLIP_GRAD_NORM, foreach=True)
+    if run.scaler.is_enabled() or t.NAN_POLICY == "skip":
+        grads = [p.grad for p in run.model.parameters() if p.grad is not None]
+        return nn.utils.get_total_norm(grads, foreach=True)
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,12 +318,15 @@ def train_epoch(run: Run, epoch: int) -> dict:
                 raise  # a bug in the model or the step: its traceback is what the user needs
             raise _with_context(e, run, epoch, step) from e
         run.state.step_in_epoch = step + 1
-        if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == run.steps_per_epoch:
+        # A mid-epoch checkpoint is a sync point too: its weights pass the non-finite check first.
+        checkpoint_due = t.CKPT_PERIOD_ITERS and (step + 1) % t.CKPT_PERIOD_ITERS == 0
+        checkpoint_due = checkpoint_due and step + 1 < run.steps_per_epoch
+        if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == run.steps_per_epoch or checkpoint_due:
             totals = sync_point(run, window, window_losses, epoch, step + 1, clock)
             _accumulate(epoch_totals, totals)
             if totals["stop"]:
                 stop_for_preemption(run)
-        if t.CKPT_PERIOD_ITERS and (step + 1) % t.CKPT_PERIOD_ITERS == 0 and step + 1 < run.steps_per_epoch:
+        if checkpoint_due:
             save_training_checkpoint(run)
     epoch_totals["time_s"] = time.perf_counter() - clock["epoch_start"]
     return epoch_totals
@@ -324,7 +339,7 @@ def _with_context(e: RuntimeError, run: Run, epoch: int, step: int) -> RuntimeEr
 
 
 def _accumulate(acc: dict, totals: dict) -> None:
-    for key in ("loss_sum", "loss_samples", "top1", "topk", "samples", "nonfinite", "skipped_images", "scaler_skips"):
+    for key in ("loss_sum", "loss_samples", "top1", "topk", "samples", "nonfinite", "skipped_images", "skipped_steps"):
         acc[key] = acc.get(key, 0.0) + totals[key]
 
 
@@ -353,12 +368,16 @@ def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, st
         epoch + 1, run.cfg.OPTIM.MAX_EPOCH, step, run.steps_per_epoch, totals["loss"], totals["top1_acc"],
         run.cfg.TRAIN.TOPK, totals["topk_acc"], run.optimizer.param_groups[0]["lr"],
         totals["samples"] / max(elapsed, 1e-9), clock["data"] / max(steps, 1), _hms(eta_s),
-        f"  non-finite steps skipped {int(totals['nonfinite'])}" if totals["nonfinite"] else "",
+        f"  {_skipped_what(run)} {int(totals['skipped_steps'])}" if totals["skipped_steps"] else "",
     )  # fmt: skip
     window.reset()
     window_losses.clear()
     clock.update(data=0.0, start=time.perf_counter())
     return totals
+
+
+def _skipped_what(run: Run) -> str:
+    return "fp16 overflow steps skipped" if run.scaler.is_enabled() else "non-finite steps skipped"
 
 
 def _first_nonfinite_step(window_losses: list, last_step: int) -> int:
@@ -471,7 +490,9 @@ def resume_or_load_weights(run: Run) -> None:
     if path:
         if cfg.MODEL.WEIGHTS:
             logger.info("resuming from %s: it wins over MODEL.WEIGHTS %s", path, cfg.MODEL.WEIGHTS)
-        restore_training_state(run, ckpt.load_checkpoint(path, map_location=run.env.device), path)
+        # Always read to the CPU: load_state_dict copies weights to their device, and the RNG
+        # states must stay CPU byte tensors (torch.set_rng_state, torch.cuda.set_rng_state).
+        restore_training_state(run, ckpt.load_checkpoint(path, map_location="cpu"), path)
         logger.info("resumed from %s at epoch %d, step %d", path, run.state.epoch + 1, run.state.step_in_epoch)
     elif cfg.MODEL.WEIGHTS:
         load_weights(run.model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, strict=False)
@@ -641,9 +662,9 @@ def write_train_record(run: Run, epoch: int, totals: dict) -> None:
             "images_per_s": totals.get("samples", 0.0) / max(totals["time_s"], 1e-9),
             "time_s": totals["time_s"],
             "samples": int(totals.get("samples", 0)),
-            "nonfinite_steps": int(totals.get("nonfinite", 0)),
+            "nonfinite_steps": 0 if run.scaler.is_enabled() else int(totals.get("skipped_steps", 0)),
             "skipped_images": int(totals.get("skipped_images", 0)),
-            "scaler_skips": int(totals.get("scaler_skips", 0)),
+            "scaler_skips": int(totals.get("skipped_steps", 0)) if run.scaler.is_enabled() else 0,
             "step": run.global_step,
         }
     )

@@ -57,7 +57,7 @@ def hot_loop_tiny(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
     return TinyNet(num_classes)
 
 
-def hot_loop_cfg(world_size: int):
+def hot_loop_cfg(world_size: int, precision: str = "fp32"):
     """25 steps per epoch of the digits' val split (361 images: quick to decode), sync every 10 steps."""
     batch = 361 // world_size // STEPS  # 14 for one rank, 7 for two: 25 full batches each
     return load_cfg(
@@ -65,6 +65,7 @@ def hot_loop_cfg(world_size: int):
         [
             "MODEL.ARCH", "hot_loop_tiny", "TRAIN.DATASET", str(REPO / "data" / "digits"), "TRAIN.SPLIT", "val", "TEST.DATASET", str(REPO / "data" / "digits"), "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16",
             "TRAIN.BATCH_SIZE", str(batch), "TRAIN.PRINT_FREQ", str(PRINT_FREQ), "OPTIM.MAX_EPOCH", "2",
+            "TRAIN.PRECISION", precision,
         ],
     )  # fmt: skip
 
@@ -79,9 +80,9 @@ def digits_batches() -> list:
     return list(_digits_run(DistEnv()).train.loader)
 
 
-def _digits_run(env: DistEnv) -> trainer.Run:
+def _digits_run(env: DistEnv, precision: str = "fp32") -> trainer.Run:
     torch.manual_seed(0)
-    run = trainer.build_run(hot_loop_cfg(env.world_size), env, NullWriter())
+    run = trainer.build_run(hot_loop_cfg(env.world_size, precision), env, NullWriter())
     run.train.sampler.set_epoch(0)
     return run
 
@@ -149,9 +150,11 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def test_one_rank_loop_syncs_only_every_print_freq_steps(digits_batches):
+# fp16: GradScaler's overflow checks and skipped-step count must stay on the device too.
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_one_rank_loop_syncs_only_every_print_freq_steps(digits_batches, precision):
     with one_rank_group():
-        run = with_batches(_digits_run(DistEnv()), digits_batches)
+        run = with_batches(_digits_run(DistEnv(), precision), digits_batches)
         assert run.steps_per_epoch == STEPS
         calls = record_epoch(run)
     check_collectives(calls)
@@ -176,8 +179,9 @@ def test_the_checks_catch_a_per_step_all_reduce_and_item(digits_batches, monkeyp
     assert sorted({step for _, name, step in calls if name == "item"}) == list(range(STEPS - 6, STEPS))
 
 
-def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(tmp_path):
-    result = run(torchrun(2, __file__, str(tmp_path)), timeout=300, env=clean_env())
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(tmp_path, precision):
+    result = run(torchrun(2, __file__, str(tmp_path), precision), timeout=300, env=clean_env())
     assert_ok(result)
     for rank in range(2):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -188,11 +192,11 @@ def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(tmp_path):
         check_host_syncs(calls)
 
 
-def _worker(out_dir: str) -> None:
+def _worker(out_dir: str, precision: str) -> None:
     """One rank of the two-process job: record an epoch and write what was called."""
     env = setup_distributed("gloo", 300)
     try:
-        run = _digits_run(env)
+        run = _digits_run(env, precision)
         run = with_batches(run, list(run.train.loader))
         calls = record_epoch(run)
         record = {
@@ -206,4 +210,4 @@ def _worker(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])

@@ -5,6 +5,9 @@ the hooks below are added, so a test can inject a fault at an exact, computable 
 
 - ``FAULT_NAN_CALLS="5,6"``: the training forward passes with these 1-based call numbers (counted
   per process) return NaN logits. With ACCUM_STEPS 1, forward call k is the k-th optimizer step.
+- ``FAULT_INF_GRAD_CALLS="9"``: these forward passes are finite, but their backward pass gives the
+  model's output an infinite gradient (the loss stays finite, the gradients do not).
+- ``FAULT_FP16_INIT_SCALE=16777216``: the GradScaler starts at this scale (never grows within the run).
 - ``FAULT_SIGNAL_AT_STEP=N`` (with ``FAULT_SIGNAL=SIGTERM|SIGUSR1``, ``FAULT_SIGNAL_RANK=0``): after
   global optimizer step N (1-based) the process sends itself the signal, as a scheduler would.
 """
@@ -24,6 +27,19 @@ from distribuuuu import cli, trainer  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 
 _NAN_CALLS = {int(c) for c in os.environ.get("FAULT_NAN_CALLS", "").split(",") if c}
+_INF_GRAD_CALLS = {int(c) for c in os.environ.get("FAULT_INF_GRAD_CALLS", "").split(",") if c}
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity forward; an infinite gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf")
 
 
 class TinyNet(nn.Module):
@@ -50,6 +66,8 @@ class TinyNet(nn.Module):
             self.train_calls += 1
             if self.train_calls in _NAN_CALLS:
                 out = out * float("nan")  # after BatchNorm: its running statistics stay finite
+            if self.train_calls in _INF_GRAD_CALLS:
+                out = _InfGradient.apply(out)
         return out
 
 
@@ -75,6 +93,22 @@ def _signal_hook() -> None:
     trainer.train_step = train_step
 
 
+def _scaler_hook() -> None:
+    """Wrap trainer.build_run so that the fp16 GradScaler starts at FAULT_FP16_INIT_SCALE."""
+    init_scale = float(os.environ.get("FAULT_FP16_INIT_SCALE", "0"))
+    if not init_scale:
+        return
+    real_build_run = trainer.build_run
+
+    def build_run(cfg, env, writer):
+        run = real_build_run(cfg, env, writer)
+        run.scaler = torch.amp.GradScaler(env.device.type, init_scale=init_scale, growth_interval=10**6)
+        return run
+
+    trainer.build_run = build_run
+
+
 if __name__ == "__main__":
     _signal_hook()
+    _scaler_hook()
     sys.exit(cli.run_tool(trainer.train_model, description=__doc__))

@@ -1,0 +1,269 @@
+"""What only a GPU or a cluster would show, tested through seams the CPU runs (issue 11).
+
+Resume hands CPU RNG states to the restore; skipped steps are counted once per optimizer step
+whatever the world size; fp16 runs (and skips overflowing steps) on the CPU; a mid-epoch
+checkpoint never holds non-finite weights; one visible GPU per task; a rank that never starts
+fails the job quickly; Slurm's step variables; two torchrun agents acting as two nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
+from torch import nn
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu import distributed as D
+from distribuuuu import faults, trainer
+from distribuuuu.config import load_cfg
+from distribuuuu.distributed import DistEnv, LaunchError, detect_env, find_free_port, select_device
+from distribuuuu.logger import NullWriter
+from distribuuuu.models import register_model
+
+FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
+DIGITS = str(REPO / "data" / "digits")
+TINY = [
+    "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.DATASET", DIGITS,
+    "TEST.DATASET", DIGITS, "OPTIM.MAX_EPOCH", "1",
+]  # fmt: skip
+
+
+@register_model("paths_tiny")
+def paths_tiny(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+
+def _train_records(out_dir) -> list[dict]:
+    return [r for r in read_metrics(out_dir) if r["split"] == "train"]
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 1: resume on a GPU handed CUDA tensors to torch.set_rng_state
+# ------------------------------------------------------------------------------------------------
+def test_resume_hands_the_rng_restore_cpu_states_whatever_the_runs_device(tmp_path, monkeypatch, plain_logging):
+    cfg = load_cfg(None, ["MODEL.ARCH", "paths_tiny", "OUT_DIR", str(tmp_path), *TINY[2:]])
+    saved = trainer.build_run(cfg, DistEnv(), NullWriter())
+    saved.state.step_in_epoch = 3
+    trainer.save_training_checkpoint(saved)
+    handed: list[dict] = []
+    monkeypatch.setattr(trainer, "restore_rng_state", handed.append)
+    # A GPU run names its device "cuda"; "meta" stands in for any device that is not the CPU.
+    on_another_device = dataclasses.replace(saved, env=DistEnv(device=torch.device("meta")))
+    trainer.resume_or_load_weights(on_another_device)
+    assert len(handed) == 1 and {t.device.type for t in _tensors(handed[0])} == {"cpu"}
+    faults.restore_rng_state(handed[0])  # and the real restore takes them
+
+
+# ------------------------------------------------------------------------------------------------
+# Findings 2 and 3: skipped steps counted once per optimizer step; fp16 on the CPU
+# ------------------------------------------------------------------------------------------------
+# 2 ranks x 2 micro-batches of 16: forward calls 5 and 6 are optimizer step 3, call 13 starts step 7.
+TWO_ACCUM = [*TINY, "TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "2", "TRAIN.PRINT_FREQ", "5"]
+FAULTS = dict(FAULT_NAN_CALLS="5,6", FAULT_INF_GRAD_CALLS="13")
+
+
+def test_two_ranks_count_each_skipped_non_finite_step_once(tmp_path):
+    """A NaN loss on both ranks' micro-batches of one step, and a step whose loss is finite but
+    whose gradients are not: two skipped optimizer steps (not 4 + 0, as per rank and micro-batch)."""
+    cmd = torchrun(2, FAULT, "OUT_DIR", str(tmp_path), *TWO_ACCUM, "TRAIN.NAN_POLICY", "skip")
+    assert_ok(run(cmd, timeout=300, env=clean_env(**FAULTS)))
+    [record] = _train_records(tmp_path)
+    assert record["nonfinite_steps"] == 2 and record["scaler_skips"] == 0
+    final = ckpt.load_checkpoint(str(tmp_path / "checkpoints" / ckpt.checkpoint_name(1)))
+    assert all(torch.isfinite(t).all() for t in final["model"].values())
+
+
+def test_fp16_on_the_cpu_counts_each_overflow_skip_once_in_two_processes(tmp_path):
+    """Every skipped step halves the scale and nothing grows it in this run, so the number of
+    skipped steps is log2(initial scale / final scale): the checkpoint's scaler says it too."""
+    init_scale = 2.0**24  # fp16 gradients overflow at first: the scaler backs off step by step
+    env = clean_env(**FAULTS, FAULT_FP16_INIT_SCALE=str(init_scale))
+    cmd = torchrun(
+        2, FAULT, "OUT_DIR", str(tmp_path), *TWO_ACCUM, "TRAIN.PRECISION", "fp16", "TRAIN.NAN_POLICY", "skip"
+    )
+    result = run(cmd, timeout=600, env=env)
+    assert_ok(result)
+    assert "fp16 on the CPU is slow" in result.stdout + result.stderr
+    [record] = _train_records(tmp_path)
+    final = ckpt.load_checkpoint(str(tmp_path / "checkpoints" / ckpt.checkpoint_name(1)))
+    halvings = math.log2(init_scale / final["scaler"]["scale"])
+    assert halvings >= 3 and record["scaler_skips"] == halvings and record["nonfinite_steps"] == 0
+    assert all(t.dtype == torch.float32 for t in final["model"].values() if t.is_floating_point())
+    assert all(torch.isfinite(t).all() for t in final["model"].values())
+
+
+@pytest.mark.slow
+def test_fp16_on_the_cpu_trains_and_resumes_its_scaler_bit_identically(tmp_path):
+    args = [*TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRECISION", "fp16", "TRAIN.PRINT_FREQ", "20"]
+    env = clean_env(FAULT_FP16_INIT_SCALE=str(2.0**20))
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert_ok(run(python(FAULT, "OUT_DIR", str(straight), *args), timeout=600, env=env))
+    assert_ok(run(python(FAULT, "OUT_DIR", str(split), *args, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=600, env=env))
+    resumed = run(python(FAULT, "OUT_DIR", str(split), *args), timeout=600, env=env)
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout
+    train = _train_records(straight)
+    assert len(train) == 2 and train[1]["loss"] < train[0]["loss"]
+    a, b = (ckpt.load_checkpoint(str(d / "checkpoints" / ckpt.checkpoint_name(2))) for d in (straight, split))
+    assert a["scaler"] == b["scaler"] and a["scaler"]["scale"] < 2.0**20
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(x, y) for x, y in zip(_tensors(a["optimizer"]), _tensors(b["optimizer"])))
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 4: a mid-epoch checkpoint written before the non-finite check saw its steps
+# ------------------------------------------------------------------------------------------------
+def test_a_mid_epoch_checkpoint_never_holds_weights_from_a_non_finite_step(tmp_path):
+    # NaN at step 3; metrics every 10 steps, a checkpoint every 5: the checkpoint step must check.
+    args = [*TINY, "TRAIN.PRINT_FREQ", "10", "TRAIN.CKPT_PERIOD_ITERS", "5"]
+    result = run(python(FAULT, "OUT_DIR", str(tmp_path), *args), timeout=300, env=clean_env(FAULT_NAN_CALLS="3"))
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
+    assert len(errors) == 1 and "non-finite loss at epoch 1, step 3:" in errors[0]
+    assert ckpt.list_checkpoints(str(tmp_path / "checkpoints")) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 5: one visible GPU per task
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "local_rank, visible, expected",
+    [(0, 0, "cpu"), (5, 0, "cpu"), (0, 1, "cuda:0"), (5, 1, "cuda:0"), (7, 1, "cuda:0"), (3, 8, "cuda:3")],
+)
+def test_the_device_follows_local_rank_unless_the_task_sees_one_gpu(local_rank, visible, expected):
+    assert select_device(local_rank, visible) == torch.device(expected)
+
+
+def test_more_local_ranks_than_visible_gpus_is_a_launch_error():
+    with pytest.raises(LaunchError, match="LOCAL_RANK 4 but only 2 GPUs visible"):
+        select_device(4, 2)
+
+
+def test_a_slurm_task_bound_to_one_gpu_gets_it_whatever_its_localid(monkeypatch):
+    """``srun --gpus-per-task=1``: SLURM_LOCALID 5, and CUDA_VISIBLE_DEVICES shows one GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    bound: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: True)  # stop before the process group
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "5", "SLURM_NODELIST": "gpu01"}
+    env = D.setup_distributed(environ=slurm)
+    assert env.rank == 5 and env.local_rank == 5 and env.device == torch.device("cuda", 0)
+    assert bound == [torch.device("cuda", 0)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding 6: a rank that never starts fails the job within DIST.INIT_CHECK_TIMEOUT_S
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "rank, message",
+    [(0, "rank 0: not every rank reached rendezvous"), (1, "rank 1: could not reach rank 0's rendezvous")],
+)
+def test_a_rank_alone_fails_fast_naming_the_rendezvous_and_the_key(tmp_path, rank, message):
+    port = find_free_port()
+    env = clean_env(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    args = ["OUT_DIR", str(tmp_path), *FAST, "DIST.INIT_CHECK_TIMEOUT_S", "3", "DIST.TIMEOUT_S", "600"]
+    tic = time.monotonic()
+    result = run(python(TRAIN, *args), timeout=90, env=env)
+    elapsed = time.monotonic() - tic
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
+    assert len(errors) == 1 and message in errors[0] and "DIST.INIT_CHECK_TIMEOUT_S" in errors[0], errors
+    assert f"127.0.0.1:{port}" in errors[0]
+    assert elapsed < 60, f"took {elapsed:.0f}s: waited for DIST.TIMEOUT_S, not the start-up check"
+
+
+def test_check_in_names_the_ranks_that_never_joined():
+    store = dist.HashStore()
+    tic = time.monotonic()
+    assert D._check_in(store, DistEnv(rank=1, world_size=3), timeout_s=0.5) == [0, 2]
+    assert time.monotonic() - tic < 5
+
+
+def test_check_in_returns_when_every_rank_has_joined():
+    store, results = dist.HashStore(), {}
+
+    def join(rank: int) -> None:
+        results[rank] = D._check_in(store, DistEnv(rank=rank, world_size=3), timeout_s=30)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: [], 1: [], 2: []}
+
+
+# ------------------------------------------------------------------------------------------------
+# Slurm: node lists and the step's variables
+# ------------------------------------------------------------------------------------------------
+def test_several_ranges_and_prefixes_in_a_node_list():
+    assert D.parse_slurm_nodelist("gpu[01-02,05],cpu03") == ["gpu01", "gpu02", "gpu05", "cpu03"]
+    assert D.parse_slurm_nodelist("a[1-2],b-[7,9]x") == ["a1", "a2", "b-7x", "b-9x"]
+
+
+def test_the_steps_variables_win_over_the_jobs_when_they_disagree():
+    """``srun -n 4`` inside an allocation of 8 tasks on a[1-2]: the step runs 4 ranks on b[3-4]."""
+    environ = {
+        "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_NODELIST": "a[1-2]", "SLURM_STEP_NODELIST": "b[3-4]", "SLURM_TASKS_PER_NODE": "4(x2)",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_ID": "77",
+    }  # fmt: skip
+    env = detect_env(environ)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (1, 4, 1, 2)
+    assert env.master_addr == "b3" and env.launcher == "slurm"
+
+
+# ------------------------------------------------------------------------------------------------
+# Two torchrun agents acting as two nodes on one host
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_torchrun_agents_as_two_nodes_only_global_rank_0_writes(tmp_path):
+    """Each "node" gets its own OUT_DIR on the command line: node 1's LOCAL_RANK 0 must write
+    nothing there (no log, metrics or checkpoint), and node 0's rank 0 writes everything."""
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    outs = [tmp_path / "node0", tmp_path / "node1"]
+    args = [*TINY, "TRAIN.PRINT_FREQ", "5", "TRAIN.CKPT_PERIOD_ITERS", "10"]
+    procs = []
+    for node, out in enumerate(outs):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
+            FAULT, "OUT_DIR", str(out), *args,
+        ]  # fmt: skip
+        procs.append(threading.Thread(target=lambda c=cmd, i=node: results.__setitem__(i, run(c, timeout=300))))
+    results: dict = {}
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(330)
+    for node in (0, 1):
+        assert_ok(results[node])
+    log = (outs[0] / "log.txt").read_text()
+    table = re.findall(r"^\s*(\d+)\s+\S+\s+(\d+)\s+(?:cpu|cuda:\d+)$", log, flags=re.M)
+    assert table == [("0", "0"), ("1", "0")], log[:2000]  # global ranks 0 and 1, each LOCAL_RANK 0
+    assert [r["epoch"] for r in _train_records(outs[0])] == [1]
+    assert ckpt.list_checkpoints(str(outs[0] / "checkpoints"))
+    assert not outs[1].exists() or not any(outs[1].rglob("*")), sorted(outs[1].rglob("*"))
