@@ -1,4 +1,4 @@
-"""The README stays true: every config key documented, CI runs its test command, examples exist."""
+"""The docs stay true: every config key documented, every page reachable, links resolve, examples run."""
 
 from __future__ import annotations
 
@@ -7,11 +7,18 @@ import sys
 
 from helpers import REPO, assert_ok, run, torchrun
 
+from distribuuuu import utils
 from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.config import get_cfg_defaults
 
 sys.path.insert(0, str(REPO / "tools"))
 import config_reference  # noqa: E402
+
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+CONFIG_REFERENCE = DOCS / "config-reference.md"
+# Markdown links and images: [text](target) / ![alt](target); the target ends at ")" or a title.
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
 def _flat_keys(node, prefix: str = "") -> list[str]:
@@ -26,28 +33,71 @@ def _bash_blocks(text: str) -> list[str]:
     return re.findall(r"^```bash\n(.*?)^```$", text, flags=re.S | re.M)
 
 
-def test_readme_documents_every_config_key():
-    readme = (REPO / "README.md").read_text()
-    missing = [k for k in _flat_keys(get_cfg_defaults()) if f"`{k}`" not in readme]
-    assert not missing, f"README lacks these config keys (run tools/config_reference.py): {missing}"
-    # Defaults and comments too: the README holds the generated table verbatim.
-    assert config_reference.reference_table() in readme, "README's config reference is stale: regenerate it"
+def _without_code(text: str) -> str:
+    """The text outside fenced code blocks and inline code, where links are links."""
+    text = re.sub(r"^```.*?^```$", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
 
 
-def test_readme_opens_with_the_install_and_train_then_install_and_test_commands():
-    train_cmd, test_cmd = _bash_blocks((REPO / "README.md").read_text())[:2]
-    assert "pip install -e ." in train_cmd and "torchrun --nproc_per_node=2 tools/train_net.py" in train_cmd
-    assert 'pip install -e ".[test]"' in test_cmd and "pytest" in test_cmd
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to dashes."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```$", "", text, flags=re.S | re.M), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
-def test_ci_runs_the_readmes_test_command():
-    ci = (REPO / ".ci" / "run").read_text()
-    assert "README.md" in ci and "n==2" in ci, ".ci/run must execute the README's second bash block"
+def _pages() -> list:
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
-def test_the_readmes_utils_example_runs_under_torchrun_with_two_processes(tmp_path):
-    blocks = re.findall(r"^```python\n(.*?)^```$", (REPO / "README.md").read_text(), flags=re.S | re.M)
-    [example] = [b for b in blocks if "from distribuuuu import utils" in b]
+def test_the_config_reference_documents_every_config_key():
+    page = CONFIG_REFERENCE.read_text()
+    missing = [k for k in _flat_keys(get_cfg_defaults()) if f"`{k}`" not in page]
+    assert not missing, f"{CONFIG_REFERENCE.name} lacks these config keys (run tools/config_reference.py): {missing}"
+    # Defaults and comments too: the page holds the generated table verbatim.
+    assert config_reference.reference_table() in page, f"{CONFIG_REFERENCE.name} is stale: regenerate its table"
+
+
+def test_the_readmes_second_bash_block_is_the_test_command_that_ci_runs():
+    # .ci/run executes the README's second ```bash block; the first is install + train.
+    blocks = _bash_blocks(README.read_text())
+    assert len(blocks) >= 2 and "tools/train_net.py" in blocks[0] and "pytest" in blocks[1], blocks[:2]
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {target.split("#")[0] for target in _LINK.findall(_without_code(README.read_text()))}
+    unlinked = [f"docs/{p.name}" for p in sorted(DOCS.glob("*.md")) if f"docs/{p.name}" not in linked]
+    assert not unlinked, f"README.md links none of these pages: {unlinked}"
+
+
+def test_every_relative_link_in_the_readme_and_docs_points_to_an_existing_file_and_heading():
+    broken = []
+    for page in _pages():
+        for target in _LINK.findall(_without_code(page.read_text())):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_the_utils_toolbox_page_names_every_public_name_of_distribuuuu_utils():
+    page = (DOCS / "development.md").read_text()
+    missing = [name for name in utils.__all__ if f"`{name}`" not in page]
+    assert not missing, f"docs/development.md does not list these names of distribuuuu.utils: {missing}"
+
+
+def test_the_docs_utils_example_runs_under_torchrun_with_two_processes(tmp_path):
+    examples = [
+        block
+        for page in _pages()
+        for block in re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.S | re.M)
+        if "from distribuuuu import utils" in block
+    ]
+    [example] = examples
     script = tmp_path / "example.py"
     script.write_text(example)
     result = run(torchrun(2, str(script)), timeout=300, cwd=tmp_path)

@@ -1,7 +1,7 @@
 """Print the config reference (every key, its default and its comment) as a Markdown table.
 
 The comments in distribuuuu/config.py are the single source: ``python tools/config_reference.py``
-regenerates the README's "Config reference" section from them.
+regenerates the table of docs/config-reference.md from them.
 """
 
 from __future__ import annotations
