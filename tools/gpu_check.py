@@ -396,13 +396,15 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is first touched: the trainer's device is the CPU
     elif not torch.cuda.is_available():
         if detect_env_rank() == 0:
-            print("gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to check")
+            print(
+                "gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to check", file=sys.stderr
+            )
         return EXIT_NOTHING_TO_CHECK
     try:
         env = setup_distributed("gloo" if args.device == "cpu" else "", timeout_s=300)
     except (LaunchError, ValueError) as e:
         if detect_env_rank() == 0:
-            print(f"gpu_check: error: {first_line(e)}")
+            print(f"gpu_check: error: {first_line(e)}", file=sys.stderr)
         return EXIT_NOTHING_TO_CHECK
     work_dir = broadcast_object(
         args.work_dir or (tempfile.mkdtemp(prefix="gpu_check_") if env.is_main_process else None)
