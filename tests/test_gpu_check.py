@@ -1,0 +1,86 @@
+"""tools/gpu_check.py: one line and exit 2 without a GPU; with --device cpu, the CPU-capable checks
+pass under torchrun and the CUDA-only ones skip; a check that raises is a FAIL row and exit 1."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+
+import pytest
+import torch
+from helpers import REPO, assert_ok, clean_env, python, run, torchrun
+
+GPU_CHECK = str(REPO / "tools" / "gpu_check.py")
+CPU_CHECKS = {"all-reduce + rank table", "fp16 + GradScaler", "bf16 autocast", "channels_last", "resume bit-identical"}
+
+
+@functools.cache
+def _tool():
+    spec = importlib.util.spec_from_file_location("gpu_check_tool", GPU_CHECK)
+    tool = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+    spec.loader.exec_module(tool)
+    return tool
+
+
+def _rows(stdout: str, names: list[str]) -> dict[str, str]:
+    """The result column of each check's row in the printed table."""
+    rows = {}
+    for line in stdout.splitlines():
+        name = next((n for n in names if line.startswith(n + " ")), None)
+        if name:
+            rows[name] = line[len(name) :].split()[0]
+    return rows
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the checks would run")
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
+    result = run(python(GPU_CHECK), timeout=120)
+    lines = (result.stdout + result.stderr).splitlines()
+    assert result.returncode == 2, result
+    assert len(lines) == 1 and "no CUDA GPU visible" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_pass_the_cpu_checks_and_skip_the_cuda_ones(tmp_path):
+    cmd = torchrun(2, GPU_CHECK, "--device", "cpu", "--work-dir", str(tmp_path))
+    result = run(cmd, timeout=300, env=clean_env())
+    assert_ok(result)
+    names = [name for name, _ in _tool().CHECKS]
+    rows = _rows(result.stdout, names)
+    assert rows == {n: "PASS" if n in CPU_CHECKS else "SKIP" for n in names}, result.stdout
+    assert "0:cpu 1:cpu" in result.stdout  # the rank table, one device per rank
+    assert "5 passed, 0 failed, 5 skipped" in result.stdout
+
+
+def test_a_check_that_raises_is_a_fail_row_and_the_others_still_run():
+    tool = _tool()
+
+    def broken(ctx):
+        raise RuntimeError("CUDA error: an illegal memory access\nmore lines")
+
+    def not_here(ctx):
+        raise tool.Skip("needs 2 or more ranks")
+
+    def fails(ctx):
+        tool.expect(False, "loss did not fall")
+
+    printed: list[str] = []
+    checks = [("raises", broken), ("skips", not_here), ("expects", fails), ("passes", lambda ctx: "fine")]
+    results = tool.run_checks(checks, ctx=None, print_row=printed.append)
+    assert [(r.name, r.status) for r in results] == [
+        ("raises", "FAIL"), ("skips", "SKIP"), ("expects", "FAIL"), ("passes", "PASS"),
+    ]  # fmt: skip
+    assert results[0].detail == "RuntimeError: CUDA error: an illegal memory access"
+    assert results[2].detail == "CheckFailed: loss did not fall"
+    assert len(printed) == 1 + len(checks) and "FAIL" in printed[1] and "illegal memory access" in printed[1]
+    assert tool.exit_code(results) == 1
+    assert tool.exit_code(results[1:2] + results[3:]) == 0  # SKIP and PASS only
+
+
+def test_a_failure_on_any_rank_fails_the_row_and_names_the_rank():
+    tool = _tool()
+    ok, bad = tool.Result("x", "PASS", 1.0, "fine"), tool.Result("x", "FAIL", 2.5, "TypeError: boom")
+    merged = tool.merge_ranks([ok, bad, ok])
+    assert (merged.status, merged.seconds, merged.detail) == ("FAIL", 2.5, "rank 1: TypeError: boom")
+    assert tool.merge_ranks([ok, ok]).detail == "fine"

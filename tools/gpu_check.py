@@ -1,0 +1,439 @@
+"""GPU acceptance check: run what the CPU-only test suite cannot, and print a pass/fail table.
+
+    torchrun --nproc_per_node=8 tools/gpu_check.py     # every check, SyncBatchNorm across 8 GPUs
+    torchrun --nproc_per_node=1 tools/gpu_check.py     # or: python tools/gpu_check.py
+    torchrun --nproc_per_node=2 tools/gpu_check.py --device cpu   # developers: gloo on the CPU
+
+It takes well under 5 minutes on one node: each check trains a few steps or two short epochs on
+the embedded data/digits at 16x16 pixels. Rank 0 prints one row per check (name, PASS / FAIL /
+SKIP, seconds, one line of detail) as it finishes; a check fails when it fails on any rank, and a
+failing check does not stop the others. Exit status: 0 if no check failed, 1 if one did, 2 if
+there is nothing to check (no CUDA GPU visible: one line says so) or the launch is wrong.
+
+``--device cpu`` runs the checks that make sense without CUDA (all-reduce and rank table with
+gloo, fp16 and bf16 autocast, channels_last, resume) and skips the CUDA-only ones with a reason;
+the test suite runs it that way. Trainer runs write to a temporary folder, removed at the end
+(``--work-dir DIR`` keeps them; with several nodes it must be on a shared filesystem). A check
+that fails on some ranks only, inside a collective, may hold the others until the 300 s timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+from torch import nn  # noqa: E402
+
+from distribuuuu import checkpoint as ckpt  # noqa: E402
+from distribuuuu import trainer  # noqa: E402
+from distribuuuu.config import load_cfg  # noqa: E402
+from distribuuuu.data import build_train_split, build_val_split  # noqa: E402
+from distribuuuu.distributed import (  # noqa: E402
+    DistEnv,
+    LaunchError,
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    check_group,
+    cleanup_distributed,
+    detect_env_rank,
+    setup_distributed,
+)
+from distribuuuu.errors import first_line  # noqa: E402
+from distribuuuu.faults import seed_everything  # noqa: E402
+from distribuuuu.logger import NullWriter, setup_logging  # noqa: E402
+from distribuuuu.meters import MetricSums  # noqa: E402
+from distribuuuu.models import register_model  # noqa: E402
+
+EXIT_FAILED, EXIT_NOTHING_TO_CHECK = 1, 2
+DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "digits")
+TINY = "gpu_check_tiny"
+
+
+class Skip(Exception):
+    """The check does not apply here; the message says why."""
+
+
+class CheckFailed(Exception):
+    """The check ran and found a defect (not an assert: ``python -O`` must not pass it)."""
+
+
+@dataclass
+class Context:
+    env: DistEnv
+    work_dir: str  # the same folder on every rank
+
+
+@dataclass
+class Result:
+    name: str
+    status: str  # PASS | FAIL | SKIP
+    seconds: float
+    detail: str
+
+
+@register_model(TINY)
+def tiny_net(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    """Two conv-BN-ReLU blocks: compiles in seconds, still has BatchNorm and a conv for cuDNN."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# The runner: every rank runs every check; rank 0 prints the merged verdict
+# ------------------------------------------------------------------------------------------------
+def expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise CheckFailed(message)
+
+
+def expect_close(what: str, actual: torch.Tensor, expected: torch.Tensor, rtol=1e-4, atol=1e-5) -> None:
+    if not torch.allclose(actual, expected, rtol=rtol, atol=atol):
+        worst = (actual - expected).abs().max().item()
+        raise CheckFailed(f"{what} differs: max |diff| {worst:.3g} (rtol {rtol:g}, atol {atol:g})")
+
+
+def run_check(name: str, check: Callable[[Context], str], ctx: Context) -> Result:
+    """Run one check on this rank; any exception is its FAIL, never the script's end."""
+    tic = time.perf_counter()
+    try:
+        status, detail = "PASS", check(ctx) or ""
+    except Skip as e:
+        status, detail = "SKIP", str(e)
+    except Exception as e:
+        status, detail = "FAIL", f"{type(e).__name__}: {first_line(e)}"
+    return Result(name, status, time.perf_counter() - tic, detail)
+
+
+def merge_ranks(results: list[Result]) -> Result:
+    """One row per check: the first failing rank's result (naming the rank), else rank 0's."""
+    failed = [(rank, r) for rank, r in enumerate(results) if r.status == "FAIL"]
+    rank, r = failed[0] if failed else (0, results[0])
+    detail = f"rank {rank}: {r.detail}" if failed and len(results) > 1 else r.detail
+    return Result(r.name, r.status, max(x.seconds for x in results), detail)
+
+
+def format_row(r: Result) -> str:
+    return f"{r.name:<30} {r.status:<6} {r.seconds:>7.1f}  {r.detail}"
+
+
+def run_checks(checks: list[tuple[str, Callable]], ctx: Context, print_row: Callable = print) -> list[Result]:
+    """Run each check on every rank, merge the ranks' verdicts and print each row as it is known."""
+    print_row(f"{'check':<30} {'result':<6} {'seconds':>7}  detail")
+    merged = []
+    for name, check in checks:
+        merged.append(merge_ranks(all_gather_object(run_check(name, check, ctx))))
+        print_row(format_row(merged[-1]))
+    return merged
+
+
+def exit_code(results: list[Result]) -> int:
+    return EXIT_FAILED if any(r.status == "FAIL" for r in results) else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared set-up of the checks
+# ------------------------------------------------------------------------------------------------
+def needs_cuda(ctx: Context) -> torch.device:
+    if ctx.env.device.type != "cuda":
+        raise Skip("CUDA only (--device cpu)")
+    return ctx.env.device
+
+
+def make_cfg(ctx: Context, name: str, *opts: str):
+    """The digits at 16x16, batch 32, OUT_DIR under the shared work folder; ``opts`` on top."""
+    base = ["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
+    base += ["TRAIN.BATCH_SIZE", "32", "TRAIN.PRINT_FREQ", "1000", "OUT_DIR", os.path.join(ctx.work_dir, name)]
+    return load_cfg(None, [*base, *opts])
+
+
+def build_tiny_run(ctx: Context, name: str, *opts: str) -> tuple[trainer.Run, list]:
+    """The trainer's Run for the tiny model (DDP when there are several ranks) and one fixed batch."""
+    cfg = make_cfg(ctx, name, "MODEL.ARCH", TINY, "OPTIM.BASE_LR", "0.1", *opts)
+    seed_everything(cfg.RNG_SEED + ctx.env.rank)
+    run = trainer.build_run(cfg, ctx.env, NullWriter())
+    return run, [next(iter(run.train.loader))]
+
+
+def train_steps(run: trainer.Run, batch: list, steps: int) -> list[float]:
+    """Train ``steps`` steps of the trainer's own train_step on one batch; return the losses."""
+    sums = MetricSums(run.env.device, run.cfg.TRAIN.TOPK)
+    return [trainer.train_step(run, batch, sums).item() for _ in range(steps)]
+
+
+def loss_falls(ctx: Context, name: str, *opts: str, steps: int = 6) -> str:
+    run, batch = build_tiny_run(ctx, name, *opts)
+    losses = train_steps(run, batch, steps)
+    expect(all(map(math.isfinite, losses)), f"non-finite loss: {losses}")
+    expect(losses[-1] < losses[0], f"loss did not fall on a fixed batch: {losses}")
+    return f"{steps} steps on one batch: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+@contextlib.contextmanager
+def in_this_process_group():
+    """Let trainer.train_model run in-process: keep the group it would destroy, log to files only."""
+
+    def log_to_file_only(out_dir, rank):
+        log = setup_logging(out_dir, rank)
+        log.handlers = [h for h in log.handlers if type(h) is not logging.StreamHandler]
+        return log
+
+    with mock.patch.object(trainer, "cleanup_distributed", lambda: None):
+        with mock.patch.object(trainer, "setup_logging", log_to_file_only):
+            yield
+
+
+# ------------------------------------------------------------------------------------------------
+# The checks: each returns a one-line detail, raises Skip, or fails by raising
+# ------------------------------------------------------------------------------------------------
+def physical_device(env: DistEnv) -> str:
+    """The GPU's UUID, not its index: with one GPU bound per task, every rank sees cuda:0."""
+    return str(torch.cuda.get_device_properties(env.device).uuid) if env.device.type == "cuda" else f"cpu{env.rank}"
+
+
+def check_all_reduce(ctx: Context) -> str:
+    """An all-reduce has the closed-form sum; the rank table shows every rank on a GPU of its own."""
+    env, n, w = ctx.env, 1024, ctx.env.world_size
+    values = all_reduce_sum(torch.arange(n, dtype=torch.float32, device=env.device) * (env.rank + 1))
+    expected = torch.arange(n, dtype=torch.float32) * (w * (w + 1) // 2)
+    expect(torch.equal(values.cpu(), expected), f"sum of (rank+1)*arange({n}) is not {w * (w + 1) // 2}*arange")
+    rows = check_group(env, timeout_s=30)
+    devices = [r["device"] for r in rows]
+    expect([r["rank"] for r in rows] == list(range(w)), f"rank table lists ranks {[r['rank'] for r in rows]}")
+    expect(all(d.startswith(env.device.type) for d in devices), f"rank table devices {devices}")
+    owners = all_gather_object((rows[env.rank]["host"], physical_device(env)))
+    expect(len(set(owners)) == w, f"ranks share a device: {owners}")
+    hosts = len({r["host"] for r in rows})
+    return f"{w} rank(s) on {hosts} host(s), sum exact; " + " ".join(f"{r['rank']}:{d}" for r, d in zip(rows, devices))
+
+
+def check_syncbn_conversion(ctx: Context) -> str:
+    """MODEL.SYNCBN converts every BatchNorm of the model on CUDA."""
+    needs_cuda(ctx)
+    model = trainer.build_model_for(make_cfg(ctx, "syncbn", "MODEL.SYNCBN", "True"), ctx.env)
+    kinds = [type(m) for m in model.modules()]
+    synced, plain = kinds.count(nn.SyncBatchNorm), kinds.count(nn.BatchNorm2d)
+    expect(synced > 0 and plain == 0, f"{synced} SyncBatchNorm, {plain} BatchNorm2d left")
+    expect(next(model.parameters()).device == ctx.env.device, "model is not on this rank's GPU")
+    return f"resnet18: {synced} SyncBatchNorm layers, none left unconverted"
+
+
+def check_syncbn_statistics(ctx: Context) -> str:
+    """SyncBatchNorm in DDP, each rank on its slice, matches BatchNorm2d on the whole batch."""
+    device, world, rank = needs_cuda(ctx), ctx.env.world_size, ctx.env.rank
+    if world < 2:
+        raise Skip("needs 2 or more ranks (torchrun --nproc_per_node=2 or more)")
+    full = torch.randn(4 * world, 8, 6, 6, generator=torch.Generator().manual_seed(0)) * 3 + 2
+    grad_out = torch.randn(full.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    full = full.to(device).requires_grad_()
+    reference = nn.BatchNorm2d(8).to(device)
+    expected = reference(full)
+    (expected * grad_out).sum().backward()
+    expected = expected.detach()
+    mine = slice(4 * rank, 4 * rank + 4)
+    part = full.detach()[mine].clone().requires_grad_()
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(8))).to(device)
+    ddp = nn.parallel.DistributedDataParallel(synced, device_ids=[device.index])
+    out = ddp(part)
+    (out * grad_out[mine]).sum().backward()
+    bn = synced[0]
+    expect_close("output", out, expected[mine])
+    expect_close("running mean", bn.running_mean, reference.running_mean)
+    expect_close("running var", bn.running_var, reference.running_var)
+    expect_close("input gradient", part.grad, full.grad[mine])
+    expect_close("weight gradient", bn.weight.grad * world, reference.weight.grad)  # DDP averages over ranks
+    return f"{world} ranks x 4 samples: output, running mean/var, input and weight grads within rtol 1e-4, atol 1e-5"
+
+
+def check_fp16_scaler(ctx: Context) -> str:
+    """fp16 steps of the trainer: finite loss; an overflowing step is skipped; the scaler is saved."""
+    run, batch = build_tiny_run(ctx, "fp16", "TRAIN.PRECISION", "fp16")
+    losses = train_steps(run, batch, 3)
+    expect(all(map(math.isfinite, losses)), f"non-finite fp16 loss: {losses}")
+    run.scaler.update(2.0**40)  # the scaled gradients overflow fp16: the step must be skipped
+    before = [p.detach().clone() for p in run.model.parameters()]
+    train_steps(run, batch, 1)
+    expect(all(torch.equal(a, p) for a, p in zip(before, run.model.parameters())), "an overflow step changed weights")
+    scale = run.scaler.get_scale()
+    expect(scale < 2.0**40, f"the scale did not back off after an overflow ({scale:g})")
+    run.state.step_in_epoch = 4
+    path = trainer.save_training_checkpoint(run)
+    if ctx.env.is_main_process:  # the one that wrote it
+        state = ckpt.load_checkpoint(path)
+        expect(state["scaler"] is not None and state["scaler"]["scale"] == scale, f"checkpoint holds {state['scaler']}")
+        dtypes = {v.dtype for v in state["model"].values() if v.is_floating_point()}
+        expect(dtypes == {torch.float32}, f"fp16 training saved weights of {dtypes}, not float32")
+    return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; overflow at scale 2^40 skipped, now 2^{math.log2(scale):g}"
+
+
+def check_bf16(ctx: Context) -> str:
+    if ctx.env.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise Skip(f"{torch.cuda.get_device_name()} has no bf16")
+    return loss_falls(ctx, "bf16", "TRAIN.PRECISION", "bf16")
+
+
+def check_channels_last(ctx: Context) -> str:
+    return loss_falls(ctx, "channels_last", "TRAIN.CHANNELS_LAST", "True")
+
+
+def check_compile(ctx: Context) -> str:
+    needs_cuda(ctx)
+    if importlib.util.find_spec("triton") is None:
+        raise Skip("triton is not installed (torch.compile's GPU code generator)")
+    return loss_falls(ctx, "compile", "TRAIN.COMPILE", "True")
+
+
+def check_pinned_copy(ctx: Context) -> str:
+    """The training loader pins its batches; a non_blocking copy to the GPU has the same values."""
+    device = needs_cuda(ctx)
+    cfg = make_cfg(ctx, "pinned", "TRAIN.PIN_MEMORY", "True", "TRAIN.WORKERS", "2")
+    loader = build_train_split(cfg, ctx.env).loader
+    expect(loader.pin_memory, "the training loader does not pin memory on CUDA")
+    images, targets, _ = next(iter(loader))
+    expect(images.is_pinned() and targets.is_pinned(), "the batch is not in pinned memory")
+    on_gpu, targets_gpu = trainer.to_device(images, targets, ctx.env, channels_last=False)
+    expect(on_gpu.device == device, f"the copy went to {on_gpu.device}")
+    expect(torch.equal(on_gpu.cpu(), images) and torch.equal(targets_gpu.cpu(), targets), "copied values differ")
+    return f"batch {tuple(images.shape)} pinned; non_blocking copy identical"
+
+
+def jpeg_tree(root: str, per_class: int = 12) -> str:
+    """A digits subset in which every other image is re-saved as a JPEG (batches mix both kinds)."""
+    for split in ("train", "val"):
+        for cls in sorted(os.listdir(os.path.join(DIGITS, split))):
+            os.makedirs(os.path.join(root, split, cls), exist_ok=True)
+            for i, name in enumerate(sorted(os.listdir(os.path.join(DIGITS, split, cls)))[:per_class]):
+                src, stem = os.path.join(DIGITS, split, cls, name), os.path.splitext(name)[0]
+                if i % 2:
+                    Image.open(src).convert("RGB").save(os.path.join(root, split, cls, f"{stem}.jpg"), quality=90)
+                else:
+                    shutil.copy(src, os.path.join(root, split, cls, name))
+    return root
+
+
+def check_nvjpeg(ctx: Context) -> str:
+    """DATA.DECODER batched decodes each batch with nvJPEG on the GPU, close to the CPU decode."""
+    device = needs_cuda(ctx)
+    root = jpeg_tree(os.path.join(ctx.work_dir, f"jpeg_rank{ctx.env.rank}"))
+    opts = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", "batched", "TEST.BATCH_SIZE", "16"]
+    on_cpu = list(build_val_split(make_cfg(ctx, "nvjpeg", *opts, "TRAIN.WORKERS", "0"), DistEnv()).loader)
+    split = build_val_split(make_cfg(ctx, "nvjpeg", *opts, "TRAIN.WORKERS", "2"), DistEnv(device=device))
+    on_gpu = list(split.loader)
+    expect(split.loader.pin_memory and len(on_gpu) == len(on_cpu), "no pinned memory, or another batch count")
+    # nvJPEG and libjpeg-turbo may round differently: close, not bit for bit.
+    worst = 0.0
+    for (images_gpu, targets_gpu, _), (images_cpu, targets_cpu, _) in zip(on_gpu, on_cpu):
+        expect(images_gpu.device == device and images_gpu.shape == images_cpu.shape, "batch not on the GPU")
+        expect(torch.equal(targets_gpu.cpu(), targets_cpu), "targets differ")
+        worst = max(worst, (images_gpu.cpu() - images_cpu).abs().mean().item())
+    expect(worst < 0.05, f"mean |GPU - CPU| of a batch is {worst:.4f} >= 0.05")
+    train_cfg = make_cfg(ctx, "nvjpeg", *opts, "TRAIN.WORKERS", "2", "DATA.AUTO_AUGMENT", "trivialaugment")
+    images, _, _ = next(iter(build_train_split(train_cfg, DistEnv(device=device)).loader))
+    shape = (32, 3, 16, 16)
+    expect(images.device == device and images.shape == shape, f"augmented batch {images.shape} on {images.device}")
+    expect(bool(torch.isfinite(images).all()), "the augmented batch on the GPU is not finite")
+    return f"{len(on_gpu)} val batches: worst mean |GPU - CPU| {worst:.4f} (< 0.05); augmented train batch ok"
+
+
+def check_resume(ctx: Context) -> str:
+    """Two epochs straight equal one epoch, a stop, and a resume: every checkpointed tensor."""
+    runs = ("straight", "resumed")
+    # resnet18 for cuDNN's kernels on the GPU; the tiny model keeps the CPU variant to seconds.
+    # With several GPUs, SyncBatchNorm trains end to end here too.
+    cuda = ctx.env.device.type == "cuda"
+    arch = "resnet18" if cuda else TINY
+    opts = ["MODEL.ARCH", arch, "MODEL.SYNCBN", str(cuda), "OPTIM.MAX_EPOCH", "2"]
+    opts += ["CUDNN.DETERMINISTIC", "True", "CUDNN.BENCHMARK", "False"]
+    with in_this_process_group():
+        trainer.train_model(make_cfg(ctx, runs[0], *opts))
+        trainer.train_model(make_cfg(ctx, runs[1], *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"))
+        trainer.train_model(make_cfg(ctx, runs[1], *opts))  # TRAIN.AUTO_RESUME is on by default
+    if not ctx.env.is_main_process:
+        return ""
+    a, b = (ckpt.load_checkpoint(os.path.join(ctx.work_dir, d, ckpt.CKPT_DIR, "ckpt_ep_002.pth.tar")) for d in runs)
+    if ckpt.state_checksum(a) != ckpt.state_checksum(b):  # SHA-256 over every model and optimizer tensor
+        differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
+        raise CheckFailed(f"checkpoints differ: {len(differ)} of {len(a['model'])} model tensors, e.g. {differ[:2]}")
+    return f"{arch}, 2 epochs: the {len(a['model'])} model tensors and the optimizer state identical"
+
+
+CHECKS = [
+    ("all-reduce + rank table", check_all_reduce),
+    ("SyncBatchNorm conversion", check_syncbn_conversion),
+    ("SyncBatchNorm = full-batch BN", check_syncbn_statistics),
+    ("fp16 + GradScaler", check_fp16_scaler),
+    ("bf16 autocast", check_bf16),
+    ("channels_last", check_channels_last),
+    ("torch.compile", check_compile),
+    ("pinned memory, non_blocking", check_pinned_copy),
+    ("batched nvJPEG decode", check_nvjpeg),
+    ("resume bit-identical", check_resume),
+]
+
+
+def describe(env: DistEnv) -> str:
+    where = f"{env.world_size} rank(s) on {env.device.type}, torch {torch.__version__}"
+    if env.device.type == "cuda":
+        nccl = torch.cuda.nccl.version()  # a tuple on current PyTorch, an int on old ones
+        where += f", CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}"
+        where += f", {torch.cuda.get_device_name(env.device)}"
+    return where
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, CUDA checks skip")
+    parser.add_argument("--work-dir", default="", help="keep the trainer runs here (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before CUDA is first touched: the trainer's device is the CPU
+    elif not torch.cuda.is_available():
+        if detect_env_rank() == 0:
+            print(
+                "gpu_check: no CUDA GPU visible (torch.cuda.is_available() is False): nothing to check", file=sys.stderr
+            )
+        return EXIT_NOTHING_TO_CHECK
+    try:
+        env = setup_distributed("gloo" if args.device == "cpu" else "", timeout_s=300)
+    except (LaunchError, ValueError) as e:
+        if detect_env_rank() == 0:
+            print(f"gpu_check: error: {first_line(e)}", file=sys.stderr)
+        return EXIT_NOTHING_TO_CHECK
+    work_dir = broadcast_object(
+        args.work_dir or (tempfile.mkdtemp(prefix="gpu_check_") if env.is_main_process else None)
+    )
+    say = (lambda line: print(line, flush=True)) if env.is_main_process else (lambda line: None)
+    say(f"gpu_check: {describe(env)}")
+    try:
+        results = run_checks(CHECKS, Context(env, work_dir), say)
+        failed, skipped = (sum(r.status == s for r in results) for s in ("FAIL", "SKIP"))
+        say(f"gpu_check: {len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped")
+        return exit_code(results)
+    finally:
+        barrier()
+        if env.is_main_process and not args.work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+        cleanup_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
