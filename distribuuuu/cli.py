@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -11,17 +12,38 @@ from typing import Callable
 from yacs.config import CfgNode
 
 from distribuuuu.checkpoint import CheckpointError
-from distribuuuu.config import ConfigError, load_cfg, parse_args
+from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, DataError
-from distribuuuu.distributed import LaunchError, RankLaunchError, detect_env_rank, find_free_port
 from distribuuuu.errors import first_line
-from distribuuuu.faults import EXIT_PREEMPTED, PREEMPT_SIGNALS, CollectiveError, NonFiniteLossError, Preempted
+from distribuuuu.faults import CollectiveError, NonFiniteLossError
+from distribuuuu.launch import LaunchError, RankLaunchError, detect_env_rank, find_free_port
+from distribuuuu.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, Preempted
 
 EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
 EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher environment or checkpoint
 # Errors raised identically on every rank: rank 0 alone prints them, so they appear once.
 _SAME_ON_EVERY_RANK = (ConfigError, DataError, LaunchError, CheckpointError, NonFiniteLossError)
 _KNOWN = _SAME_ON_EVERY_RANK + (BadImageError, CollectiveError)
+
+
+def parse_args(argv: Sequence[str] | None = None, description: str = "") -> argparse.Namespace:
+    """Parse ``--cfg FILE [KEY VALUE ...]``; also accept the old launcher's --local_rank."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cfg", dest="cfg_file", default=None, help="YAML config file")
+    # torch.distributed.launch passes --local_rank (old) or --local-rank (torch >= 2.0); the value
+    # is also in the LOCAL_RANK environment variable, which is what setup_distributed reads.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="start N local worker processes without a launcher (torch.multiprocessing spawn)",
+    )
+    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
+    args = parser.parse_args(argv)
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
+    return args
 
 
 def run_tool(main: Callable[[CfgNode], object], argv: Sequence[str] | None = None, description: str = "") -> int:

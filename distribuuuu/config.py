@@ -9,26 +9,17 @@ library functions take the config (or one section of it) as an argument.
 
 from __future__ import annotations
 
-import argparse
+import ast
+import difflib
 import os
 import re
 from collections.abc import Sequence
+from typing import Any, Callable
 
-import yacs.config
+import yaml
 from yacs.config import CfgNode as CN
 
-_strict_coerce = yacs.config._check_and_coerce_cfg_value_type
-
-
-def _coerce_int_to_float(replacement, original, key, full_key):
-    # yacs rejects an int where the default is a float ("OPTIM.BASE_LR 1", "WARMUP_EPOCHS: 5");
-    # every user trips on that, so widen exactly this case and keep all other checks strict.
-    if isinstance(original, float) and type(replacement) is int:
-        return float(replacement)
-    return _strict_coerce(replacement, original, key, full_key)
-
-
-yacs.config._check_and_coerce_cfg_value_type = _coerce_int_to_float
+from distribuuuu.errors import first_line
 
 _C = CN()
 
@@ -248,9 +239,6 @@ _C.CFG_DEST = "config.yaml"
 # Random seed (every value, 0 included, is a seed)
 _C.RNG_SEED = 1
 
-# The global config, for command-line tools and scripts only; library code takes cfg as argument
-cfg = _C.clone()
-
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")
 OPTIMIZERS = ("sgd", "adamw", "lars")
@@ -268,26 +256,96 @@ def get_cfg_defaults() -> CN:
     return _C.clone()
 
 
-def load_cfg(cfg_file: str | None = None, opts: Sequence[str] = ()) -> CN:
-    """Build a validated, frozen config from defaults, an optional YAML file and KEY VALUE pairs."""
-    config = get_cfg_defaults()
+def load_cfg(cfg_file: str | None = None, opts: Sequence[str] = (), base: CN | None = None) -> CN:
+    """Build a validated, frozen config from ``base`` (the defaults), a YAML file and KEY VALUE pairs."""
+    config = (base or _C).clone()
     if cfg_file:
-        if not os.path.isfile(cfg_file):
-            raise ConfigError(f"config file not found: {cfg_file}")
-        try:
-            config.merge_from_file(cfg_file)
-        except Exception as e:  # yacs raises KeyError/ValueError/yaml errors with poor context
-            raise ConfigError(f"{cfg_file}: {_yacs_message(e)}") from None
+        _merge(config, _read_yaml(cfg_file), cfg_file)
     if len(opts) % 2:
         raise ConfigError(f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
-    try:
-        config.merge_from_list(list(opts))
-    except Exception as e:
-        raise ConfigError(f"command line: {_yacs_message(e)}") from None
+    pairs = dict(zip(opts[0::2], (_decode(v) for v in opts[1::2])))
+    _merge(config, _unflatten(pairs), "command line")
     _resolve_nulls(config)
     validate_cfg(config)
     config.freeze()
     return config
+
+
+def _read_yaml(path: str) -> dict:
+    """The mapping in a YAML file, or a ConfigError naming the file, the problem and its position."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        context = f" ({e.context})" if e.context else ""
+        raise ConfigError(f"{path}{where}: YAML syntax error: {e.problem}{context}") from None
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as YAML: {first_line(e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys, got a {type(data).__name__}")
+    return data
+
+
+def _merge(config: CN, data: dict, source: str) -> None:
+    """Merge nested ``data`` into ``config`` with yacs's type checks; unknown keys get a suggestion."""
+    for key in _flat_keys(data):
+        if key not in _ALL_KEYS and key not in _C:  # a whole section given a value: yacs names the type
+            close = difflib.get_close_matches(key, _ALL_KEYS, n=1, cutoff=0.6)
+            hint = f": did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{source}: unknown config key {key}{hint}")
+    try:
+        config.merge_from_other_cfg(CN(_widen_ints(data, _C)))
+    except (KeyError, ValueError, AssertionError) as e:
+        raise ConfigError(f"{source}: {_yacs_message(e)}") from None
+
+
+def _widen_ints(data: Any, defaults: Any) -> Any:
+    """Ints where the default is a float become floats ("OPTIM.BASE_LR 1", "WARMUP_EPOCHS: 5"):
+    yacs rejects them, and every user trips on that; every other type check stays strict."""
+    if isinstance(data, dict) and isinstance(defaults, dict):
+        return {k: _widen_ints(v, defaults.get(k)) for k, v in data.items()}
+    if isinstance(defaults, float) and type(data) is int:
+        return float(data)
+    return data
+
+
+def _decode(value: Any) -> Any:
+    """A command-line value as Python (``0.1``, ``[1, 2]``, ``True``), or the string itself, as yacs does."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return value
+
+
+def _unflatten(pairs: dict[str, Any]) -> dict:
+    """``{"OPTIM.BASE_LR": 0.1}`` -> ``{"OPTIM": {"BASE_LR": 0.1}}``."""
+    nested: dict = {}
+    for key, value in pairs.items():
+        *sections, name = key.split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    return nested
+
+
+def _flat_keys(node: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        keys += _flat_keys(value, key + ".") if isinstance(value, dict) else [key]
+    return keys
+
+
+_ALL_KEYS = _flat_keys(_C)
 
 
 # Distribuuuu's own YAML files write these two keys as null: no weights, and an unseeded run
@@ -313,9 +371,6 @@ def _resolve_nulls(config: CN, prefix: str = "") -> None:
 def _yacs_message(e: Exception) -> str:
     """Rephrase yacs's errors so they lead with the key."""
     msg = str(e.args[0] if e.args else e)
-    unknown = re.search(r"Non-existent (?:config )?key: (\S+)", msg)
-    if unknown:
-        return f"unknown config key {unknown.group(1)}"
     mismatch = re.search(
         r"Type mismatch \((.*?) vs\. (.*?)\) with values \((.*) vs\. (.*)\) for config key: (\S+)", msg
     )
@@ -329,116 +384,120 @@ def _type_name(type_repr: str) -> str:
     return re.sub(r"<class '(\w+)'>", r"\1", type_repr)
 
 
+def _choice(options: tuple) -> tuple[Callable, str]:
+    return (lambda v, c: v in options), f"must be one of {options}"
+
+
+def _between(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False) -> tuple[Callable, str]:
+    def test(v, c) -> bool:
+        return (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+
+    return test, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+# torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them).
+_NO_DECODE_JPEG = "'batched' needs torchvision.io.decode_jpeg, gone from this torchvision"
+
+
+_POSITIVE = (lambda v, c: v > 0), "must be > 0"
+_NON_NEGATIVE = (lambda v, c: v >= 0), "must be >= 0"
+_AT_LEAST_1 = (lambda v, c: v >= 1), "must be >= 1"
+_PROBABILITY = _between(0, 1)
+
+# Every rule: (key, (test(value, config) -> bool, what the value must be)). The first failing
+# rule raises ConfigError("KEY what, got VALUE"). Rules that read other keys say so in their text.
+_RULES: list[tuple[str, tuple[Callable, str]]] = [
+    ("TRAIN.BATCH_SIZE", _POSITIVE),
+    ("TEST.BATCH_SIZE", _POSITIVE),
+    ("TRAIN.IM_SIZE", _POSITIVE),
+    ("TEST.IM_SIZE", ((lambda v, c: v >= c.TRAIN.IM_SIZE), "must be >= TRAIN.IM_SIZE")),
+    ("MODEL.NUM_CLASSES", _POSITIVE),
+    ("TRAIN.TOPK", ((lambda v, c: 1 <= v <= c.MODEL.NUM_CLASSES), "must be in 1..MODEL.NUM_CLASSES")),
+    ("TRAIN.PRINT_FREQ", _POSITIVE),
+    ("TEST.PRINT_FREQ", _POSITIVE),
+    ("TRAIN.WORKERS", _NON_NEGATIVE),
+    ("TRAIN.PREFETCH_FACTOR", _POSITIVE),
+    ("TRAIN.ACCUM_STEPS", _AT_LEAST_1),
+    ("TRAIN.PRECISION", _choice(PRECISIONS)),
+    ("TRAIN.CLIP_GRAD_NORM", _NON_NEGATIVE),
+    ("TRAIN.LABEL_SMOOTHING", _between(0, 1, hi_open=True)),
+    ("TRAIN.NAN_POLICY", _choice(("stop", "skip"))),
+    ("TRAIN.CKPT_PERIOD_ITERS", _NON_NEGATIVE),
+    ("TRAIN.KEEP_CKPTS", _AT_LEAST_1),
+    ("TRAIN.EVAL_PERIOD", _AT_LEAST_1),
+    ("TRAIN.STOP_AFTER_EPOCHS", _NON_NEGATIVE),
+    ("MODEL.WEIGHTS_KIND", _choice(("model", "ema"))),
+    ("DATA.MEAN", ((lambda v, c: len(v) == 3), "must have 3 values")),
+    ("DATA.STD", ((lambda v, c: len(v) == 3 and all(s > 0 for s in v)), "must be 3 values > 0")),
+    ("DATA.CROP_SCALE_MIN", _between(0, 1, lo_open=True)),
+    ("DATA.HFLIP_PROB", _PROBABILITY),
+    ("DATA.AUTO_AUGMENT", _choice(AUTO_AUGMENTS)),
+    ("DATA.RANDOM_ERASING", _PROBABILITY),
+    ("DATA.MIXUP_ALPHA", _NON_NEGATIVE),
+    ("DATA.CUTMIX_ALPHA", _NON_NEGATIVE),
+    ("DATA.MIX_PROB", _PROBABILITY),
+    ("DATA.MIX_SWITCH_PROB", _PROBABILITY),
+    ("DATA.BAD_IMAGE", _choice(("error", "skip"))),
+    ("DATA.DECODER", _choice(DECODERS)),
+    ("DATA.DECODER", ((lambda v, c: v != "batched" or _has_decode_jpeg()), _NO_DECODE_JPEG)),
+    ("DATA.DUMMY_SIZE", _POSITIVE),
+    ("OPTIM.OPTIMIZER", _choice(OPTIMIZERS)),
+    ("OPTIM.MAX_EPOCH", _POSITIVE),
+    ("OPTIM.LR_POLICY", _choice(LR_POLICIES)),
+    ("OPTIM.BASE_LR", _POSITIVE),
+    ("OPTIM.MIN_LR", ((lambda v, c: 0 <= v <= c.OPTIM.BASE_LR), "must be in [0, OPTIM.BASE_LR]")),
+    ("OPTIM.STEPS", ((lambda v, c: _ascending_positive(v)), "must be a list of ascending positive epochs")),
+    ("OPTIM.LR_MULT", _POSITIVE),
+    ("OPTIM.MOMENTUM", _NON_NEGATIVE),
+    ("OPTIM.DAMPENING", _between(0, 1, hi_open=True)),
+    ("OPTIM.NESTEROV", ((lambda v, c: not (v and c.OPTIM.OPTIMIZER == "sgd" and not _nesterov_ok(c.OPTIM))),
+                        "needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING == 0")),
+    ("OPTIM.WARMUP_FACTOR", _between(0, 1, lo_open=True)),
+    ("OPTIM.WARMUP_EPOCHS", ((lambda v, c: 0 <= v <= c.OPTIM.MAX_EPOCH), "must be in [0, OPTIM.MAX_EPOCH]")),
+    ("OPTIM.WEIGHT_DECAY", _NON_NEGATIVE),
+    ("OPTIM.BETAS", ((lambda v, c: len(v) == 2 and all(0 <= b < 1 for b in v)), "must be two values in [0, 1)")),
+    ("OPTIM.LARS_TRUST", _POSITIVE),
+    ("OPTIM.REFERENCE_BATCH", _NON_NEGATIVE),
+    ("OPTIM.EMA_DECAY", _between(0, 1, hi_open=True)),
+    ("OPTIM.EMA_PERIOD", _AT_LEAST_1),
+    ("DIST.BACKEND", _choice(("", "nccl", "gloo"))),
+    ("DIST.TIMEOUT_S", _POSITIVE),
+    ("DIST.INIT_CHECK_TIMEOUT_S", _POSITIVE),
+    ("DIST.BUCKET_CAP_MB", _POSITIVE),
+    ("DIST.PREEMPT_GRACE_S", _POSITIVE),
+    ("DIST.COMM_HOOK", _choice(COMM_HOOKS)),
+    ("OUT_DIR", ((lambda v, c: bool(v)), "must not be empty")),
+    ("CFG_DEST", ((lambda v, c: bool(v) and os.sep not in v), "must be a file name")),
+]  # fmt: skip
+
+
 def validate_cfg(c: CN) -> None:
-    """Raise ConfigError naming the first key whose value is invalid."""
+    """Raise ConfigError naming the first key whose value breaks its rule in ``_RULES``."""
+    for key, (test, what) in _RULES:
+        value = _get(c, key)
+        if not test(value, c):
+            raise ConfigError(f"{key} {what}, got {value!r}")
 
-    def check(ok: bool, key: str, why: str, value) -> None:
-        if not ok:
-            raise ConfigError(f"{key} {why}, got {value!r}")
 
-    check(c.TRAIN.BATCH_SIZE > 0, "TRAIN.BATCH_SIZE", "must be > 0", c.TRAIN.BATCH_SIZE)
-    check(c.TEST.BATCH_SIZE > 0, "TEST.BATCH_SIZE", "must be > 0", c.TEST.BATCH_SIZE)
-    check(c.TRAIN.IM_SIZE > 0, "TRAIN.IM_SIZE", "must be > 0", c.TRAIN.IM_SIZE)
-    check(c.TEST.IM_SIZE >= c.TRAIN.IM_SIZE, "TEST.IM_SIZE", "must be >= TRAIN.IM_SIZE", c.TEST.IM_SIZE)
-    check(c.MODEL.NUM_CLASSES > 0, "MODEL.NUM_CLASSES", "must be > 0", c.MODEL.NUM_CLASSES)
-    check(
-        1 <= c.TRAIN.TOPK <= c.MODEL.NUM_CLASSES,
-        "TRAIN.TOPK",
-        f"must be in 1..MODEL.NUM_CLASSES ({c.MODEL.NUM_CLASSES})",
-        c.TRAIN.TOPK,
-    )
-    check(c.TRAIN.PRINT_FREQ > 0, "TRAIN.PRINT_FREQ", "must be > 0", c.TRAIN.PRINT_FREQ)
-    check(c.TEST.PRINT_FREQ > 0, "TEST.PRINT_FREQ", "must be > 0", c.TEST.PRINT_FREQ)
-    check(c.TRAIN.WORKERS >= 0, "TRAIN.WORKERS", "must be >= 0", c.TRAIN.WORKERS)
-    check(c.TRAIN.PREFETCH_FACTOR > 0, "TRAIN.PREFETCH_FACTOR", "must be > 0", c.TRAIN.PREFETCH_FACTOR)
-    check(c.TRAIN.ACCUM_STEPS >= 1, "TRAIN.ACCUM_STEPS", "must be >= 1", c.TRAIN.ACCUM_STEPS)
-    check(c.TRAIN.PRECISION in PRECISIONS, "TRAIN.PRECISION", f"must be one of {PRECISIONS}", c.TRAIN.PRECISION)
-    check(c.TRAIN.CLIP_GRAD_NORM >= 0, "TRAIN.CLIP_GRAD_NORM", "must be >= 0", c.TRAIN.CLIP_GRAD_NORM)
-    check(0 <= c.TRAIN.LABEL_SMOOTHING < 1, "TRAIN.LABEL_SMOOTHING", "must be in [0, 1)", c.TRAIN.LABEL_SMOOTHING)
-    check(c.TRAIN.NAN_POLICY in ("stop", "skip"), "TRAIN.NAN_POLICY", "must be 'stop' or 'skip'", c.TRAIN.NAN_POLICY)
-    check(c.TRAIN.CKPT_PERIOD_ITERS >= 0, "TRAIN.CKPT_PERIOD_ITERS", "must be >= 0", c.TRAIN.CKPT_PERIOD_ITERS)
-    check(c.TRAIN.KEEP_CKPTS >= 1, "TRAIN.KEEP_CKPTS", "must be >= 1", c.TRAIN.KEEP_CKPTS)
-    check(c.TRAIN.EVAL_PERIOD >= 1, "TRAIN.EVAL_PERIOD", "must be >= 1", c.TRAIN.EVAL_PERIOD)
-    check(c.TRAIN.STOP_AFTER_EPOCHS >= 0, "TRAIN.STOP_AFTER_EPOCHS", "must be >= 0", c.TRAIN.STOP_AFTER_EPOCHS)
-    check(
-        c.MODEL.WEIGHTS_KIND in ("model", "ema"), "MODEL.WEIGHTS_KIND", "must be 'model' or 'ema'", c.MODEL.WEIGHTS_KIND
-    )
+def _get(c: CN, key: str) -> Any:
+    for part in key.split("."):
+        c = c[part]
+    return c
 
-    check(
-        len(c.DATA.MEAN) == 3 and len(c.DATA.STD) == 3,
-        "DATA.MEAN/DATA.STD",
-        "must have 3 values",
-        (c.DATA.MEAN, c.DATA.STD),
-    )
-    check(all(s > 0 for s in c.DATA.STD), "DATA.STD", "must be > 0", c.DATA.STD)
-    check(0 < c.DATA.CROP_SCALE_MIN <= 1, "DATA.CROP_SCALE_MIN", "must be in (0, 1]", c.DATA.CROP_SCALE_MIN)
-    check(0 <= c.DATA.HFLIP_PROB <= 1, "DATA.HFLIP_PROB", "must be in [0, 1]", c.DATA.HFLIP_PROB)
-    check(
-        c.DATA.AUTO_AUGMENT in AUTO_AUGMENTS,
-        "DATA.AUTO_AUGMENT",
-        f"must be one of {AUTO_AUGMENTS}",
-        c.DATA.AUTO_AUGMENT,
-    )
-    check(0 <= c.DATA.RANDOM_ERASING <= 1, "DATA.RANDOM_ERASING", "must be in [0, 1]", c.DATA.RANDOM_ERASING)
-    check(c.DATA.MIXUP_ALPHA >= 0, "DATA.MIXUP_ALPHA", "must be >= 0", c.DATA.MIXUP_ALPHA)
-    check(c.DATA.CUTMIX_ALPHA >= 0, "DATA.CUTMIX_ALPHA", "must be >= 0", c.DATA.CUTMIX_ALPHA)
-    check(0 <= c.DATA.MIX_PROB <= 1, "DATA.MIX_PROB", "must be in [0, 1]", c.DATA.MIX_PROB)
-    check(0 <= c.DATA.MIX_SWITCH_PROB <= 1, "DATA.MIX_SWITCH_PROB", "must be in [0, 1]", c.DATA.MIX_SWITCH_PROB)
-    check(c.DATA.BAD_IMAGE in ("error", "skip"), "DATA.BAD_IMAGE", "must be 'error' or 'skip'", c.DATA.BAD_IMAGE)
-    check(c.DATA.DECODER in DECODERS, "DATA.DECODER", f"must be one of {DECODERS}", c.DATA.DECODER)
-    if c.DATA.DECODER == "batched":
-        import torchvision.io  # only here: the config module stays light for tools that only read it
 
-        # torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them).
-        gone = "'batched' needs torchvision.io.decode_jpeg, gone from this torchvision"
-        check(hasattr(torchvision.io, "decode_jpeg"), "DATA.DECODER", gone, "batched")
-    check(c.DATA.DUMMY_SIZE > 0, "DATA.DUMMY_SIZE", "must be > 0", c.DATA.DUMMY_SIZE)
+def _ascending_positive(steps: list) -> bool:
+    numbers = all(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 for s in steps)
+    return numbers and list(steps) == sorted(steps)
 
-    o = c.OPTIM
-    check(o.OPTIMIZER in OPTIMIZERS, "OPTIM.OPTIMIZER", f"must be one of {OPTIMIZERS}", o.OPTIMIZER)
-    check(o.MAX_EPOCH > 0, "OPTIM.MAX_EPOCH", "must be > 0", o.MAX_EPOCH)
-    check(o.LR_POLICY in LR_POLICIES, "OPTIM.LR_POLICY", f"must be one of {LR_POLICIES}", o.LR_POLICY)
-    check(o.BASE_LR > 0, "OPTIM.BASE_LR", "must be > 0", o.BASE_LR)
-    check(0 <= o.MIN_LR <= o.BASE_LR, "OPTIM.MIN_LR", "must be in [0, OPTIM.BASE_LR]", o.MIN_LR)
-    steps = list(o.STEPS)
-    check(
-        all(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 for s in steps)
-        and steps == sorted(steps),
-        "OPTIM.STEPS",
-        "must be a list of ascending positive epochs",
-        o.STEPS,
-    )
-    check(o.LR_MULT > 0, "OPTIM.LR_MULT", "must be > 0", o.LR_MULT)
-    check(o.MOMENTUM >= 0, "OPTIM.MOMENTUM", "must be >= 0", o.MOMENTUM)
-    check(0 <= o.DAMPENING < 1, "OPTIM.DAMPENING", "must be in [0, 1)", o.DAMPENING)
-    check(
-        not (o.NESTEROV and o.OPTIMIZER == "sgd" and (o.MOMENTUM <= 0 or o.DAMPENING != 0)),
-        "OPTIM.NESTEROV",
-        "needs OPTIM.MOMENTUM > 0 and OPTIM.DAMPENING == 0",
-        o.NESTEROV,
-    )
-    check(0 < o.WARMUP_FACTOR <= 1, "OPTIM.WARMUP_FACTOR", "must be in (0, 1]", o.WARMUP_FACTOR)
-    check(
-        0 <= o.WARMUP_EPOCHS <= o.MAX_EPOCH, "OPTIM.WARMUP_EPOCHS", "must be in [0, OPTIM.MAX_EPOCH]", o.WARMUP_EPOCHS
-    )
-    check(o.WEIGHT_DECAY >= 0, "OPTIM.WEIGHT_DECAY", "must be >= 0", o.WEIGHT_DECAY)
-    check(
-        len(o.BETAS) == 2 and all(0 <= b < 1 for b in o.BETAS), "OPTIM.BETAS", "must be two values in [0, 1)", o.BETAS
-    )
-    check(o.LARS_TRUST > 0, "OPTIM.LARS_TRUST", "must be > 0", o.LARS_TRUST)
-    check(o.REFERENCE_BATCH >= 0, "OPTIM.REFERENCE_BATCH", "must be >= 0", o.REFERENCE_BATCH)
-    check(0 <= o.EMA_DECAY < 1, "OPTIM.EMA_DECAY", "must be in [0, 1)", o.EMA_DECAY)
-    check(o.EMA_PERIOD >= 1, "OPTIM.EMA_PERIOD", "must be >= 1", o.EMA_PERIOD)
 
-    d = c.DIST
-    check(d.BACKEND in ("", "nccl", "gloo"), "DIST.BACKEND", "must be '', 'nccl' or 'gloo'", d.BACKEND)
-    check(d.TIMEOUT_S > 0, "DIST.TIMEOUT_S", "must be > 0", d.TIMEOUT_S)
-    check(d.INIT_CHECK_TIMEOUT_S > 0, "DIST.INIT_CHECK_TIMEOUT_S", "must be > 0", d.INIT_CHECK_TIMEOUT_S)
-    check(d.BUCKET_CAP_MB > 0, "DIST.BUCKET_CAP_MB", "must be > 0", d.BUCKET_CAP_MB)
-    check(d.PREEMPT_GRACE_S > 0, "DIST.PREEMPT_GRACE_S", "must be > 0", d.PREEMPT_GRACE_S)
-    check(d.COMM_HOOK in COMM_HOOKS, "DIST.COMM_HOOK", f"must be one of {COMM_HOOKS}", d.COMM_HOOK)
-    check(bool(c.OUT_DIR), "OUT_DIR", "must not be empty", c.OUT_DIR)
-    check(bool(c.CFG_DEST) and os.sep not in c.CFG_DEST, "CFG_DEST", "must be a file name", c.CFG_DEST)
+def _nesterov_ok(o: CN) -> bool:
+    return o.MOMENTUM > 0 and o.DAMPENING == 0
+
+
+def _has_decode_jpeg() -> bool:
+    import torchvision.io  # only here: the config module stays light for tools that only read it
+
+    return hasattr(torchvision.io, "decode_jpeg")
 
 
 def check_dataset_paths(c: CN) -> None:
@@ -465,23 +524,3 @@ def dump_cfg(c: CN, out_dir: str) -> str:
     with open(path, "w") as f:
         f.write(c.dump())
     return path
-
-
-def parse_args(argv: Sequence[str] | None = None, description: str = "") -> argparse.Namespace:
-    """Parse ``--cfg FILE [KEY VALUE ...]``; also accept the old launcher's --local_rank."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--cfg", dest="cfg_file", default=None, help="YAML config file")
-    # torch.distributed.launch passes --local_rank (old) or --local-rank (torch >= 2.0); the value
-    # is also in the LOCAL_RANK environment variable, which is what setup_distributed reads.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--nproc",
-        type=int,
-        default=0,
-        help="start N local worker processes without a launcher (torch.multiprocessing spawn)",
-    )
-    parser.add_argument("opts", nargs=argparse.REMAINDER, help="KEY VALUE overrides")
-    args = parser.parse_args(argv)
-    if args.local_rank is not None:
-        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
-    return args

@@ -1,176 +1,28 @@
-"""Process-group set-up for torchrun, Slurm, MPI or a plain process, and rank-aware helpers.
+"""The process group: set-up for torchrun, Slurm, MPI or a plain process, collectives and rank helpers.
 
-Every helper works with or without a process group, so unit tests and notebooks can call them.
+Which launcher started us is read by ``launch.py`` (pure). Every helper here works with or
+without a process group, so unit tests and notebooks can call them.
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
-import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from distribuuuu.errors import first_line
+from distribuuuu.launch import DistEnv, LaunchError, RankLaunchError, detect_env, detect_env_rank, select_device
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_PORT = 29500
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits in the job, as read from the launcher's environment."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = DEFAULT_PORT
-    launcher: str = "none"  # torchrun | mpi | slurm | none
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.launcher != "none"
-
-
-class LaunchError(RuntimeError):
-    """The launcher's environment is incomplete or inconsistent."""
-
-
-class RankLaunchError(LaunchError):
-    """A launch failure that some ranks see and others may not (a missing peer, a GPU count):
-    every rank that sees it reports it, naming itself, since rank 0 may be the one missing."""
-
-
-def parse_slurm_nodelist(nodelist: str) -> list[str]:
-    """Expand Slurm's compressed host list, e.g. ``gpu[01-02,07],cpu3`` -> gpu01 gpu02 gpu07 cpu3.
-
-    Parsed here rather than with ``scontrol show hostnames`` so it works inside containers and on
-    login-less compute nodes where scontrol is absent.
-    """
-    hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
-        # Split "rack[1-2]-n[01-02]" into literal text and bracket groups; expand their product.
-        parts = re.split(r"\[([^\]]*)\]", item)
-        choices = [[p] if i % 2 == 0 else _expand_range(p) for i, p in enumerate(parts)]
-        hosts.extend("".join(combo) for combo in itertools.product(*choices))
-    return hosts
-
-
-def _expand_range(spec: str) -> list[str]:
-    out: list[str] = []
-    for piece in spec.split(","):
-        lo, _, hi = piece.partition("-")
-        if not hi:
-            out.append(lo)
-            continue
-        width = len(lo)  # keep zero padding: 01-10 -> 01 02 ... 10
-        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
-    return out
-
-
-def _tasks_on_first_node(tasks_per_node: str) -> int:
-    """Parse SLURM_TASKS_PER_NODE ("8(x2),4") to the task count of this job's first node."""
-    match = re.match(r"(\d+)", tasks_per_node or "")
-    return int(match.group(1)) if match else 1
-
-
-def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """Read rank, world size and rendezvous address from the environment (no side effects).
-
-    Precedence: torchrun / torch.distributed.launch variables, then MPI (Open MPI, MPICH, Intel
-    MPI), then Slurm, then a plain single process. torchrun wins inside a Slurm allocation, and
-    MPI wins over Slurm because an ``mpirun`` inside ``sbatch`` inherits the batch step's
-    SLURM_PROCID=0 in every rank.
-    """
-    env = os.environ if environ is None else environ
-    get = env.get
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        return DistEnv(
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(get("LOCAL_RANK", 0)),
-            local_world_size=int(get("LOCAL_WORLD_SIZE", world)),
-            master_addr=get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(get("MASTER_PORT", DEFAULT_PORT)),
-            launcher="torchrun",
-        )
-    for rank_key, size_key, local_key, local_size_key in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ):
-        if rank_key in env and size_key in env:
-            world = int(env[size_key])
-            local_world = int(get(local_size_key, world))
-            if local_world < world and "MASTER_ADDR" not in env:
-                raise LaunchError(
-                    f"MPI launch across nodes ({world} ranks, {local_world} on this node) needs "
-                    "MASTER_ADDR set to the first node's address (e.g. mpirun -x MASTER_ADDR=host1)"
-                )
-            return DistEnv(
-                rank=int(env[rank_key]),
-                world_size=world,
-                local_rank=int(get(local_key, 0)),
-                local_world_size=local_world,
-                master_addr=get("MASTER_ADDR", "127.0.0.1"),
-                master_port=int(get("MASTER_PORT", DEFAULT_PORT)),
-                launcher="mpi",
-            )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodelist = get("SLURM_STEP_NODELIST") or get("SLURM_NODELIST") or get("SLURM_JOB_NODELIST")
-        if not nodelist:
-            raise LaunchError("Slurm launch: SLURM_NODELIST is not set")
-        job_id = int(get("SLURM_JOB_ID", 0))
-        # Two jobs sharing a node must not pick the same port: derive it from the job id.
-        port = int(get("MASTER_PORT", 15000 + job_id % 20000))
-        return DistEnv(
-            rank=int(env["SLURM_PROCID"]),
-            # Inside a step (srun) the step's own variables win over the job's: `srun -n 4` in an
-            # allocation of 8 tasks runs 4 ranks.
-            world_size=int(get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
-            local_rank=int(get("SLURM_LOCALID", 0)),
-            local_world_size=_tasks_on_first_node(get("SLURM_STEP_TASKS_PER_NODE") or get("SLURM_TASKS_PER_NODE", "1")),
-            master_addr=get("MASTER_ADDR") or parse_slurm_nodelist(nodelist)[0],
-            master_port=port,
-            launcher="slurm",
-        )
-    return DistEnv()
-
-
-def select_device(local_rank: int, visible_gpus: int) -> torch.device:
-    """The device of a process, from its LOCAL_RANK and the number of GPUs it sees (pure).
-
-    No GPU: the CPU. Exactly one visible GPU: that one, whatever LOCAL_RANK is, because clusters
-    that bind one GPU per task (``srun --gpus-per-task=1``, ``--gpu-bind=single:1``, a prolog
-    setting CUDA_VISIBLE_DEVICES per task) show each task only its own while SLURM_LOCALID runs
-    0..7. Several visible GPUs: the one at LOCAL_RANK.
-    """
-    if visible_gpus == 0:
-        return torch.device("cpu")
-    if visible_gpus == 1:
-        return torch.device("cuda", 0)
-    if local_rank < visible_gpus:
-        return torch.device("cuda", local_rank)
-    raise LaunchError(
-        f"LOCAL_RANK {local_rank} but only {visible_gpus} GPUs visible on {socket.gethostname()}: "
-        "start at most one process per GPU, or show each process one GPU"
-    )
+T = TypeVar("T")
+# The store every rank met at (set by setup_distributed): it keeps answering while a worker is
+# stalled, so a failed collective can ask it which peers are missing.
+_STORE: dist.Store | None = None
 
 
 def setup_distributed(
@@ -198,7 +50,8 @@ def setup_distributed(
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise LaunchError("DIST.BACKEND nccl needs CUDA, which is not available: use gloo")
-    store = join_rendezvous(env, join_timeout_s)
+    global _STORE
+    store = _STORE = join_rendezvous(env, join_timeout_s)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
         backend=backend,
@@ -265,10 +118,17 @@ def _set_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
 
 
+def rendezvous_store() -> dist.Store | None:
+    """The store setup_distributed met the other ranks at (None if it started no process group)."""
+    return _STORE if is_dist() else None
+
+
 def cleanup_distributed() -> None:
     """Destroy the process group if there is one."""
+    global _STORE
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _STORE = None
 
 
 def is_dist() -> bool:
@@ -279,14 +139,6 @@ def is_dist() -> bool:
 def get_rank() -> int:
     """Global rank (0 without a process group, or from the launcher's env before init)."""
     return dist.get_rank() if is_dist() else detect_env_rank()
-
-
-def detect_env_rank() -> int:
-    """Global rank read from the environment alone (for error printing before set-up)."""
-    try:
-        return detect_env().rank
-    except (LaunchError, ValueError):
-        return 0
 
 
 def get_world_size() -> int:
@@ -362,6 +214,26 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def rank0_decides(decide: Callable[[], T]) -> T:
+    """Run ``decide`` on global rank 0 alone; every rank returns its result or raises its error.
+
+    The one way to do "rank 0 looks (at the disk, at OUT_DIR), everyone learns it": an exception
+    on rank 0 is raised on every rank (same type and message), so all ranks stop together and
+    the error is printed once.
+    """
+    result: Any = None
+    error: BaseException | None = None
+    if get_rank() == 0:
+        try:
+            result = decide()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
 def check_group(env: DistEnv, timeout_s: float) -> list[dict]:
     """Check every rank answers within ``timeout_s`` and return the rank -> host -> device table.
 
@@ -395,10 +267,3 @@ def format_rank_table(rows: list[dict]) -> str:
     lines = [f"{'rank':>5}  {'host':<24} {'local':>5}  device"]
     lines += [f"{r['rank']:>5}  {r['host']:<24} {r['local_rank']:>5}  {r['device']}" for r in rows]
     return "\n".join(lines)
-
-
-def find_free_port() -> int:
-    """Return a TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -82,7 +82,18 @@ class MetricSums:
 
     def reduce(self) -> dict[str, float]:
         """Sum over ranks (one all-reduce, one host sync); return the totals and the means."""
-        totals = dict(zip(self.FIELDS, all_reduce_sum(self.sums.clone()).tolist()))
+        return self._with_means(all_reduce_sum(self.sums.clone()))
+
+    def add_totals(self, totals: dict[str, float]) -> None:
+        """Add totals that ``reduce`` returned (already summed over ranks): an epoch's windows."""
+        self.sums += torch.tensor([totals[f] for f in self.FIELDS], dtype=self.sums.dtype, device=self.sums.device)
+
+    def totals(self) -> dict[str, float]:
+        """The totals and means of this process's sums, with no reduction (after ``add_totals``)."""
+        return self._with_means(self.sums)
+
+    def _with_means(self, sums: torch.Tensor) -> dict[str, float]:
+        totals = dict(zip(self.FIELDS, sums.tolist()))
         n = max(totals["samples"], 1.0)
         totals["loss"] = totals["loss_sum"] / max(totals["loss_samples"], 1.0)
         totals["top1_acc"] = 100.0 * totals["top1"] / n

@@ -2,7 +2,6 @@
 
 from distribuuuu.checkpoint import load_checkpoint, save_checkpoint
 from distribuuuu.distributed import (
-    DistEnv,
     all_gather_object,
     all_reduce_sum,
     barrier,
@@ -16,6 +15,7 @@ from distribuuuu.distributed import (
     scaled_all_reduce,
     setup_distributed,
 )
+from distribuuuu.launch import DistEnv
 from distribuuuu.meters import AverageMeter, MetricSums, accuracy, topk_correct
 from distribuuuu.models import count_parameters, register_model, unwrap_model
 

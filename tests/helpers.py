@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from distribuuuu.distributed import find_free_port
+from distribuuuu.launch import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "tools" / "train_net.py")

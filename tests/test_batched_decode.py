@@ -17,7 +17,7 @@ from distribuuuu.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, build_train_split, build_val_split
 from distribuuuu.data.batched import DecodedLoader
-from distribuuuu.distributed import DistEnv
+from distribuuuu.launch import DistEnv
 
 DIGITS = REPO / "data" / "digits"
 PER_CLASS = {"train": 24, "val": 6}

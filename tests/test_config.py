@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import TRAIN, assert_ok, python, read_metrics, run, torchrun
 
-from distribuuuu.config import ConfigError, dump_cfg, get_cfg_defaults, load_cfg, parse_args, validate_cfg
+from distribuuuu.cli import parse_args
+from distribuuuu.config import ConfigError, dump_cfg, get_cfg_defaults, load_cfg, validate_cfg
 
 EXIT_BAD_INPUT = 2
 ERROR_PREFIX = "distribuuuu: error:"

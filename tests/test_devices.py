@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from distribuuuu import trainer
+from distribuuuu import run as run_setup
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_train_split
-from distribuuuu.distributed import DistEnv
+from distribuuuu.launch import DistEnv
 
 
 def _count(model: nn.Module, kind: type) -> int:
@@ -20,9 +20,9 @@ def _count(model: nn.Module, kind: type) -> int:
 
 def test_syncbn_on_cpu_with_several_ranks_keeps_batchnorm_and_warns(monkeypatch):
     warnings: list[str] = []
-    monkeypatch.setattr(trainer.logger, "warning", lambda msg, *a: warnings.append(msg % a if a else msg))
+    monkeypatch.setattr(run_setup.logger, "warning", lambda msg, *a: warnings.append(msg % a if a else msg))
     cfg = load_cfg(opts=["MODEL.SYNCBN", "True"])
-    model = trainer.build_model_for(cfg, DistEnv(rank=0, world_size=2, launcher="torchrun"))
+    model = run_setup.build_model_for(cfg, DistEnv(rank=0, world_size=2, launcher="torchrun"))
     assert _count(model, nn.SyncBatchNorm) == 0 and _count(model, nn.BatchNorm2d) > 0
     assert len(warnings) == 1 and "MODEL.SYNCBN ignored" in warnings[0]
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distribuuuu import distributed as D
-from distribuuuu.distributed import LaunchError, detect_env, find_free_port, parse_slurm_nodelist
+from distribuuuu.launch import DEFAULT_PORT, LaunchError, detect_env, find_free_port, parse_slurm_nodelist
 
 
 def _slurm(**extra: str) -> dict[str, str]:
@@ -106,7 +106,7 @@ def test_torchrun_inside_a_slurm_allocation_wins():
 def test_mpi_variables_map_like_slurms(names):
     rank, size, local_rank, local_size = names
     env = detect_env({rank: "5", size: "8", local_rank: "1", local_size: "4", "MASTER_ADDR": "gpu01"})
-    slurm = detect_env(_slurm(MASTER_PORT=str(D.DEFAULT_PORT)))
+    slurm = detect_env(_slurm(MASTER_PORT=str(DEFAULT_PORT)))
     assert env.launcher == "mpi"
     for field in ("rank", "world_size", "local_rank", "local_world_size", "master_addr", "master_port"):
         assert getattr(env, field) == getattr(slurm, field), field

@@ -26,7 +26,7 @@ from helpers import FAST, REPO, assert_ok, clean_env, python, read_metrics, run,
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, trainer
 from distribuuuu.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
-from distribuuuu.distributed import find_free_port
+from distribuuuu.launch import find_free_port
 
 FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
 DIGITS = str(REPO / "data" / "digits")
@@ -220,7 +220,7 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same
 
 _STOPPING_PROCESS = """
 import os, signal, sys, time
-from distribuuuu.faults import PreemptionHandler
+from distribuuuu.preemption import PreemptionHandler
 try:
     with PreemptionHandler(60) as handler:
         os.kill(os.getpid(), signal.SIGTERM)

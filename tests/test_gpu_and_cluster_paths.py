@@ -23,9 +23,10 @@ from torch import nn
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import distributed as D
-from distribuuuu import faults, trainer
+from distribuuuu import rng, state
+from distribuuuu import run as run_setup
 from distribuuuu.config import load_cfg
-from distribuuuu.distributed import DistEnv, LaunchError, detect_env, find_free_port, select_device
+from distribuuuu.launch import DistEnv, LaunchError, detect_env, find_free_port, parse_slurm_nodelist, select_device
 from distribuuuu.logger import NullWriter
 from distribuuuu.models import register_model
 
@@ -62,16 +63,16 @@ def _tensors(obj):
 # ------------------------------------------------------------------------------------------------
 def test_resume_hands_the_rng_restore_cpu_states_whatever_the_runs_device(tmp_path, monkeypatch, plain_logging):
     cfg = load_cfg(None, ["MODEL.ARCH", "paths_tiny", "OUT_DIR", str(tmp_path), *TINY[2:]])
-    saved = trainer.build_run(cfg, DistEnv(), NullWriter())
+    saved = run_setup.build_run(cfg, DistEnv(), NullWriter())
     saved.state.step_in_epoch = 3
-    trainer.save_training_checkpoint(saved)
+    state.save_training_checkpoint(saved)
     handed: list[dict] = []
-    monkeypatch.setattr(trainer, "restore_rng_state", handed.append)
+    monkeypatch.setattr(state, "restore_rng_state", handed.append)
     # A GPU run names its device "cuda"; "meta" stands in for any device that is not the CPU.
     on_another_device = dataclasses.replace(saved, env=DistEnv(device=torch.device("meta")))
-    trainer.resume_or_load_weights(on_another_device)
+    state.resume_or_load_weights(on_another_device)
     assert len(handed) == 1 and {t.device.type for t in _tensors(handed[0])} == {"cpu"}
-    faults.restore_rng_state(handed[0])  # and the real restore takes them
+    rng.restore_rng_state(handed[0])  # and the real restore takes them
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,8 +221,8 @@ def test_check_in_returns_when_every_rank_has_joined():
 # Slurm: node lists and the step's variables
 # ------------------------------------------------------------------------------------------------
 def test_several_ranges_and_prefixes_in_a_node_list():
-    assert D.parse_slurm_nodelist("gpu[01-02,05],cpu03") == ["gpu01", "gpu02", "gpu05", "cpu03"]
-    assert D.parse_slurm_nodelist("a[1-2],b-[7,9]x") == ["a1", "a2", "b-7x", "b-9x"]
+    assert parse_slurm_nodelist("gpu[01-02,05],cpu03") == ["gpu01", "gpu02", "gpu05", "cpu03"]
+    assert parse_slurm_nodelist("a[1-2],b-[7,9]x") == ["a1", "a2", "b-7x", "b-9x"]
 
 
 def test_the_steps_variables_win_over_the_jobs_when_they_disagree():

@@ -23,7 +23,8 @@ from torch import nn
 
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
-from distribuuuu.distributed import DistEnv, all_reduce_sum, cleanup_distributed, setup_distributed
+from distribuuuu.distributed import all_reduce_sum, cleanup_distributed, setup_distributed
+from distribuuuu.launch import DistEnv
 from distribuuuu.logger import NullWriter
 from distribuuuu.models import register_model
 

@@ -14,7 +14,7 @@ import torch
 from helpers import FAST, REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu.checkpoint import load_checkpoint
-from distribuuuu.distributed import find_free_port
+from distribuuuu.launch import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
 THREE_EPOCHS = [*FAST, "OPTIM.MAX_EPOCH", "3"]

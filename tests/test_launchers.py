@@ -10,7 +10,7 @@ import pytest
 from helpers import FAST, TRAIN, assert_ok, clean_env, python, read_metrics, run
 
 from distribuuuu.checkpoint import load_checkpoint
-from distribuuuu.distributed import find_free_port
+from distribuuuu.launch import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
 STEPS_2_RANKS = 1436 // (32 * 2)  # train images // (TRAIN.BATCH_SIZE x 2 ranks)

@@ -30,10 +30,11 @@ if __name__ == "__main__":  # run as the worker script: make the repository impo
 from helpers import REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun  # noqa: E402
 
 from distribuuuu import checkpoint, cli, trainer  # noqa: E402
+from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu.config import get_cfg_defaults, load_cfg  # noqa: E402
 from distribuuuu.data import build_batch_mixer  # noqa: E402
-from distribuuuu.distributed import DistEnv  # noqa: E402
 from distribuuuu.ema import ModelEMA  # noqa: E402
+from distribuuuu.launch import DistEnv  # noqa: E402
 from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
@@ -90,7 +91,7 @@ def _local_state_elements(optimizer: torch.optim.Optimizer) -> int:
 
 def _install_counters() -> None:
     """Wrap the trainer's DDP wrap and optimizer step with counters."""
-    wrap_model, optimizer_step = trainer.wrap_model, trainer.optimizer_step
+    wrap_model, optimizer_step = run_setup.wrap_model, trainer.optimizer_step
 
     def counting_wrap(model, cfg, env):
         wrapped = wrap_model(model, cfg, env)
@@ -109,7 +110,7 @@ def _install_counters() -> None:
         if run.ema is not None:
             STATS["ema"] = torch.cat([v.double().flatten() for v in run.ema.module.state_dict().values()]).tolist()
 
-    trainer.wrap_model, trainer.optimizer_step = counting_wrap, counting_step
+    run_setup.wrap_model, trainer.optimizer_step = counting_wrap, counting_step
 
 
 def worker(mode: str, argv: list[str]) -> int:

@@ -35,24 +35,19 @@ import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
+from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
-from distribuuuu.config import ConfigError, load_cfg, parse_args  # noqa: E402
+from distribuuuu.cli import parse_args  # noqa: E402
+from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
 from distribuuuu.data import DataError, build_train_split, load_image  # noqa: E402
-from distribuuuu.distributed import (  # noqa: E402
-    DistEnv,
-    LaunchError,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    cleanup_distributed,
-    setup_distributed,
-)
+from distribuuuu.distributed import all_reduce_sum, barrier, broadcast_object, cleanup_distributed, setup_distributed  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
-from distribuuuu.faults import seed_everything  # noqa: E402
+from distribuuuu.launch import DistEnv, LaunchError  # noqa: E402
 from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.optim import LARS  # noqa: E402
+from distribuuuu.rng import seed_everything  # noqa: E402
 
 WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
@@ -174,9 +169,9 @@ def timed(fn: Callable[[], object], env: DistEnv) -> float:
 # ------------------------------------------------------------------------------------------------
 # Training: the trainer's own loop and a hand-written one
 # ------------------------------------------------------------------------------------------------
-def framework_epoch(run: trainer.Run, steps: int, epoch: int) -> None:
+def framework_epoch(run: run_setup.Run, steps: int, epoch: int) -> None:
     """Run the last ``steps`` steps of an epoch through trainer.train_epoch (sync points included)."""
-    run.state = trainer.TrainState(epoch=epoch % run.cfg.OPTIM.MAX_EPOCH, step_in_epoch=run.steps_per_epoch - steps)
+    run.state = run_setup.TrainState(epoch=epoch % run.cfg.OPTIM.MAX_EPOCH, step_in_epoch=run.steps_per_epoch - steps)
     trainer.train_epoch(run, run.state.epoch)
 
 
@@ -189,7 +184,7 @@ class PlainLoop:
     EMA, mixup, NaN checks) is counted as the trainer's cost.
     """
 
-    def __init__(self, run: trainer.Run):
+    def __init__(self, run: run_setup.Run):
         cfg, env = run.cfg, run.env
         self.cfg, self.env = cfg, env
         model = build_model(cfg.MODEL).to(env.device)
@@ -246,13 +241,13 @@ class PlainLoop:
             self.optimizer.zero_grad(set_to_none=True)
 
 
-def build_bench_run(cfg: CfgNode, env: DistEnv) -> trainer.Run:
-    """A trainer.Run exactly as train_model builds it (no checkpoint, no OUT_DIR)."""
+def build_bench_run(cfg: CfgNode, env: DistEnv) -> run_setup.Run:
+    """A run_setup.Run exactly as train_model builds it (no checkpoint, no OUT_DIR)."""
     seed_everything(cfg.RNG_SEED + env.rank)
-    return trainer.build_run(cfg, env, NullWriter())
+    return run_setup.build_run(cfg, env, NullWriter())
 
 
-def measure_training(run: trainer.Run, bench, report: Report, with_framework: bool, with_plain: bool) -> None:
+def measure_training(run: run_setup.Run, bench, report: Report, with_framework: bool, with_plain: bool) -> None:
     """Time framework and plain repetitions alternately (ABBA order); report both and their ratio."""
     cfg, env, steps = run.cfg, run.env, bench.steps
     plain = PlainLoop(run) if with_plain else None
@@ -305,7 +300,7 @@ def measure_training(run: trainer.Run, bench, report: Report, with_framework: bo
         )
 
 
-def measure_breakdown(run: trainer.Run, env: DistEnv, bench, report: Report) -> None:
+def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
     """Time the parts of a trainer step: data wait, forward+backward, exposed all-reduce, optimizer step.
 
     Each part starts after a barrier, so a slow rank's delay is not charged to the next part. The
@@ -314,7 +309,7 @@ def measure_breakdown(run: trainer.Run, env: DistEnv, bench, report: Report) -> 
     """
     cfg = run.cfg
     run.forward_model.train()
-    run.state = trainer.TrainState(epoch=0, step_in_epoch=0)
+    run.state = run_setup.TrainState(epoch=0, step_in_epoch=0)
     run.train.sampler.set_epoch(0)
     run.train.sampler.set_start(0)
     batches = iter(run.train.loader)
@@ -352,7 +347,7 @@ def measure_breakdown(run: trainer.Run, env: DistEnv, bench, report: Report) -> 
     )
 
 
-def _forward_backward(run: trainer.Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
+def _forward_backward(run: run_setup.Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
     """One forward and backward through the trainer's model, with or without DDP's gradient all-reduce."""
     run.optimizer.zero_grad(set_to_none=True)
     with trainer.gradient_sync(run.forward_model, sync), trainer.autocast(run.cfg.TRAIN.PRECISION, run.env.device):
@@ -362,7 +357,7 @@ def _forward_backward(run: trainer.Run, images: torch.Tensor, targets: torch.Ten
     out.update(logits=logits.detach(), loss=loss.detach())
 
 
-def _bookkeeping(run: trainer.Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
+def _bookkeeping(run: run_setup.Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
     """What train_epoch does per step besides compute: the LR schedule and the metric sums."""
     trainer.set_lr(run.optimizer, trainer.lr_at(run.global_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
     sums.add(out["loss"], out["logits"], targets)
@@ -394,7 +389,7 @@ def measure_variants(cfg_args, env: DistEnv, bench, report: Report) -> None:
             )
 
 
-def measure_eval(run: trainer.Run, env: DistEnv, bench, report: Report) -> None:
+def measure_eval(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
     """trainer.validate throughput on the synthetic val split (one warm-up pass)."""
     trainer.validate(run.eval_model, run.val, run.cfg, env)
     rates = [trainer.validate(run.eval_model, run.val, run.cfg, env)["images_per_s"] for _ in range(bench.repeats)]

@@ -40,26 +40,26 @@ from PIL import Image  # noqa: E402
 from torch import nn  # noqa: E402
 
 from distribuuuu import checkpoint as ckpt  # noqa: E402
+from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
 from distribuuuu.data import build_train_split, build_val_split  # noqa: E402
 from distribuuuu.distributed import (  # noqa: E402
-    DistEnv,
-    LaunchError,
     all_gather_object,
     all_reduce_sum,
     barrier,
     broadcast_object,
     check_group,
     cleanup_distributed,
-    detect_env_rank,
     setup_distributed,
 )
 from distribuuuu.errors import first_line  # noqa: E402
-from distribuuuu.faults import seed_everything  # noqa: E402
+from distribuuuu.launch import DistEnv, LaunchError, detect_env_rank  # noqa: E402
 from distribuuuu.logger import NullWriter, setup_logging  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
+from distribuuuu.rng import seed_everything  # noqa: E402
+from distribuuuu.state import save_training_checkpoint  # noqa: E402
 
 EXIT_FAILED, EXIT_NOTHING_TO_CHECK = 1, 2
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "digits")
@@ -166,15 +166,15 @@ def make_cfg(ctx: Context, name: str, *opts: str):
     return load_cfg(None, [*base, *opts])
 
 
-def build_tiny_run(ctx: Context, name: str, *opts: str) -> tuple[trainer.Run, list]:
+def build_tiny_run(ctx: Context, name: str, *opts: str) -> tuple[run_setup.Run, list]:
     """The trainer's Run for the tiny model (DDP when there are several ranks) and one fixed batch."""
     cfg = make_cfg(ctx, name, "MODEL.ARCH", TINY, "OPTIM.BASE_LR", "0.1", *opts)
     seed_everything(cfg.RNG_SEED + ctx.env.rank)
-    run = trainer.build_run(cfg, ctx.env, NullWriter())
+    run = run_setup.build_run(cfg, ctx.env, NullWriter())
     return run, [next(iter(run.train.loader))]
 
 
-def train_steps(run: trainer.Run, batch: list, steps: int) -> list[float]:
+def train_steps(run: run_setup.Run, batch: list, steps: int) -> list[float]:
     """Train ``steps`` steps of the trainer's own train_step on one batch; return the losses."""
     sums = MetricSums(run.env.device, run.cfg.TRAIN.TOPK)
     return [trainer.train_step(run, batch, sums).item() for _ in range(steps)]
@@ -198,7 +198,7 @@ def in_this_process_group():
         return log
 
     with mock.patch.object(trainer, "cleanup_distributed", lambda: None):
-        with mock.patch.object(trainer, "setup_logging", log_to_file_only):
+        with mock.patch.object(run_setup, "setup_logging", log_to_file_only):
             yield
 
 
@@ -229,7 +229,7 @@ def check_all_reduce(ctx: Context) -> str:
 def check_syncbn_conversion(ctx: Context) -> str:
     """MODEL.SYNCBN converts every BatchNorm of the model on CUDA."""
     needs_cuda(ctx)
-    model = trainer.build_model_for(make_cfg(ctx, "syncbn", "MODEL.SYNCBN", "True"), ctx.env)
+    model = run_setup.build_model_for(make_cfg(ctx, "syncbn", "MODEL.SYNCBN", "True"), ctx.env)
     kinds = [type(m) for m in model.modules()]
     synced, plain = kinds.count(nn.SyncBatchNorm), kinds.count(nn.BatchNorm2d)
     expect(synced > 0 and plain == 0, f"{synced} SyncBatchNorm, {plain} BatchNorm2d left")
@@ -276,7 +276,7 @@ def check_fp16_scaler(ctx: Context) -> str:
     scale = run.scaler.get_scale()
     expect(scale < 2.0**40, f"the scale did not back off after an overflow ({scale:g})")
     run.state.step_in_epoch = 4
-    path = trainer.save_training_checkpoint(run)
+    path = save_training_checkpoint(run)
     if ctx.env.is_main_process:  # the one that wrote it
         state = ckpt.load_checkpoint(path)
         expect(state["scaler"] is not None and state["scaler"]["scale"] == scale, f"checkpoint holds {state['scaler']}")

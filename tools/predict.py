@@ -23,13 +23,13 @@ from torchvision.datasets.folder import IMG_EXTENSIONS  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpoint import CheckpointError, load_checkpoint, model_state_from  # noqa: E402
-from distribuuuu.config import ConfigError, _yacs_message, get_cfg_defaults, validate_cfg  # noqa: E402
+from distribuuuu.config import ConfigError, get_cfg_defaults, load_cfg  # noqa: E402
 from distribuuuu.data import BadImageError, build_val_transform, load_image  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 # The keys that shape the model and its input: taken from the checkpoint's own config.
-MODEL_KEYS = ("MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "DATA.MEAN", "DATA.STD")
+MODEL_KEYS = ("MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "DATA.MEAN", "DATA.STD", "TRAIN.TOPK")
 
 
 class PredictError(ValueError):
@@ -90,30 +90,23 @@ def load_state(path: str) -> dict:
 
 def build_cfg(state: dict, cfg_file: str | None, opts: Sequence[str]) -> CfgNode:
     """Defaults < the checkpoint's model/input keys < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
-    cfg = get_cfg_defaults()
+    base = get_cfg_defaults()
     saved = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
-    pairs: list = ["MODEL.NUM_CLASSES", len(state["classes"])]  # for checkpoints without a config
+    classes = len(state["classes"])
+    base.MODEL.NUM_CLASSES = classes  # for checkpoints without a config
+    base.TRAIN.TOPK = min(base.TRAIN.TOPK, classes)
     for key in MODEL_KEYS:
         section, name = key.split(".")
         if name in saved.get(section, {}):
-            pairs += [key, saved[section][name]]
+            base[section][name] = saved[section][name]
     if state.get("arch"):
-        pairs += ["MODEL.ARCH", state["arch"]]
-    try:
-        cfg.merge_from_list(pairs)
-        if cfg_file:
-            cfg.merge_from_file(cfg_file)
-        if len(opts) % 2:
-            raise ValueError(f"overrides must be KEY VALUE pairs, got {list(opts)}")
-        cfg.merge_from_list(list(opts))
-    except (KeyError, ValueError, OSError, AssertionError) as e:
-        raise ConfigError(_yacs_message(e)) from None
+        base.MODEL.ARCH = state["arch"]
+    cfg = load_cfg(cfg_file, opts, base=base)
+    cfg.defrost()
     cfg.MODEL.PRETRAINED = False  # the checkpoint provides every weight: never fetch pretrained ones
-    validate_cfg(cfg)
-    if cfg.MODEL.NUM_CLASSES != len(state["classes"]):
-        raise ConfigError(f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but the checkpoint names "
-                          f"{len(state['classes'])} classes")  # fmt: skip
     cfg.freeze()
+    if cfg.MODEL.NUM_CLASSES != classes:
+        raise ConfigError(f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but the checkpoint names {classes} classes")
     return cfg
 
 

@@ -20,8 +20,8 @@ from distribuuuu.data.datasets import (
 )
 from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
 from distribuuuu.data.transforms import build_train_transform, build_val_transform
-from distribuuuu.distributed import DistEnv
-from distribuuuu.faults import ignore_preemption_signals
+from distribuuuu.launch import DistEnv
+from distribuuuu.preemption import ignore_preemption_signals
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""Preemption: SIGTERM/SIGUSR1 become a flag the ranks agree on, then a checkpoint, exit 75 and a requeue."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+
+from distribuuuu.logger import get_logger
+
+logger = get_logger("preemption")
+
+# Exit code of a run that stopped on a preemption signal after writing its checkpoint:
+# EX_TEMPFAIL from sysexits.h, "temporary failure, the user is invited to retry".
+EXIT_PREEMPTED = 75
+
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class Preempted(Exception):
+    """Raised after the preemption checkpoint is written; the tools exit with EXIT_PREEMPTED."""
+
+
+class PreemptionHandler:
+    """Turn SIGTERM/SIGUSR1 into a flag the trainer checks at its synchronisation points.
+
+    The handler only sets a flag (nothing unsafe inside a signal handler); the ranks agree on the
+    stop at the next PRINT_FREQ step, where they already all-reduce metrics. If that has not
+    happened within ``grace_s`` (a peer died, a collective hangs), the process exits hard, so a
+    job never outlives its scheduler's kill timer stuck in a collective.
+    """
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            return
+        self.signal_name = signal.Signals(signum).name
+        logger.warning("received %s: stopping at the next synchronised step", self.signal_name)
+        self._timer = threading.Timer(self.grace_s, self._hard_exit)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _hard_exit(self) -> None:
+        logger.error("no synchronised stop within %ss of %s: exiting hard", self.grace_s, self.signal_name)
+        os._exit(EXIT_PREEMPTED)
+
+    def __enter__(self) -> PreemptionHandler:
+        if threading.current_thread() is threading.main_thread():
+            for name in PREEMPT_SIGNALS:
+                sig = getattr(signal, name)
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def stop_requested_by_peer(self) -> None:
+        """Record that this rank stops for another rank's signal (so __exit__ keeps the handlers)."""
+        if not self.requested:
+            self.signal_name = "a peer's signal"
+
+    def __exit__(self, *exc) -> None:
+        if self.requested:
+            # Stopping: ignore further signals (the hard-exit timer stays) until the process exits,
+            # since torchrun sends SIGTERM to the workers still running once one has exited; with
+            # the default action, that signal would kill a worker that already wrote its checkpoint
+            # and turn its exit code 75 into -15. SIG_IGN, not our handler: Python's finalisation
+            # resets Python-level handlers to the default action, but leaves SIG_IGN in place.
+            for sig in self._previous:
+                signal.signal(sig, signal.SIG_IGN)
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def ignore_preemption_signals(worker_id: int = 0) -> None:
+    """DataLoader ``worker_init_fn``: a worker ignores preemption signals unless its trainer sends them.
+
+    torchrun forwards a signal to each worker's whole process group, and Slurm signals every
+    process of a step: a DataLoader worker killed by it would crash the trainer before that
+    reaches its checkpoint. SIGUSR1 is ignored outright. SIGTERM cannot be: the DataLoader (and
+    multiprocessing at exit) stop workers with it, and a worker that ignored it would hang the
+    exit. So SIGTERM is blocked and a thread obeys it only when the sender is the parent trainer.
+    """
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: keep SIGTERM's default there
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit it
+    threading.Thread(target=_obey_sigterm_from, args=(os.getppid(),), daemon=True).start()
+
+
+def _obey_sigterm_from(parent: int) -> None:
+    while True:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            # As torch's own worker SIGTERM handler does for its parent: a clean exit, which the
+            # DataLoader's SIGCHLD check does not report as a crash.
+            os._exit(0)
+
+
+def requeue_slurm_job() -> None:
+    """Ask Slurm to requeue this job (``scontrol requeue $SLURM_JOB_ID``), if inside one."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        logger.warning("DIST.REQUEUE is on but SLURM_JOB_ID is not set: not requeueing")
+        return
+    try:
+        subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=30)
+        logger.info("requeued Slurm job %s", job_id)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.error("scontrol requeue %s failed: %s", job_id, e)

@@ -1,0 +1,152 @@
+"""What a checkpoint holds of a run, and putting it back: training_state, save, resume, load_weights."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu.distributed import all_gather_object, rank0_decides
+from distribuuuu.errors import first_line
+from distribuuuu.logger import get_logger
+from distribuuuu.rng import capture_rng_state, restore_rng_state
+from distribuuuu.run import Run, TrainState
+
+logger = get_logger("state")
+
+
+def training_state(run: Run) -> dict:
+    """Everything continuing needs; collective (ZeRO consolidation, RNG gather): call on all ranks."""
+    optimizer = run.optimizer
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather the shards on rank 0
+        optimizer.consolidate_state_dict(to=0)
+        opt_state = optimizer.state_dict() if run.env.is_main_process else None
+    else:
+        opt_state = optimizer.state_dict()
+    return {
+        "model": run.model.state_dict(),
+        "optimizer": opt_state,
+        "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+        "ema": run.ema.state_dict() if run.ema is not None else None,
+        "epoch": run.state.epoch,
+        "step_in_epoch": run.state.step_in_epoch,
+        "steps_per_epoch": run.steps_per_epoch,
+        "best_acc1": run.state.best_acc1,
+        "best_weights": run.state.best_weights,
+        "rng": all_gather_object(capture_rng_state()),
+        "world_size": run.env.world_size,
+        "classes": run.train.classes,
+        "arch": run.cfg.MODEL.ARCH,
+        "cfg": run.cfg.dump(),
+    }
+
+
+def save_training_checkpoint(run: Run, is_best: bool = False) -> str:
+    """Write the current state to OUT_DIR/checkpoints (and best.pth.tar); all ranks call this."""
+    state = training_state(run)
+    epoch_1based = run.state.epoch + (1 if run.state.step_in_epoch else 0)
+    ckpt_dir = os.path.join(run.cfg.OUT_DIR, ckpt.CKPT_DIR)
+    path = os.path.join(ckpt_dir, ckpt.checkpoint_name(epoch_1based, run.state.step_in_epoch))
+
+    def write() -> None:
+        ckpt.save_checkpoint(state, path)
+        if is_best:
+            ckpt.save_checkpoint(weights_only_state(state), os.path.join(run.cfg.OUT_DIR, ckpt.BEST_NAME))
+        try:
+            ckpt.prune_checkpoints(ckpt_dir, run.cfg.TRAIN.KEEP_CKPTS)
+        except OSError as e:
+            raise ckpt.CheckpointError(f"could not remove an old checkpoint in {ckpt_dir}: {e}") from None
+
+    rank0_decides(write)  # every rank stops on a failed write, not only rank 0
+    logger.info("saved %s%s", path, " (best)" if is_best else "")
+    return path
+
+
+def weights_only_state(state: dict) -> dict:
+    """What evaluation and fine-tuning need of a training state (best.pth.tar): no optimizer, RNG or scaler."""
+    keep = ("model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg")
+    return {k: state[k] for k in keep}
+
+
+def resume_or_load_weights(run: Run) -> None:
+    """Resume from the newest valid checkpoint (AUTO_RESUME), else load MODEL.WEIGHTS if given."""
+    cfg = run.cfg
+    path = None
+    if cfg.TRAIN.AUTO_RESUME:
+        path = rank0_decides(lambda: ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR)))
+    if path:
+        if cfg.MODEL.WEIGHTS:
+            logger.info("resuming from %s: it wins over MODEL.WEIGHTS %s", path, cfg.MODEL.WEIGHTS)
+        # Always read to the CPU: load_state_dict copies weights to their device, and the RNG
+        # states must stay CPU byte tensors (torch.set_rng_state, torch.cuda.set_rng_state).
+        restore_training_state(run, ckpt.load_checkpoint(path, map_location="cpu"), path)
+        logger.info("resumed from %s at epoch %d, step %d", path, run.state.epoch + 1, run.state.step_in_epoch)
+    elif cfg.MODEL.WEIGHTS:
+        load_weights(run.model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, strict=False)
+        if run.ema is not None:
+            run.ema.module.load_state_dict(run.model.state_dict())
+
+
+def restore_training_state(run: Run, state: dict, path: str) -> None:
+    """Load a training checkpoint into the run (weights always; the rest with LOAD_OPT)."""
+    run.model.load_state_dict(ckpt.model_state_from(state))
+    run.state = TrainState(state["epoch"], state["step_in_epoch"], state["best_acc1"], state["best_weights"])
+    if state["steps_per_epoch"] != run.steps_per_epoch and run.state.step_in_epoch:
+        # Another world size or batch: continue at the same fraction of the epoch.
+        run.state.step_in_epoch = round(run.state.step_in_epoch * run.steps_per_epoch / state["steps_per_epoch"])
+        logger.warning(
+            "steps per epoch changed from %d to %d: mid-epoch resume is approximate",
+            state["steps_per_epoch"],
+            run.steps_per_epoch,
+        )
+    if not run.cfg.TRAIN.LOAD_OPT:
+        return
+    load_optimizer_state(run.optimizer, state, run.cfg.OPTIM.OPTIMIZER, path)
+    if state["scaler"] and run.scaler.is_enabled():
+        run.scaler.load_state_dict(state["scaler"])
+    if state["ema"] and run.ema is not None:
+        run.ema.load_state_dict(state["ema"])
+    if run.env.rank < len(state["rng"]) and state["world_size"] == run.env.world_size:
+        restore_rng_state(state["rng"][run.env.rank])
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, optimizer_name: str, path: str) -> None:
+    """Load a checkpoint's optimizer state, or raise CheckpointError naming the file and the way out.
+
+    PyTorch checks only the parameter-group sizes: SGD's state loads into AdamW without complaint
+    and fails at the first step with a KeyError, so the optimizer's name is compared first.
+    """
+    hint = "set TRAIN.LOAD_OPT False to resume from its weights only"
+    saved = CfgNode.load_cfg(state["cfg"]).get("OPTIM", {}).get("OPTIMIZER") if state.get("cfg") else None
+    if saved and saved != optimizer_name:
+        raise ckpt.CheckpointError(
+            f"{path} holds {saved} optimizer state but OPTIM.OPTIMIZER is {optimizer_name}: {hint}"
+        )
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ckpt.CheckpointError(
+            f"{path}: its optimizer state does not fit this run ({first_line(e)}): {hint}"
+        ) from None
+
+
+def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool = True) -> dict:
+    """Load MODEL.WEIGHTS into ``model``; with strict=False, tensors of another shape are skipped."""
+    state = ckpt.load_checkpoint(path)
+    weights = ckpt.model_state_from(state, kind)
+    if not strict:
+        own = model.state_dict()
+        skipped = [k for k, v in weights.items() if k in own and own[k].shape != v.shape]
+        weights = {k: v for k, v in weights.items() if k not in skipped}
+        if skipped:
+            logger.info("MODEL.WEIGHTS: skipped %d tensors of another shape (new head?): %s", len(skipped), skipped[:4])
+    result = model.load_state_dict(weights, strict=strict)
+    if not strict and (result.missing_keys or result.unexpected_keys):
+        logger.warning(
+            "MODEL.WEIGHTS %s: missing %s, unexpected %s", path, result.missing_keys[:4], result.unexpected_keys[:4]
+        )
+    logger.info("loaded %s weights from %s", kind, path)
+    return state
