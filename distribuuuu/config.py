@@ -60,6 +60,9 @@ _C.TRAIN.SPLIT = "train"
 _C.TRAIN.AUTO_RESUME = True
 # On resume, also restore optimizer, LR-schedule position, scaler and EMA (False: weights only)
 _C.TRAIN.LOAD_OPT = True
+# Resume the checkpoint in OUT_DIR even when it was trained with another MODEL.ARCH,
+# MODEL.NUM_CLASSES, dataset, TRAIN.IM_SIZE or OPTIM.OPTIMIZER (off: that is an error)
+_C.TRAIN.RESUME_ANYWAY = False
 # DataLoader worker processes per training process
 _C.TRAIN.WORKERS = 0
 # Pin host memory for faster host-to-device copies (used on CUDA only)
@@ -111,6 +114,9 @@ _C.TEST.BATCH_SIZE = 64
 _C.TEST.IM_SIZE = 32
 # Log every PRINT_FREQ evaluation batches
 _C.TEST.PRINT_FREQ = 10
+# Evaluate a folder whose classes differ from the model's: only the classes both have (folders
+# the model does not know are left out); off, any difference is an error
+_C.TEST.CLASS_OVERLAP = False
 
 # ------------------------------------------------------------------------------------------------
 # Data pipeline and augmentation

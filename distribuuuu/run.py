@@ -10,12 +10,13 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
-from distribuuuu.config import ConfigError, dump_cfg
-from distribuuuu.data import Split, build_batch_mixer, build_train_split, build_val_split, check_same_classes
+from distribuuuu.config import ConfigError
+from distribuuuu.data import Split, build_batch_mixer, build_train_split, build_val_split
 from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
 from distribuuuu.ema import ModelEMA
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger, make_writer, setup_logging
+from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, has_batchnorm
 from distribuuuu.optim import build_optimizer, scaled_base_lr
 from distribuuuu.preemption import PreemptionHandler
@@ -61,17 +62,27 @@ class Run:
         return self.state.epoch * self.steps_per_epoch + self.state.step_in_epoch
 
 
-def setup_environment(cfg: CfgNode, out_dir: str | None = None, training: bool = True) -> tuple[DistEnv, object]:
-    """Start the process group, check it, prepare the output folder, logging, seeds and cuDNN.
+def setup_environment(cfg: CfgNode, training: bool = True) -> tuple[DistEnv, object]:
+    """Start the process group, then prepare OUT_DIR, logging, seeds and cuDNN (for a run that resumes nothing)."""
+    env, table = start_process_group(cfg)
+    return env, prepare_outputs(cfg, env, table, training)
 
-    Training writes into OUT_DIR (with its checkpoints folder and config); an evaluation passes the
-    folder its results go to and writes no config.
-    """
-    out_dir = out_dir or cfg.OUT_DIR
+
+def start_process_group(cfg: CfgNode) -> tuple[DistEnv, list[dict]]:
+    """Meet the other ranks (fast start-up check), and return where each one runs."""
     env = setup_distributed(cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_S, join_timeout_s=cfg.DIST.INIT_CHECK_TIMEOUT_S)
-    table = check_group(env, cfg.DIST.INIT_CHECK_TIMEOUT_S)
-    rank0_decides(lambda: _prepare_out_dir(out_dir, training))  # every rank stops on a bad folder, one prints
-    setup_logging(out_dir if env.is_main_process else None, env.rank)
+    return env, check_group(env, cfg.DIST.INIT_CHECK_TIMEOUT_S)
+
+
+def prepare_outputs(
+    cfg: CfgNode, env: DistEnv, table: list[dict], training: bool = True, resumed_from: str | None = None
+) -> object:
+    """Prepare OUT_DIR, logging, seeds and cuDNN; keep this start's config and manifest; return the writer.
+
+    An evaluation (``training`` False) writes into OUT_DIR's log and metrics but keeps no config.
+    """
+    rank0_decides(lambda: _prepare_out_dir(cfg.OUT_DIR, training))  # every rank stops on a bad folder, one prints
+    setup_logging(cfg.OUT_DIR if env.is_main_process else None, env.rank)
     logger.info("%s launch, %d process(es):\n%s", env.launcher, env.world_size, format_rank_table(table))
     if cfg.TRAIN.PRECISION == "fp16" and env.device.type == "cpu":
         logger.warning("TRAIN.PRECISION fp16 on the CPU is slow and meant for testing the fp16 path; use bf16")
@@ -79,8 +90,8 @@ def setup_environment(cfg: CfgNode, out_dir: str | None = None, training: bool =
     torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
     torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
     if training:
-        rank0_decides(lambda: dump_cfg(cfg, out_dir))
-    return env, make_writer(out_dir, env.is_main_process)
+        rank0_decides(lambda: record_start(cfg, env, table, resumed_from))
+    return make_writer(cfg.OUT_DIR, env.is_main_process)
 
 
 def _prepare_out_dir(out_dir: str, training: bool = True) -> None:
@@ -136,8 +147,8 @@ def wrap_model(model: nn.Module, cfg: CfgNode, env: DistEnv) -> nn.Module:
 
 def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
     """Build loaders, model, optimizer, scaler, EMA and loss for a training run."""
-    train, val = build_train_split(cfg, env), build_val_split(cfg, env)
-    check_same_classes(train, val, cfg)
+    train = build_train_split(cfg, env)
+    val = build_val_split(cfg, env, train.classes)
     model = build_model_for(cfg, env)
     t = cfg.TRAIN
     global_batch = t.BATCH_SIZE * env.world_size * t.ACCUM_STEPS

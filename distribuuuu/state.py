@@ -9,6 +9,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
+from distribuuuu.config import ConfigError
 from distribuuuu.distributed import all_gather_object, rank0_decides
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
@@ -71,12 +72,68 @@ def weights_only_state(state: dict) -> dict:
     return {k: state[k] for k in keep}
 
 
-def resume_or_load_weights(run: Run) -> None:
-    """Resume from the newest valid checkpoint (AUTO_RESUME), else load MODEL.WEIGHTS if given."""
+# Keys that make another experiment: resuming a checkpoint trained with other values would mix
+# two runs in one OUT_DIR (and one record). TRAIN.RESUME_ANYWAY overrides.
+EXPERIMENT_KEYS = (
+    "MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.DATASET", "TRAIN.SPLIT", "TRAIN.IM_SIZE", "OPTIM.OPTIMIZER",
+)  # fmt: skip
+# Keys that may change on a resume without changing what is trained: logged, not warned about.
+RUNTIME_KEYS = (
+    "OPTIM.MAX_EPOCH", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.WORKERS", "TRAIN.PREFETCH_FACTOR",
+    "TRAIN.PERSISTENT_WORKERS", "TRAIN.PIN_MEMORY", "TRAIN.CKPT_PERIOD_ITERS", "TRAIN.KEEP_CKPTS",
+    "TRAIN.STOP_AFTER_EPOCHS", "TRAIN.EVAL_PERIOD", "TRAIN.AUTO_RESUME", "TRAIN.RESUME_ANYWAY", "TEST.BATCH_SIZE",
+    "DATA.DECODER", "MODEL.WEIGHTS", "OUT_DIR", "CFG_DEST", "DIST.", "CUDNN.",
+)  # fmt: skip
+
+
+def find_checkpoint_to_resume(cfg: CfgNode) -> tuple[str | None, list[str]]:
+    """The checkpoint AUTO_RESUME continues from, and what changed since it (rank 0, before any write).
+
+    A checkpoint of another experiment (EXPERIMENT_KEYS differ) is a ConfigError naming the keys
+    and the way out, so a second experiment never continues the first one's weights.
+    """
+    if not cfg.TRAIN.AUTO_RESUME:
+        return None, []
+    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR))
+    if path is None:
+        return None, []
+    saved = ckpt.load_checkpoint(path).get("cfg")
+    changes = config_changes(CfgNode.load_cfg(saved), cfg) if saved else []
+    clash = [c for c in changes if c.split(":")[0] in EXPERIMENT_KEYS]
+    if clash and not cfg.TRAIN.RESUME_ANYWAY:
+        raise ConfigError(
+            f"OUT_DIR {cfg.OUT_DIR} holds another experiment ({path}): {'; '.join(clash)}. Give this run "
+            "its own OUT_DIR, or set TRAIN.RESUME_ANYWAY True to continue that run with these values"
+        )
+    return path, changes
+
+
+def config_changes(saved: CfgNode, current: CfgNode, prefix: str = "") -> list[str]:
+    """``KEY: old -> new`` for every key whose value differs between two configs."""
+    changes = []
+    for name, value in current.items():
+        key = f"{prefix}{name}"
+        old = saved.get(name) if isinstance(saved, dict) else None
+        if isinstance(value, CfgNode):
+            changes += config_changes(old if isinstance(old, dict) else CfgNode(), value, key + ".")
+        elif old != value and not (isinstance(old, (list, tuple)) and list(old) == list(value)):
+            changes.append(f"{key}: {old!r} -> {value!r}")
+    return changes
+
+
+def log_config_changes(path: str | None, changes: list[str]) -> None:
+    """Log what changed since the checkpoint: runtime keys as information, the rest as warnings."""
+    runtime = [c for c in changes if c.split(":")[0].startswith(RUNTIME_KEYS)]
+    others = [c for c in changes if c not in runtime]
+    if runtime:
+        logger.info("resuming %s with changed runtime keys: %s", path, "; ".join(runtime))
+    if others:
+        logger.warning("resuming %s with changed training keys (they apply from here on): %s", path, "; ".join(others))
+
+
+def resume_or_load_weights(run: Run, path: str | None) -> None:
+    """Resume from ``path`` (find_checkpoint_to_resume's choice), else load MODEL.WEIGHTS if given."""
     cfg = run.cfg
-    path = None
-    if cfg.TRAIN.AUTO_RESUME:
-        path = rank0_decides(lambda: ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR)))
     if path:
         if cfg.MODEL.WEIGHTS:
             logger.info("resuming from %s: it wins over MODEL.WEIGHTS %s", path, cfg.MODEL.WEIGHTS)

@@ -15,7 +15,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError, check_dataset_paths
 from distribuuuu.data import Split, build_val_split
-from distribuuuu.distributed import broadcast_buffers, cleanup_distributed
+from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger
@@ -24,8 +24,22 @@ from distribuuuu.models import model_source
 from distribuuuu.optim import lr_at, set_lr
 from distribuuuu.preemption import Preempted, PreemptionHandler, requeue_slurm_job
 from distribuuuu.records import log_train_window, write_eval_record, write_train_record
-from distribuuuu.run import Run, TrainState, build_model_for, build_run, setup_environment
-from distribuuuu.state import load_weights, resume_or_load_weights, save_training_checkpoint
+from distribuuuu.run import (
+    Run,
+    TrainState,
+    build_model_for,
+    build_run,
+    prepare_outputs,
+    setup_environment,
+    start_process_group,
+)
+from distribuuuu.state import (
+    find_checkpoint_to_resume,
+    load_weights,
+    log_config_changes,
+    resume_or_load_weights,
+    save_training_checkpoint,
+)
 
 logger = get_logger("trainer")
 
@@ -234,12 +248,16 @@ def train_model(cfg: CfgNode) -> dict:
     """Train MODEL.ARCH as configured; return the last validation totals."""
     check_dataset_paths(cfg)
     model_source(cfg.MODEL.ARCH)  # an unknown architecture fails before any set-up
-    env, writer = setup_environment(cfg)
+    env, table = start_process_group(cfg)
+    # Before anything is written to OUT_DIR: a checkpoint of another experiment stops the run here.
+    resume_from, changes = rank0_decides(lambda: find_checkpoint_to_resume(cfg))
+    writer = prepare_outputs(cfg, env, table, resumed_from=resume_from)
+    log_config_changes(resume_from, changes)
     run: Run | None = None
     try:
         with naming_failed_collectives(env, cfg.DIST.TIMEOUT_S, lambda: run.state if run else TrainState()):
             run = build_run(cfg, env, writer)
-            resume_or_load_weights(run)
+            resume_or_load_weights(run, resume_from)
             with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
                 return train_epochs(run)
     finally:
@@ -314,9 +332,11 @@ def test_model(cfg: CfgNode) -> dict:
     model_source(cfg.MODEL.ARCH)
     env, writer = setup_environment(cfg, training=False)
     try:
-        val = build_val_split(cfg, env)
         model = build_model_for(cfg, env)
         state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND)
+        if not state.get("classes"):
+            logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
+        val = build_val_split(cfg, env, state.get("classes"))
         if cfg.TRAIN.COMPILE:
             model = torch.compile(model)
         totals = validate(model, val, cfg, env)

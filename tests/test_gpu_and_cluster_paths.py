@@ -70,7 +70,7 @@ def test_resume_hands_the_rng_restore_cpu_states_whatever_the_runs_device(tmp_pa
     monkeypatch.setattr(state, "restore_rng_state", handed.append)
     # A GPU run names its device "cuda"; "meta" stands in for any device that is not the CPU.
     on_another_device = dataclasses.replace(saved, env=DistEnv(device=torch.device("meta")))
-    state.resume_or_load_weights(on_another_device)
+    state.resume_or_load_weights(on_another_device, state.find_checkpoint_to_resume(saved.cfg)[0])
     assert len(handed) == 1 and {t.device.type for t in _tensors(handed[0])} == {"cpu"}
     rng.restore_rng_state(handed[0])  # and the real restore takes them
 

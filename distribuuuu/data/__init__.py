@@ -1,7 +1,8 @@
 """Data: datasets, transforms, samplers and loaders."""
 
+from distribuuuu.data.classes import map_classes
 from distribuuuu.data.datasets import BadImageError, DataError, load_image
-from distribuuuu.data.loader import Split, build_train_split, build_val_split, check_same_classes
+from distribuuuu.data.loader import Split, build_train_split, build_val_split
 from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
 from distribuuuu.data.transforms import build_batch_mixer, build_train_transform, build_val_transform
 
@@ -16,6 +17,6 @@ __all__ = [
     "build_train_transform",
     "build_val_split",
     "build_val_transform",
-    "check_same_classes",
+    "map_classes",
     "load_image",
 ]

@@ -10,9 +10,9 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
 from distribuuuu.data.batched import BatchDecoder, DecodedLoader, EncodedImageDataset, collate_encoded
+from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
     CheckedImageFolder,
-    DataError,
     SeededTransformDataset,
     SyntheticDataset,
     build_base_dataset,
@@ -92,23 +92,19 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     return Split(loader, dataset, sampler, classes)
 
 
-def build_val_split(cfg: CfgNode, env: DistEnv) -> Split:
-    """Val loader: every sample evaluated exactly once across ranks."""
+def build_val_split(cfg: CfgNode, env: DistEnv, model_classes: list[str] | None = None) -> Split:
+    """Val loader: every sample evaluated exactly once across ranks, its targets the model's classes.
+
+    ``model_classes`` (the training classes, or a checkpoint's) are matched to the folder's by
+    name: see data/classes.py.
+    """
     base, classes = _base(cfg, cfg.TEST.DATASET, cfg.TEST.SPLIT, train=False)
+    if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
+        where = f"{cfg.TEST.DATASET}/{cfg.TEST.SPLIT}"
+        remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
+        classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg)
     dataset, decoder = _dataset(cfg, env, base, transform)
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, False, decoder)
     return Split(loader, dataset, sampler, classes)
-
-
-def check_same_classes(train: Split, val: Split, cfg: CfgNode) -> None:
-    """Raise DataError when train and val class folders differ (ImageFolder would renumber)."""
-    if train.classes == val.classes:
-        return
-    only_train = sorted(set(train.classes) - set(val.classes))
-    only_val = sorted(set(val.classes) - set(train.classes))
-    raise DataError(
-        f"class folders differ between {cfg.TRAIN.DATASET}/{cfg.TRAIN.SPLIT} and "
-        f"{cfg.TEST.DATASET}/{cfg.TEST.SPLIT}: only in train {only_train}, only in val {only_val}"
-    )

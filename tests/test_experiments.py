@@ -1,0 +1,173 @@
+"""Never mix two experiments (one OUT_DIR, one experiment; every start recorded) and classes by name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import FAST, REPO, TEST, TRAIN, assert_ok, python, read_metrics, run
+from PIL import Image
+from yacs.config import CfgNode
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu.config import ConfigError, load_cfg
+from distribuuuu.data import DataError, map_classes
+from distribuuuu.state import find_checkpoint_to_resume
+
+DIGITS = REPO / "data" / "digits"
+PREDICT = str(REPO / "tools" / "predict.py")
+ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]
+
+
+def _errors(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
+
+
+def _fingerprint(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def one_epoch_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("first") / "out"
+    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *ONE_EPOCH), timeout=300))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# One OUT_DIR, one experiment
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_another_architecture_in_the_same_out_dir_stops_naming_the_keys_and_touches_nothing(one_epoch_run):
+    before = _fingerprint(one_epoch_run)
+    result = run(python(TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34"), timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    [error] = _errors(result)
+    assert "holds another experiment" in error and "MODEL.ARCH: 'resnet18' -> 'resnet34'" in error
+    assert "own OUT_DIR" in error and "TRAIN.RESUME_ANYWAY True" in error
+    assert _fingerprint(one_epoch_run) == before, "the first run's files must be untouched"
+
+
+@pytest.mark.slow
+def test_more_epochs_continue_the_run_log_the_change_and_keep_every_starts_config(one_epoch_run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(one_epoch_run, out)
+    result = run(python(TRAIN, "OUT_DIR", str(out), *FAST, "OPTIM.MAX_EPOCH", "2"), timeout=300)
+    assert_ok(result)
+    assert "changed runtime keys: OPTIM.MAX_EPOCH: 1 -> 2" in result.stdout
+    assert "OUT_DIR:" in result.stdout  # the copy's OUT_DIR differs from the checkpoint's: a runtime key
+    assert [r["epoch"] for r in read_metrics(out) if r["split"] == "train"] == [1, 2]
+    starts = sorted((out / "starts").iterdir())
+    assert len(starts) == 2
+    epochs = [CfgNode.load_cfg((s / "config.yaml").read_text()).OPTIM.MAX_EPOCH for s in starts]
+    assert epochs == [1, 2]
+    first, second = (json.loads((s / "manifest.json").read_text()) for s in starts)
+    assert first["resumed_from"] is None and second["resumed_from"].endswith(ckpt.checkpoint_name(1))
+    assert (second["torch"], second["world_size"], second["launcher"]) == (torch.__version__, 1, "none")
+    assert second["device"] and second["python"] and second["hosts"]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert second["git"]["commit"] == head.stdout.strip()
+
+
+def test_resume_anyway_continues_another_experiment_and_runtime_keys_never_stop_a_resume(tmp_path):
+    state = {"model": {}, "cfg": load_cfg(None, ["OUT_DIR", str(tmp_path)]).dump(), "epoch": 1}
+    ckpt.save_checkpoint(state, str(tmp_path / ckpt.CKPT_DIR / ckpt.checkpoint_name(1)))
+    with pytest.raises(ConfigError, match=r"TRAIN.IM_SIZE: 32 -> 24"):
+        find_checkpoint_to_resume(load_cfg(None, ["OUT_DIR", str(tmp_path), "TRAIN.IM_SIZE", "24"]))
+    anyway = load_cfg(None, ["OUT_DIR", str(tmp_path), "TRAIN.IM_SIZE", "24", "TRAIN.RESUME_ANYWAY", "True"])
+    path, changes = find_checkpoint_to_resume(anyway)
+    assert path.endswith(ckpt.checkpoint_name(1)) and "TRAIN.IM_SIZE: 32 -> 24" in changes
+    path, changes = find_checkpoint_to_resume(load_cfg(None, ["OUT_DIR", str(tmp_path), "TRAIN.WORKERS", "2"]))
+    assert changes == ["TRAIN.WORKERS: 0 -> 2"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Classes by name
+# ------------------------------------------------------------------------------------------------
+def test_classes_map_by_name_whatever_the_folder_order():
+    assert map_classes(["b", "c", "a"], ["a", "b", "c"]) == {0: 1, 1: 2, 2: 0}
+
+
+def test_numeric_folders_that_are_not_class_names_are_indices_not_string_order():
+    model = [f"n{i:02d}" for i in range(12)]
+    folder = sorted(str(i) for i in range(12))  # ImageFolder's order: 0, 1, 10, 11, 2, ...
+    assert map_classes(folder, model) == {i: int(name) for i, name in enumerate(folder)}
+
+
+def test_unknown_or_missing_classes_are_one_error_unless_the_overlap_is_asked_for():
+    with pytest.raises(
+        DataError, match=r"not among the model's \['x'\], no folder for \['c'\]; set TEST.CLASS_OVERLAP"
+    ):
+        map_classes(["a", "b", "x"], ["a", "b", "c"], where="val")
+    assert map_classes(["a", "b", "x"], ["a", "b", "c"], overlap=True) == {0: 0, 1: 1}
+
+
+def _twelve_class_tree(root: Path, names: list[str]) -> Path:
+    """data/digits as 12 classes: the ten digits and inverted copies of 0 and 1, under ``names``."""
+    for split in ("train", "val"):
+        for label, name in enumerate(names):
+            digit, inverted = label % 10, label >= 10
+            target = root / split / name
+            target.mkdir(parents=True)
+            for png in sorted((DIGITS / split / str(digit)).glob("*.png")):
+                if inverted:
+                    Image.fromarray(255 - np.asarray(Image.open(png).convert("RGB"))).save(target / png.name)
+                else:
+                    shutil.copy(png, target / png.name)
+    return root
+
+
+@pytest.mark.slow
+def test_numeric_val_folders_evaluate_like_the_training_names_and_predict_names_the_classes(tmp_path):
+    names = [f"c{i:02d}" for i in range(12)]
+    named = _twelve_class_tree(tmp_path / "named", names)
+    numbered = tmp_path / "numbered"
+    (numbered / "val").mkdir(parents=True)
+    for i, name in enumerate(names):  # ImageNet-V2's layout: folder i holds the model's class i
+        shutil.copytree(named / "val" / name, numbered / "val" / str(i))
+    data = ["TRAIN.DATASET", str(named), "TEST.DATASET", str(named), "MODEL.NUM_CLASSES", "12"]
+    out = tmp_path / "out"
+    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *FAST, *data, "OPTIM.MAX_EPOCH", "3"), timeout=600))
+    weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(3))
+
+    def evaluate(root: Path, *extra: str) -> dict:
+        ev_out = tmp_path / f"eval_{root.name}"
+        args = ["OUT_DIR", str(ev_out), *FAST, *data[:2], "TEST.DATASET", str(root), "MODEL.NUM_CLASSES", "12"]
+        assert_ok(run(python(TEST, *args, "MODEL.WEIGHTS", weights, *extra), timeout=300))
+        [record] = [r for r in read_metrics(ev_out) if r["split"] == "test"]
+        return record
+
+    by_name, by_number = evaluate(named), evaluate(numbered)
+    assert by_name["top1"] > 50, "trained well above the 8% of chance, so scrambled labels would show"
+    assert [by_number[k] for k in ("top1", "topk", "samples")] == [by_name[k] for k in ("top1", "topk", "samples")]
+    images = sorted((named / "val" / "c10").glob("*.png"))[:3]
+    result = run(python(PREDICT, "--weights", weights, *map(str, images)), timeout=300)
+    assert_ok(result)
+    predicted = [line.split(": ", 1)[1].split(" ")[0] for line in result.stdout.splitlines() if ": " in line]
+    assert len(predicted) == 3 and set(predicted) <= set(names), result.stdout
+
+
+@pytest.mark.slow
+def test_a_val_folder_with_a_class_the_model_does_not_know_stops_or_evaluates_the_overlap(one_epoch_run, tmp_path):
+    val = tmp_path / "odd" / "val"
+    for name in ["0", "1", "2"]:
+        shutil.copytree(DIGITS / "val" / name, val / name)
+    shutil.copytree(DIGITS / "val" / "3", val / "x")
+    weights = str(one_epoch_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
+    args = ["OUT_DIR", str(tmp_path / "eval"), *FAST, "TEST.DATASET", str(tmp_path / "odd"), "MODEL.WEIGHTS", weights]
+    refused = run(python(TEST, *args), timeout=300)
+    assert refused.returncode == 2
+    [error] = _errors(refused)
+    assert "not among the model's ['x']" in error and "TEST.CLASS_OVERLAP" in error
+    assert_ok(run(python(TEST, *args, "TEST.CLASS_OVERLAP", "True"), timeout=300))
+    [record] = [r for r in read_metrics(tmp_path / "eval") if r["split"] == "test"]
+    assert record["samples"] == sum(len(list((val / n).glob("*.png"))) for n in ["0", "1", "2"])
