@@ -1,7 +1,7 @@
 """Print the config reference (every key, its default and its comment) as a Markdown table.
 
 The comments in distribuuuu/config.py are the single source: ``python tools/config_reference.py``
-regenerates the table of docs/config-reference.md from them.
+prints the table; ``python tools/config_reference.py --write`` regenerates it in docs/config-reference.md.
 """
 
 from __future__ import annotations
@@ -47,5 +47,20 @@ def reference_table() -> str:
     return "\n".join(rows)
 
 
+def write_reference(path: str) -> None:
+    """Replace the table in ``path`` (docs/config-reference.md) with a freshly generated one."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    start = lines.index("| key | default | meaning |")
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    with open(path, "w") as f:
+        f.write("\n".join(lines[:start] + reference_table().split("\n") + lines[end:]))
+
+
 if __name__ == "__main__":
-    print(reference_table())
+    if sys.argv[1:2] == ["--write"]:
+        write_reference(
+            os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config-reference.md")
+        )
+    else:
+        print(reference_table())
