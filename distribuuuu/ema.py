@@ -6,6 +6,12 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view: in-place updates reach the DTensor), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ModelEMA:
@@ -21,6 +27,18 @@ class ModelEMA:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
         self.decay, self.warmup, self.updates = decay, warmup, 0
 
+    @classmethod
+    def owning(cls, module: nn.Module, decay: float, warmup: bool = True) -> ModelEMA:
+        """An EMA that averages into ``module`` itself, a copy the caller made.
+
+        For FSDP2, whose sharded modules refuse ``deepcopy``: copy the plain model, shard the copy
+        as the model is sharded, and pass it here; the average then lives in the same shards.
+        """
+        ema = cls.__new__(cls)
+        ema.module = module.eval().requires_grad_(False)
+        ema.decay, ema.warmup, ema.updates = decay, warmup, 0
+        return ema
+
     def current_decay(self) -> float:
         """Decay used by the next update."""
         if not self.warmup:
@@ -33,7 +51,9 @@ class ModelEMA:
         weight = 1.0 - self.current_decay()
         ema_state, state = self.module.state_dict(), model.state_dict()
         floats = [k for k, v in ema_state.items() if v.is_floating_point()]
-        torch._foreach_lerp_([ema_state[k] for k in floats], [state[k] for k in floats], weight)
+        # Under FSDP2 parameters are DTensors and buffers plain tensors, which one foreach call
+        # cannot mix; the EMA is sharded as the model is, so the local shards line up one to one.
+        torch._foreach_lerp_([_local(ema_state[k]) for k in floats], [_local(state[k]) for k in floats], weight)
         for k, v in ema_state.items():
             if not v.is_floating_point():
                 v.copy_(state[k])  # integer buffers (BatchNorm's num_batches_tracked) are copied

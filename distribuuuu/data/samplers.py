@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
+import torch
 from torch.utils.data import DistributedSampler, Sampler
 
 
@@ -11,25 +13,49 @@ class ResumableDistributedSampler(DistributedSampler):
     """DistributedSampler that yields ``(epoch, index)`` keys and can start mid-epoch.
 
     The epoch in each key lets the dataset seed every sample's augmentation from (seed, epoch,
-    index) alone, even inside persistent workers that never see ``set_epoch``; ``set_start``
-    skips the samples a resumed epoch already trained on. DistributedSampler's own shuffling and
-    padding are kept unchanged (the padding duplicates are harmless for training).
+    index) alone, even inside persistent workers that never see ``set_epoch``.
+
+    An epoch is one permutation of the dataset that depends on (seed, epoch) only, never on the
+    world size. A resumed epoch starts at a *global* position P of that permutation: rank r of W
+    takes positions P + r, P + r + W, P + r + 2W, ... to the end of the epoch. So the positions a
+    run of W ranks consumed before a checkpoint and those a run of W' ranks consumes after it are
+    disjoint and contiguous, whatever W and W' are. As DistributedSampler does, the tail is padded
+    to a multiple of W with the permutation's first samples (fewer than W duplicates), so every
+    rank gets the same count; for P = 0, and for P a multiple of W (``set_start``, a resume on the
+    same world size), the order is exactly DistributedSampler's, as before.
     """
 
     def __init__(self, dataset, num_replicas: int, rank: int, seed: int, shuffle: bool = True):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
-        self.start = 0
+        self.position = 0  # global position in the epoch's permutation where iteration starts
 
     def set_start(self, start: int) -> None:
-        """Skip the first ``start`` samples of this rank's shard in the current epoch."""
-        self.start = start
+        """Skip the first ``start`` samples of this rank's shard (a resume on the same world size)."""
+        self.set_position(start * self.num_replicas)
+
+    def set_position(self, position: int) -> None:
+        """Start at global position ``position`` of the epoch's permutation (samples all ranks consumed)."""
+        if position < 0:
+            raise ValueError(f"sampler position must be >= 0, got {position}")
+        self.position = position
+
+    def permutation(self) -> list[int]:
+        """The epoch's order of sample indices: a function of (seed, epoch) alone."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)  # DistributedSampler's seeding, so orders match today's
+        return torch.randperm(len(self.dataset), generator=g).tolist()
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        indices = list(super().__iter__())[self.start :]
-        return iter([(self.epoch, i) for i in indices])
+        order = self.permutation()
+        # Positions past the end wrap to the permutation's start: that is DistributedSampler's padding.
+        end = self.position + len(self) * self.num_replicas
+        positions = range(self.position + self.rank, end, self.num_replicas)
+        return iter([(self.epoch, order[p % len(order)]) for p in positions])
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return max(0, math.ceil((len(self.dataset) - self.position) / self.num_replicas))
 
 
 class ExactEvalSampler(Sampler[int]):

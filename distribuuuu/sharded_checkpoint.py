@@ -1,0 +1,282 @@
+"""Sharded checkpoints with Distributed Checkpoint (DCP): each rank writes its own shard.
+
+A checkpoint is a directory ``ckpt_ep_003.dcp`` (``ckpt_ep_004_it_000050.dcp`` mid-epoch) holding
+DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files (model, optimizer, EMA tensors), ``extra.pt``
+(epoch, step, cfg, classes, per-rank RNG, scaler: small, non-tensor state) and ``manifest.json``:
+the size and SHA-256 of every other file, written last. It is written under a temporary name and
+renamed by rank 0 once every rank has finished and the manifest is on disk, so a crash leaves no
+directory with the final name; ``verify_sharded`` then rejects a directory whose files do not
+match the manifest (truncated, missing, flipped bits). Nothing is ever gathered on one rank.
+
+DCP reshards on load: a checkpoint saved by W ranks loads into any number of ranks, sharded
+(FSDP2) or not (DDP, one process).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from distribuuuu.checkpoint import CheckpointError, checkpoint_name
+from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
+from distribuuuu.ema import ModelEMA
+
+logger = logging.getLogger(__name__)
+
+MANIFEST, EXTRA, METADATA = "manifest.json", "extra.pt", ".metadata"
+_NAME = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.dcp$")
+
+
+def sharded_name(epoch: int, step_in_epoch: int = 0) -> str:
+    """``ckpt_ep_003.dcp``: today's single-file name with ``.dcp`` for ``.pth.tar``."""
+    return checkpoint_name(epoch, step_in_epoch).replace(".pth.tar", ".dcp")
+
+
+def list_sharded(ckpt_dir: str) -> list[str]:
+    """Sharded checkpoint directories in ``ckpt_dir``, oldest first (temporaries never listed)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+
+    def order(name: str) -> tuple[int, int]:
+        epoch, step = _NAME.match(name).groups()
+        return int(epoch), int(step) if step else 1 << 62  # an epoch's end comes after its steps
+
+    names = sorted((n for n in os.listdir(ckpt_dir) if _NAME.match(n)), key=order)
+    return [os.path.join(ckpt_dir, n) for n in names]
+
+
+def _file_digest(path: str) -> dict:
+    """Size and SHA-256 of a file, read in 1 MiB pieces (a shard may be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(1 << 20), b""):
+            digest.update(piece)
+    return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ema: ModelEMA | None) -> dict:
+    """The tensors DCP saves and loads in place: FQN-keyed model/optimizer state (sharded under FSDP2)."""
+    if optimizer is None:
+        state = {"model": get_state_dict(model, [])[0]}
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+    if ema is not None:
+        state["ema"] = ema.module.state_dict()
+    return state
+
+
+def _own_files(directory: str, rank: int) -> dict[str, dict]:
+    """Digests of the shard files this rank wrote (DCP names them ``__<rank>_<n>.distcp``)."""
+    prefix = f"__{rank}_"
+    names = sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".distcp"))
+    return {n: _file_digest(os.path.join(directory, n)) for n in names}
+
+
+def save_sharded(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict, ema: ModelEMA | None = None
+) -> None:
+    """Write a sharded checkpoint to the directory ``path``; every rank calls this (collective).
+
+    Each rank writes and hashes its own shard files; rank 0 writes ``extra`` (plus every rank's
+    entry of ``extra["rng"]`` if given as this rank's state), the manifest, then renames the
+    temporary directory to ``path``. Raises CheckpointError on every rank if any rank failed.
+    """
+    tmp = broadcast_object(f"{path}.tmp.{os.getpid()}")  # rank 0's name: one directory for all
+    # Buffers (BatchNorm statistics) are not sharded and differ per rank; DCP would keep any one
+    # rank's copy. Rank 0's, as in a single-file checkpoint; training-mode forwards never read them.
+    for module in (model, ema.module if ema is not None else None):
+        if module is not None:
+            broadcast_buffers(module)
+    rank, error = get_rank(), None
+    try:
+        dcp.save(_tensor_state(model, optimizer, ema), checkpoint_id=tmp)
+        files = _own_files(tmp, rank)
+    except Exception as e:  # reported collectively below: a rank must not leave its peers waiting
+        error, files = f"rank {rank} could not write its shard of {path}: {type(e).__name__}: {e}", {}
+    gathered = all_gather_object((error, files))
+    errors = [e for e, _ in gathered if e]
+    if not errors and is_main_process():
+        manifest = {name: d for _, f in gathered for name, d in f.items()}
+        errors = _finish(tmp, path, manifest, dict(extra, ema_updates=ema.updates if ema else 0))
+    errors = broadcast_object(errors)
+    if errors:
+        if is_main_process():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{errors[0]}; earlier checkpoints are intact")
+
+
+def _finish(tmp: str, path: str, manifest: dict, extra: dict) -> list[str]:
+    """Rank 0: write extra.pt and the manifest (last), then rename ``tmp`` to ``path`` atomically."""
+    try:
+        torch.save(extra, os.path.join(tmp, EXTRA))
+        manifest[METADATA] = _file_digest(os.path.join(tmp, METADATA))
+        manifest[EXTRA] = _file_digest(os.path.join(tmp, EXTRA))
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"files": manifest}, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if os.path.exists(path):  # a re-save of the same step: the old one goes only once the new is whole
+            os.replace(path, aside := f"{path}.old.{os.getpid()}")
+            shutil.rmtree(aside)
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path) or ".")
+    except OSError as e:
+        return [f"could not write checkpoint {path}: {e}"]
+    return []
+
+
+def verify_sharded(path: str, checksums: bool = True) -> None:
+    """Raise CheckpointError naming the first file of ``path`` that is missing or differs from the manifest."""
+    manifest_path = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest_path) as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"sharded checkpoint {path} has no {MANIFEST}: it was not finished") from None
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{manifest_path} is unreadable: {type(e).__name__}: {e}") from None
+    for name in (METADATA, EXTRA):
+        if name not in files:
+            raise CheckpointError(f"{manifest_path} does not list {name}")
+    for name, expected in sorted(files.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"sharded checkpoint {path}: {file} is missing")
+        size = os.path.getsize(file)
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file} holds {size} bytes, the manifest {expected['bytes']}: truncated or damaged")
+        if checksums and _file_digest(file)["sha256"] != expected["sha256"]:
+            raise CheckpointError(f"{file} fails its SHA-256 checksum: the file is corrupt")
+
+
+def read_extra(path: str) -> dict:
+    """The non-tensor state of a sharded checkpoint (weights_only: no code from the file runs)."""
+    return torch.load(os.path.join(path, EXTRA), map_location="cpu", weights_only=True)
+
+
+def load_sharded(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema: ModelEMA | None = None
+) -> dict:
+    """Load ``path`` into this rank's shards of model/optimizer/EMA (collective); return the extra state.
+
+    The world size and the sharding may differ from the saving run's: DCP reads, for each local
+    shard, the pieces of the saved shards that overlap it. Verify first (``verify_sharded``, on
+    rank 0 in ``find_resumable_sharded``): DCP itself does not notice a damaged shard.
+    """
+    state = _tensor_state(model, optimizer, ema)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as e:
+        raise CheckpointError(f"could not load sharded checkpoint {path}: {type(e).__name__}: {e}") from None
+    if optimizer is None:
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    extra = read_extra(path)
+    if ema is not None:
+        ema.module.load_state_dict(state["ema"])
+        ema.updates = int(extra.get("ema_updates", 0))
+    return extra
+
+
+def find_resumable_sharded(ckpt_dir: str) -> str | None:
+    """The newest sharded checkpoint that verifies; broken newer ones are moved aside (main process only)."""
+    for path in reversed(list_sharded(ckpt_dir)):
+        try:
+            verify_sharded(path)
+            return path
+        except CheckpointError as e:
+            aside = path + ".corrupt"
+            os.replace(path, aside)
+            logger.warning("%s; moved it aside to %s and trying the previous checkpoint", e, aside)
+    return None
+
+
+def prune_sharded(ckpt_dir: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` sharded checkpoints, and stale temporaries (main process only)."""
+    if not is_main_process():
+        return
+    for path in list_sharded(ckpt_dir)[:-keep]:
+        shutil.rmtree(path)
+    for name in os.listdir(ckpt_dir):
+        if ".dcp.tmp." in name:  # left by a crash mid-save; a save in progress is never pruned concurrently
+            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+
+
+def _optimizer_by_index(optim_state: dict) -> dict:
+    """DCP's optimizer state (keyed by parameter name) in ``Optimizer.state_dict()``'s form (by index).
+
+    ``get_state_dict`` lists each group's parameters by name in the optimizer's own order, which
+    is the order ``Optimizer.state_dict()`` numbers them in.
+    """
+    names = [name for group in optim_state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {index[name]: s for name, s in optim_state["state"].items()},
+        "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in optim_state["param_groups"]],
+    }
+
+
+def to_single_file(dcp_dir: str, out_path: str) -> None:
+    """Convert a sharded checkpoint to today's single checksummed file (one process, no process group).
+
+    The whole state is read into this process's memory: an offline tool, not a training step.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from distribuuuu.checkpoint import save_checkpoint
+
+    verify_sharded(dcp_dir)
+    tmp = f"{out_path}.dcp_read.{os.getpid()}"
+    try:
+        dcp_to_torch_save(dcp_dir, tmp)
+        tensors = torch.load(tmp, map_location="cpu", weights_only=True)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    extra = read_extra(dcp_dir)
+    state = dict(extra, model=tensors["model"], ema=None)
+    state["optimizer"] = _optimizer_by_index(tensors["optimizer"]) if "optimizer" in tensors else None
+    if "ema" in tensors:
+        state["ema"] = {"module": tensors["ema"], "updates": extra.get("ema_updates", 0)}
+    state.pop("ema_updates", None)
+    save_checkpoint(state, out_path)
+
+
+def from_single_file(path: str, dcp_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Convert today's single-file checkpoint to a sharded one through ``model`` and ``optimizer``.
+
+    They must be built as the run that wrote ``path`` built them (its cfg is in the file): the
+    file numbers optimizer state by position, and only the optimizer knows each position's name.
+    """
+    from distribuuuu.checkpoint import load_checkpoint, model_state_from
+
+    state = load_checkpoint(path)
+    model.load_state_dict(model_state_from(state))
+    if optimizer is not None and state.get("optimizer"):
+        optimizer.load_state_dict(state["optimizer"])
+    ema = None
+    if state.get("ema"):
+        ema = ModelEMA(model, 0.0)
+        ema.load_state_dict(state["ema"])
+    tensor_keys = ("model", "optimizer", "ema", "checksum")
+    save_sharded(dcp_dir, model, optimizer, {k: v for k, v in state.items() if k not in tensor_keys}, ema)
