@@ -7,7 +7,7 @@ import logging
 import os
 import pickle
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -121,14 +121,18 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
     return state
 
 
-def find_resumable(ckpt_dir: str) -> str | None:
+def find_resumable(
+    ckpt_dir: str, listing: Callable[[str], list[str]] = list_checkpoints, verify: Callable[[str], object] = None
+) -> str | None:
     """Return the newest checkpoint that loads and verifies; move broken newer ones aside.
 
-    Called on the main process only; the caller broadcasts the chosen path to the other ranks.
+    ``listing`` and ``verify`` default to single-file checkpoints (``load_checkpoint``); sharded
+    ones pass their own. Called on the main process only; the caller shares the chosen path.
     """
-    for path in reversed(list_checkpoints(ckpt_dir)):
+    verify = verify or load_checkpoint
+    for path in reversed(listing(ckpt_dir)):
         try:
-            load_checkpoint(path)
+            verify(path)
             return path
         except CheckpointError as e:
             aside = path + ".corrupt"

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distribuuuu.checkpoint import CheckpointError, checkpoint_name
+from distribuuuu.checkpoint import CheckpointError, checkpoint_name, find_resumable
 from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
 from distribuuuu.ema import ModelEMA
 
@@ -200,15 +200,7 @@ def load_sharded(
 
 def find_resumable_sharded(ckpt_dir: str) -> str | None:
     """The newest sharded checkpoint that verifies; broken newer ones are moved aside (main process only)."""
-    for path in reversed(list_sharded(ckpt_dir)):
-        try:
-            verify_sharded(path)
-            return path
-        except CheckpointError as e:
-            aside = path + ".corrupt"
-            os.replace(path, aside)
-            logger.warning("%s; moved it aside to %s and trying the previous checkpoint", e, aside)
-    return None
+    return find_resumable(ckpt_dir, listing=list_sharded, verify=verify_sharded)
 
 
 def prune_sharded(ckpt_dir: str, keep: int) -> None:
