@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers import TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
 
+pytestmark = pytest.mark.slow  # two 10-epoch resnet18 runs
+# 10 epochs reach 96-98% on the CPUs seen so far (README): far above this floor on any of them.
 TARGET_TOP1 = 95.0
 
 

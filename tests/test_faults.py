@@ -13,6 +13,7 @@ import errno
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,15 +152,30 @@ def _train_epochs(out: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference_one(tmp_path_factory) -> dict:
-    """Final state of an uninterrupted single-process run (WORKERS 0)."""
+def reference_one_dir(tmp_path_factory) -> Path:
+    """OUT_DIR of an uninterrupted single-process run (WORKERS 0): the reference of every resume of ONE."""
     out = tmp_path_factory.mktemp("reference_one")
     assert_ok(run(python(FAULT, "OUT_DIR", str(out), *ONE), timeout=300, env=ENV))
     # TRAIN.KEEP_CKPTS 3 (default) of the 8 mid-epoch and 2 epoch-end checkpoints; best kept apart.
     kept = [ckpt.checkpoint_name(2, 30), ckpt.checkpoint_name(2, 40), ckpt.checkpoint_name(2)]
     assert [Path(p).name for p in ckpt.list_checkpoints(str(out / "checkpoints"))] == kept
     assert (out / ckpt.BEST_NAME).is_file()
-    return _final_state(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_one(reference_one_dir) -> dict:
+    """Final state of the uninterrupted single-process run."""
+    return _final_state(reference_one_dir)
+
+
+@pytest.fixture(scope="module")
+def stopped_after_epoch_1(tmp_path_factory) -> Path:
+    """OUT_DIR of a run of ONE stopped by TRAIN.STOP_AFTER_EPOCHS 1 (tests resume a copy of it)."""
+    out = tmp_path_factory.mktemp("stopped_after_epoch_1")
+    assert_ok(run(python(FAULT, "OUT_DIR", str(out), *ONE, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=300, env=ENV))
+    assert _train_epochs(out) == [1], "TRAIN.STOP_AFTER_EPOCHS 1 stopped after epoch 1"
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +189,7 @@ def reference_two(tmp_path_factory) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Killed, preempted and stalled ranks (2-process gloo jobs under torchrun)
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
@@ -189,6 +206,7 @@ def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights
     _assert_same_weights(_final_state(out, epochs=1), reference_two)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
     with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "preempted") as job:
@@ -251,6 +269,7 @@ def test_a_preempted_process_still_exits_75_when_signalled_again_while_exiting()
     assert proc.wait(timeout=60) == 75
 
 
+@pytest.mark.slow
 def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_path):
     timeout_s = 15
     out = tmp_path / "run"
@@ -278,6 +297,7 @@ def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_
 # ------------------------------------------------------------------------------------------------
 # Exact resume in one process: deterministic preemption, with and without DataLoader workers
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "workers,sig,truncate_newest", [(0, "SIGTERM", False), (2, "SIGUSR1", True)], ids=["workers0", "workers2-truncated"]
 )
@@ -317,6 +337,26 @@ def test_preempted_run_resumes_to_bit_identical_weights(tmp_path, reference_one,
         assert f"checkpoint {newest} is unreadable" in resumed.stdout + resumed.stderr
         assert not newest.exists() and Path(f"{newest}.corrupt").is_file()
     assert _train_epochs(out) == [1, 2]
+    _assert_same_weights(_final_state(out), reference_one)
+
+
+@pytest.mark.slow
+def test_auto_resume_after_an_epoch_continues_exactly_like_an_uninterrupted_run(
+    tmp_path, stopped_after_epoch_1, reference_one_dir, reference_one
+):
+    out = tmp_path / "run"
+    shutil.copytree(stopped_after_epoch_1, out)
+    second = run(python(FAULT, "OUT_DIR", str(out), *ONE), timeout=300, env=ENV)
+    assert_ok(second)
+    resumed = RESUMED.search(second.stdout)
+    assert resumed, second.stdout[-3000:]
+    assert (resumed[1], resumed[2], resumed[3]) == (str(out / "checkpoints" / ckpt.checkpoint_name(1)), "2", "0")
+    assert "epoch 1/2" not in second.stdout, "the second invocation must not train epoch 1 again"
+    train = [r for r in read_metrics(out) if r["split"] == "train"]
+    reference = [r for r in read_metrics(reference_one_dir) if r["split"] == "train"]
+    assert [r["epoch"] for r in train] == [1, 2]
+    assert [r["step"] for r in train] == [r["step"] for r in reference]
+    assert [r["lr"] for r in train] == pytest.approx([r["lr"] for r in reference], rel=1e-12)
     _assert_same_weights(_final_state(out), reference_one)
 
 
@@ -452,10 +492,12 @@ def test_unwritable_out_dir_fails_before_training_with_exit_2(tmp_path, capsys):
     assert blocker.read_text() == "not a directory"
 
 
-def test_resume_with_another_optimizer_is_one_clear_error_and_load_opt_false_resumes(tmp_path):
-    args = ["OUT_DIR", str(tmp_path), *ONE]
-    assert_ok(run(python(FAULT, *args, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=300, env=ENV))
-    newest = tmp_path / "checkpoints" / ckpt.checkpoint_name(1)
+@pytest.mark.slow
+def test_resume_with_another_optimizer_is_one_clear_error_and_load_opt_false_resumes(tmp_path, stopped_after_epoch_1):
+    out = tmp_path / "run"
+    shutil.copytree(stopped_after_epoch_1, out)
+    args = ["OUT_DIR", str(out), *ONE]
+    newest = out / "checkpoints" / ckpt.checkpoint_name(1)
 
     changed = run(python(FAULT, *args, "OPTIM.OPTIMIZER", "adamw"), timeout=300, env=ENV)
     assert changed.returncode == 1, changed.stderr[-3000:]
@@ -464,13 +506,13 @@ def test_resume_with_another_optimizer_is_one_clear_error_and_load_opt_false_res
         f"distribuuuu: error: {newest} holds sgd optimizer state but OPTIM.OPTIMIZER is adamw: "
         "set TRAIN.LOAD_OPT False to resume from its weights only"
     ], changed.stderr[-3000:]
-    assert "Traceback" not in changed.stderr and _train_epochs(tmp_path) == [1]
+    assert "Traceback" not in changed.stderr and _train_epochs(out) == [1]
 
     weights_only = run(
         python(FAULT, *args, "OPTIM.OPTIMIZER", "adamw", "TRAIN.LOAD_OPT", "False"), timeout=300, env=ENV
     )
     assert_ok(weights_only)
-    assert _train_epochs(tmp_path) == [1, 2], "epoch 2 continues from epoch 1's weights"
+    assert _train_epochs(out) == [1, 2], "epoch 2 continues from epoch 1's weights"
 
 
 def test_an_error_inside_the_model_keeps_its_traceback(tmp_path):

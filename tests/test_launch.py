@@ -1,4 +1,7 @@
-"""Real multi-process jobs on the CPU (gloo): srun-style launch, exact evaluation, auto-resume, utils."""
+"""Real multi-process jobs on the CPU (gloo): srun-style launch, exact evaluation, utils.
+
+Auto-resume after an epoch is tested in test_faults.py, beside the uninterrupted run it must equal.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import FAST, REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.launch import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
-THREE_EPOCHS = [*FAST, "OPTIM.MAX_EPOCH", "3"]
 IM_SIZE_16 = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]  # evaluate at the size it was trained at
 # Counted on disk, not copied from a run: 361, divisible by neither 2 nor 3.
 VAL_IMAGES = sum(1 for p in (REPO / "data" / "digits" / "val").rglob("*") if p.is_file())
@@ -59,9 +60,12 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# srun-style launch: SLURM_* variables only, no torchrun
+# srun-style launch: SLURM_* variables only, no torchrun; exact evaluation of what it saved
 # ------------------------------------------------------------------------------------------------
-def test_two_tasks_with_only_slurm_variables_train_and_checkpoint(tmp_path):
+@pytest.fixture(scope="module")
+def slurm_run(tmp_path_factory) -> Path:
+    """OUT_DIR of one epoch trained by two tasks that see only SLURM_* variables (as under srun)."""
+    tmp_path = tmp_path_factory.mktemp("slurm")
     out_dir = tmp_path / "out"
     port, job_id = str(find_free_port()), "4242"
     envs = [
@@ -79,6 +83,12 @@ def test_two_tasks_with_only_slurm_variables_train_and_checkpoint(tmp_path):
     results = _run_together(python(TRAIN, "OUT_DIR", str(out_dir), *ONE_EPOCH), envs, tmp_path, timeout=400)
     for code, out, err in results:
         assert code == 0, f"exit {code}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    return out_dir
+
+
+@pytest.mark.slow
+def test_two_tasks_with_only_slurm_variables_train_and_checkpoint(slurm_run):
+    out_dir = slurm_run
     assert "slurm launch, 2 process(es)" in (out_dir / "log.txt").read_text()
     records = read_metrics(out_dir)
     [train], [val] = _split(records, "train"), _split(records, "val")
@@ -87,66 +97,14 @@ def test_two_tasks_with_only_slurm_variables_train_and_checkpoint(tmp_path):
     assert (out_dir / "checkpoints" / "ckpt_ep_001.pth.tar").is_file()
     assert (out_dir / "best.pth.tar").is_file()
     assert load_checkpoint(str(out_dir / "checkpoints" / "ckpt_ep_001.pth.tar"))["world_size"] == 2
-    # The val numbers the 2-rank run reported are those of the weights it saved: one process
-    # evaluating the checkpoint finds them again (BatchNorm statistics included, hence the loss).
-    weights = str(out_dir / "checkpoints" / "ckpt_ep_001.pth.tar")
-    assert_ok(run(python(TEST, "OUT_DIR", str(tmp_path / "test"), *ONE_EPOCH, "MODEL.WEIGHTS", weights), timeout=300))
-    [test] = _split(read_metrics(tmp_path / "test"), "test")
-    assert (test["top1"], test["topk"], test["samples"]) == (val["top1"], val["topk"], val["samples"])
-    assert test["loss"] == pytest.approx(val["loss"], rel=1e-5)
 
 
-# ------------------------------------------------------------------------------------------------
-# Auto-resume: stop after epoch 1, run again, end exactly where an uninterrupted run ends
-# ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def resume_runs(tmp_path_factory) -> dict:
-    """Run A: 3 epochs in one go. Run B: the same, stopped after epoch 1, then started again."""
-    run_a, run_b = tmp_path_factory.mktemp("run_a"), tmp_path_factory.mktemp("run_b")
-    uninterrupted: dict = {}
-    # Run A alongside run B's two invocations: each process is single-threaded and seeded.
-    thread = threading.Thread(
-        target=lambda: uninterrupted.update(r=run(python(TRAIN, "OUT_DIR", str(run_a), *THREE_EPOCHS), timeout=400))
-    )
-    thread.start()
-    try:
-        first = run(python(TRAIN, "OUT_DIR", str(run_b), *THREE_EPOCHS, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=400)
-        assert_ok(first)
-        first_epochs = [r["epoch"] for r in _split(read_metrics(run_b), "train")]
-        second = run(python(TRAIN, "OUT_DIR", str(run_b), *THREE_EPOCHS), timeout=400)
-        assert_ok(second)
-    finally:
-        thread.join()
-    assert_ok(uninterrupted["r"])
-    return {"a": run_a, "b": run_b, "first_epochs": first_epochs, "second": second}
-
-
-def test_auto_resume_continues_exactly_like_an_uninterrupted_run(resume_runs):
-    run_a, run_b, second = resume_runs["a"], resume_runs["b"], resume_runs["second"]
-    assert resume_runs["first_epochs"] == [1], "TRAIN.STOP_AFTER_EPOCHS 1 stopped after epoch 1"
-    assert "resumed from" in second.stdout and "ckpt_ep_001.pth.tar" in second.stdout
-    assert "epoch 1/3" not in second.stdout, "the second invocation must not train epoch 1 again"
-    train_a, train_b = _split(read_metrics(run_a), "train"), _split(read_metrics(run_b), "train")
-    assert [r["epoch"] for r in train_b] == [1, 2, 3]
-    assert [r["step"] for r in train_b] == [r["step"] for r in train_a]
-    assert [r["lr"] for r in train_b] == pytest.approx([r["lr"] for r in train_a], rel=1e-12)
-
-    final_a = load_checkpoint(str(run_a / "checkpoints" / "ckpt_ep_003.pth.tar"))
-    final_b = load_checkpoint(str(run_b / "checkpoints" / "ckpt_ep_003.pth.tar"))
-    assert final_a["epoch"] == final_b["epoch"] == 3
-    assert final_a["model"].keys() == final_b["model"].keys()
-    differing = [k for k, v in final_a["model"].items() if not torch.equal(v, final_b["model"][k])]
-    assert not differing, f"resumed weights differ from the uninterrupted run's: {differing[:5]}"
-
-
-# ------------------------------------------------------------------------------------------------
-# Exact evaluation: the same numbers for any world size
-# ------------------------------------------------------------------------------------------------
-def test_test_net_gives_identical_results_for_world_size_1_2_3(resume_runs, tmp_path):
-    # Run A is a one-process training run: evaluate its last checkpoint (trained, ~95% top-1, so
-    # an image lost or counted twice would show in the counts, and always in the loss sum).
-    trained = resume_runs["a"]
-    weights = str(trained / "checkpoints" / "ckpt_ep_003.pth.tar")
+@pytest.mark.slow
+def test_test_net_gives_the_training_runs_val_numbers_for_world_size_1_2_3(slurm_run, tmp_path):
+    # The 2-rank training run's checkpoint, evaluated by 1, 2 and 3 processes. 361 val images are
+    # divisible by neither 2 nor 3: an image lost or counted twice shows in the sample count and in
+    # the loss sum, whatever the accuracy (so no accuracy floor: it would depend on the CPU).
+    weights = str(slurm_run / "checkpoints" / "ckpt_ep_001.pth.tar")
 
     def evaluate(world: int) -> dict:
         out_dir = tmp_path / f"ws{world}"
@@ -162,10 +120,11 @@ def test_test_net_gives_identical_results_for_world_size_1_2_3(resume_runs, tmp_
             assert results[world][key] == results[1][key], (key, world, results)
         assert results[world]["loss"] == pytest.approx(results[1]["loss"], rel=1e-6)
     assert results[1]["samples"] == VAL_IMAGES, "every val image counted once, none padded or dropped"
-    assert results[1]["top1"] > 50, "the checkpoint should be trained, far above the 10% of chance"
-    # The training run's own evaluation of these weights after epoch 3 agrees as well.
-    val = next(r for r in read_metrics(trained) if r["split"] == "val" and r["epoch"] == 3)
+    # The val numbers the 2-rank run reported are those of the weights it saved: evaluating the
+    # checkpoint finds them again (BatchNorm statistics included, hence the loss).
+    [val] = _split(read_metrics(slurm_run), "val")
     assert (val["top1"], val["topk"], val["samples"]) == (results[1]["top1"], results[1]["topk"], VAL_IMAGES)
+    assert val["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
 
 
 def test_test_net_without_weights_exits_2_naming_model_weights(tmp_path):

@@ -47,6 +47,7 @@ def spawn_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return result, out
 
 
+@pytest.mark.slow
 def test_nproc_2_spawns_two_workers_that_train_and_checkpoint(spawn_run):
     result, out = spawn_run
     assert_ok(result)
@@ -54,6 +55,7 @@ def test_nproc_2_spawns_two_workers_that_train_and_checkpoint(spawn_run):
     _assert_trained_on_two_ranks(out)
 
 
+@pytest.mark.slow
 def test_two_processes_with_only_open_mpi_variables_train_like_the_spawned_workers(tmp_path, spawn_run):
     port = str(find_free_port())
 

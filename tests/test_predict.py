@@ -11,6 +11,8 @@ import pytest
 import torch
 from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
 
+pytestmark = pytest.mark.slow  # every test uses the checkpoint of a 3-epoch training run
+
 PREDICT = str(REPO / "tools" / "predict.py")
 VAL = REPO / "data" / "digits" / "val"
 EPOCHS = 3
@@ -29,7 +31,9 @@ def trained(tmp_path_factory) -> tuple[Path, dict[str, float]]:
     del env["OMP_NUM_THREADS"]  # a lone process may use both cores
     assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *TRAIN_OPTS), timeout=600, env=env))
     val = {r["weights"]: r["top1"] for r in read_metrics(out) if r["split"] == "val" and r["epoch"] == EPOCHS}
-    assert val["model"] >= 90.0, f"the checkpoint should be good enough to make the comparison meaningful: {val}"
+    # Far above the 10% of chance, so that preprocessing not taken from the checkpoint would show;
+    # not a higher floor: after 3 epochs the accuracy depends on the CPU (96.7% here, 54% after epoch 1).
+    assert val["model"] >= 50.0, f"the checkpoint should be good enough to make the comparison meaningful: {val}"
     return out / "checkpoints" / f"ckpt_ep_{EPOCHS:03d}.pth.tar", val
 
 

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -469,13 +470,16 @@ def two_process_runs(tmp_path_factory) -> dict:
         "accum": ["TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "2"],
         "zero": ["TRAIN.BATCH_SIZE", "32", "OPTIM.ZERO", "True"],
     }
-    runs = {}
-    for name, opts in variants.items():
-        result, stats = worker_run(root / name, 2, *common, *opts)
-        runs[name] = {"dir": root / name, "stdout": result.stdout, "stats": stats}
-    return runs
+
+    def one(name: str) -> dict:
+        result, stats = worker_run(root / name, 2, *common, *variants[name])
+        return {"dir": root / name, "stdout": result.stdout, "stats": stats}
+
+    with ThreadPoolExecutor(3) as pool:  # single-threaded, seeded processes: overlap their start-up
+        return dict(zip(variants, pool.map(one, variants)))
 
 
+@pytest.mark.slow
 def test_accumulation_matches_the_large_batch_and_all_reduces_once_per_optimizer_step(two_process_runs):
     plain, accum = two_process_runs["plain"], two_process_runs["accum"]
     steps = 1436 // 2 // 32  # optimizer steps of the epoch, for both
@@ -485,16 +489,25 @@ def test_accumulation_matches_the_large_batch_and_all_reduces_once_per_optimizer
         assert buckets >= 1 and plain["stats"][r]["allreduces"] == steps * buckets
         # Twice as many micro-batches, the same number of all-reduces: no_sync skips every other one.
         assert accum["stats"][r]["allreduces"] == steps * buckets
-    assert _final_val_top1(plain["dir"]) > 50  # the run did train (chance: 10%)
+    # The run did train: the mean loss of its last PRINT_FREQ window is well below the first's
+    # (no accuracy floor: after one epoch of 22 steps it would depend on the CPU).
+    windows = _loss_windows(plain["stdout"])
+    assert len(windows) == 3 and windows[-1] < 0.75 * windows[0], windows
     a, b = final_checkpoint(plain["dir"])["model"], final_checkpoint(accum["dir"])["model"]
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-5), k
+
+
+def _loss_windows(stdout: str) -> list[float]:
+    """The mean training loss of each PRINT_FREQ window, from the log lines."""
+    return [float(m) for m in re.findall(r"step \d+/\d+  loss ([\d.]+)", stdout)]
 
 
 def _final_val_top1(out_dir: Path, weights: str = "model") -> float:
     return [r for r in read_metrics(out_dir) if r["split"] == "val" and r["weights"] == weights][-1]["top1"]
 
 
+@pytest.mark.slow
 def test_the_linear_scaling_rule_is_logged_and_drives_the_schedule(two_process_runs):
     plain = two_process_runs["plain"]
     assert "global batch 64 (32 x 2 ranks x 1 accumulation)" in plain["stdout"]
@@ -505,6 +518,7 @@ def test_the_linear_scaling_rule_is_logged_and_drives_the_schedule(two_process_r
     assert record["lr"] == pytest.approx(lr_at(steps - 1, steps, optim, base_lr=0.2 * 64 / 128), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_ema_is_the_same_on_every_rank_and_evaluated_beside_the_raw_weights(two_process_runs):
     for name, runs in two_process_runs.items():
         ema0, ema1 = (torch.tensor(s["ema"]) for s in runs["stats"])
@@ -515,6 +529,7 @@ def test_ema_is_the_same_on_every_rank_and_evaluated_beside_the_raw_weights(two_
         assert state["best_weights"] in ("model", "ema") and state["ema"]["updates"] == runs["stats"][0]["steps"]
 
 
+@pytest.mark.slow
 def test_zero_shards_the_optimizer_state_and_trains_the_same_weights(two_process_runs):
     plain, zero = two_process_runs["plain"], two_process_runs["zero"]
     total = weight_count()  # SGD momentum: one buffer element per weight
@@ -532,6 +547,7 @@ def test_zero_shards_the_optimizer_state_and_trains_the_same_weights(two_process
     assert [g["weight_decay"] for g in b["optimizer"]["param_groups"]] == [5e-5, 0.0]
 
 
+@pytest.mark.slow
 def test_a_zero_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(two_process_runs["zero"]["dir"], out)
@@ -544,6 +560,7 @@ def test_a_zero_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
     assert [r["epoch"] for r in read_metrics(out) if r["split"] == "train"] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_bf16_run_trains_with_float32_weights(tmp_path):
     out = tmp_path / "bf16"
     result, (stats,) = worker_run(
@@ -551,13 +568,13 @@ def test_a_bf16_run_trains_with_float32_weights(tmp_path):
     )
     assert stats["logits_dtypes"] == ["torch.bfloat16"]  # autocast was on in every training forward
     assert stats["param_dtypes"] == ["torch.float32"]  # and the weights stayed float32 after every step
-    # The mean loss of each PRINT_FREQ window of the epoch: the last is well below the first.
-    windows = [float(m) for m in re.findall(r"step \d+/\d+  loss ([\d.]+)", result.stdout)]
+    # It trained: the mean loss of the last PRINT_FREQ window is well below the first's.
+    windows = _loss_windows(result.stdout)
     assert len(windows) == 5 and windows[-1] < 0.75 * windows[0], windows
-    assert _final_val_top1(out) > 50  # chance: 10%
     assert {v.dtype for v in final_checkpoint(out)["model"].values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
     out = tmp_path / "compiled"
     worker_run(out, 1, *TINY, "TRAIN.COMPILE", "True", "OPTIM.MAX_EPOCH", "1", timeout=400)
@@ -566,9 +583,11 @@ def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
     path = out / checkpoint.CKPT_DIR / "ckpt_ep_001.pth.tar"
     result, _ = worker_run(out, 1, *TINY, "MODEL.WEIGHTS", str(path), mode="test")
     test = [r for r in read_metrics(out) if r["split"] == "test"][-1]
-    # Eager and compiled kernels may round differently: allow one of 361 images to flip.
-    assert abs(test["top1"] - _final_val_top1(out)) <= 100 / 361 + 1e-9
-    assert test["top1"] > 50
+    [val] = [r for r in read_metrics(out) if r["split"] == "val"]
+    # Eager and compiled kernels may round differently: allow one of 361 images to flip. The loss,
+    # a sum over every image, tells the same weights from others whatever the accuracy reached.
+    assert abs(test["top1"] - val["top1"]) <= 100 / 361 + 1e-9
+    assert test["loss"] == pytest.approx(val["loss"], rel=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -577,6 +596,7 @@ def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
 RECIPE = str(REPO / "config" / "digits_recipe.yaml")
 
 
+@pytest.mark.slow
 def test_the_digits_recipe_reaches_98_percent_under_torchrun_two_processes(tmp_path):
     result = run(torchrun(2, TRAIN, "--cfg", RECIPE, "OUT_DIR", str(tmp_path)), timeout=900)
     assert_ok(result)
