@@ -19,6 +19,7 @@ from distribuuuu.logger import get_logger, make_writer, setup_logging
 from distribuuuu.models import build_model, count_parameters, has_batchnorm
 from distribuuuu.optim import build_optimizer, scaled_base_lr
 from distribuuuu.preemption import PreemptionHandler
+from distribuuuu.progress import show_progress_bar
 from distribuuuu.rng import seed_everything
 
 logger = get_logger("run")
@@ -71,7 +72,7 @@ def setup_environment(cfg: CfgNode, out_dir: str | None = None, training: bool =
     env = setup_distributed(cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_S, join_timeout_s=cfg.DIST.INIT_CHECK_TIMEOUT_S)
     table = check_group(env, cfg.DIST.INIT_CHECK_TIMEOUT_S)
     rank0_decides(lambda: _prepare_out_dir(out_dir, training))  # every rank stops on a bad folder, one prints
-    setup_logging(out_dir if env.is_main_process else None, env.rank)
+    setup_logging(out_dir if env.is_main_process else None, env.rank, training and show_progress_bar(cfg.LOG.PROGRESS))
     logger.info("%s launch, %d process(es):\n%s", env.launcher, env.world_size, format_rank_table(table))
     if cfg.TRAIN.PRECISION == "fp16" and env.device.type == "cpu":
         logger.warning("TRAIN.PRECISION fp16 on the CPU is slow and meant for testing the fp16 path; use bf16")
@@ -80,7 +81,7 @@ def setup_environment(cfg: CfgNode, out_dir: str | None = None, training: bool =
     torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
     if training:
         rank0_decides(lambda: dump_cfg(cfg, out_dir))
-    return env, make_writer(out_dir, env.is_main_process)
+    return env, make_writer(out_dir, env.is_main_process, cfg=cfg if training else None)
 
 
 def _prepare_out_dir(out_dir: str, training: bool = True) -> None:
