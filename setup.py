@@ -11,6 +11,9 @@ REQUIREMENTS = [
     if line.strip() and not line.startswith("#")
 ]
 
+# torch.onnx's dynamo exporter needs onnxscript; onnxruntime checks the exported model.
+EXPORT = ["onnx", "onnxruntime", "onnxscript"]
+
 setup(
     name="distribuuuu",
     version="0.1.0",
@@ -21,9 +24,13 @@ setup(
     python_requires=">=3.9",
     install_requires=REQUIREMENTS,
     extras_require={
-        "test": ["pytest", "matplotlib"],
+        # The export and tracker tests need those extras: CI installs them with "test" so they run.
+        "test": ["pytest", "matplotlib", *EXPORT, "wandb", "mlflow-skinny"],
         "plot": ["matplotlib"],
         "timm": ["timm"],
+        "export": EXPORT,
+        "wandb": ["wandb"],
+        "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
         "dev": ["pytest", "matplotlib", "ruff"],
     },
     license="MIT",

@@ -245,12 +245,31 @@ _C.CFG_DEST = "config.yaml"
 # Random seed (every value, 0 included, is a seed)
 _C.RNG_SEED = 1
 
+# ------------------------------------------------------------------------------------------------
+# Logging: experiment trackers and the terminal progress bar (rank 0 only)
+# ------------------------------------------------------------------------------------------------
+_C.LOG = CN()
+# Experiment trackers that get the metrics.jsonl scalars and the config: a list of "wandb" and/or
+# "mlflow" (optional extras: pip install "distribuuuu[wandb]" / "distribuuuu[mlflow]")
+_C.LOG.TRACKERS = []
+# Tracker project: the W&B project and the MLflow experiment name
+_C.LOG.PROJECT = "distribuuuu"
+# Tracker run name ("" = the base name of OUT_DIR); a resumed run continues the same tracker run
+_C.LOG.RUN_NAME = ""
+# W&B mode: "offline" (writes OUT_DIR/wandb, no network; upload with `wandb sync`) or "online"
+_C.LOG.WANDB_MODE = "offline"
+# MLflow tracking URI ("" = a local file store in OUT_DIR/mlruns, no network)
+_C.LOG.MLFLOW_URI = ""
+# A progress bar on rank 0 when stdout is a terminal (never under Slurm); log.txt keeps every line
+_C.LOG.PROGRESS = True
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")
 OPTIMIZERS = ("sgd", "adamw", "lars")
 AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
 DECODERS = ("auto", "pil", "torchvision", "batched")
+TRACKERS = ("wandb", "mlflow")
 
 
 class ConfigError(ValueError):
@@ -474,6 +493,10 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DIST.COMM_HOOK", _choice(COMM_HOOKS)),
     ("OUT_DIR", ((lambda v, c: bool(v)), "must not be empty")),
     ("CFG_DEST", ((lambda v, c: bool(v) and os.sep not in v), "must be a file name")),
+    ("LOG.TRACKERS", ((lambda v, c: all(t in TRACKERS for t in v) and len(set(v)) == len(v)),
+                      f"must be a list of distinct names from {TRACKERS}")),
+    ("LOG.PROJECT", ((lambda v, c: bool(v)), "must not be empty")),
+    ("LOG.WANDB_MODE", _choice(("offline", "online"))),
 ]  # fmt: skip
 
 

@@ -20,6 +20,7 @@ from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, has_batchnorm
 from distribuuuu.optim import build_optimizer, scaled_base_lr
 from distribuuuu.preemption import PreemptionHandler
+from distribuuuu.progress import show_progress_bar
 from distribuuuu.rng import seed_everything
 
 logger = get_logger("run")
@@ -82,7 +83,9 @@ def prepare_outputs(
     An evaluation (``training`` False) writes into OUT_DIR's log and metrics but keeps no config.
     """
     rank0_decides(lambda: _prepare_out_dir(cfg.OUT_DIR, training))  # every rank stops on a bad folder, one prints
-    setup_logging(cfg.OUT_DIR if env.is_main_process else None, env.rank)
+    setup_logging(
+        cfg.OUT_DIR if env.is_main_process else None, env.rank, training and show_progress_bar(cfg.LOG.PROGRESS)
+    )
     logger.info("%s launch, %d process(es):\n%s", env.launcher, env.world_size, format_rank_table(table))
     if cfg.TRAIN.PRECISION == "fp16" and env.device.type == "cpu":
         logger.warning("TRAIN.PRECISION fp16 on the CPU is slow and meant for testing the fp16 path; use bf16")
@@ -91,7 +94,7 @@ def prepare_outputs(
     torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
     if training:
         rank0_decides(lambda: record_start(cfg, env, table, resumed_from))
-    return make_writer(cfg.OUT_DIR, env.is_main_process)
+    return make_writer(cfg.OUT_DIR, env.is_main_process, cfg=cfg if training else None)
 
 
 def _prepare_out_dir(out_dir: str, training: bool = True) -> None:

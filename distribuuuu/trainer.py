@@ -191,9 +191,9 @@ def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, st
     elapsed = time.perf_counter() - clock["start"]
     steps_left = run.steps_per_epoch - step + (run.cfg.OPTIM.MAX_EPOCH - epoch - 1) * run.steps_per_epoch
     log_train_window(
-        totals, epoch, step, run.cfg, run.steps_per_epoch, lr=run.optimizer.param_groups[0]["lr"],
+        run.writer, totals, epoch, step, run.cfg, run.steps_per_epoch, lr=run.optimizer.param_groups[0]["lr"],
         elapsed_s=elapsed, data_s=clock["data"], steps=len(window_losses), steps_left=steps_left,
-        fp16=run.scaler.is_enabled(),
+        fp16=run.scaler.is_enabled(), global_step=run.global_step,
     )  # fmt: skip
     window.reset()
     window_losses.clear()
@@ -259,7 +259,9 @@ def train_model(cfg: CfgNode) -> dict:
             run = build_run(cfg, env, writer)
             resume_or_load_weights(run, resume_from)
             with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
-                return train_epochs(run)
+                last_val = train_epochs(run)
+            run.writer.summarize()  # rank 0 (the others hold a NullWriter): summary.md and the plot
+            return last_val
     finally:
         writer.close()
         cleanup_distributed()

@@ -20,31 +20,13 @@ matplotlib missing.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-METRICS_FILE = "metrics.jsonl"
-Record = dict[str, Any]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-class MetricsError(Exception):
-    """A metrics file is missing, empty or unreadable; the message names the file."""
-
-
-@dataclass
-class Run:
-    """The de-duplicated records of one run, keyed by (split, weights), sorted by epoch."""
-
-    label: str
-    series: dict[tuple[str, str], list[Record]] = field(default_factory=dict)
-
-    def get(self, split: str, weights: str = "model") -> list[Record]:
-        return self.series.get((split, weights), [])
+from distribuuuu.plots import MetricsError, load_run, save_plot  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -60,108 +42,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def read_records(path: str) -> list[Record]:
-    """Parse a metrics.jsonl file; raise MetricsError naming it if missing, empty or bad."""
-    if not os.path.isfile(path):
-        raise MetricsError(f"metrics file not found: {path}")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MetricsError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
-            if isinstance(record, dict):
-                records.append(record)
-    if not records:
-        raise MetricsError(f"metrics file is empty: {path}")
-    return records
-
-
-def dedupe(records: list[Record]) -> dict[tuple[str, str], list[Record]]:
-    """Keep the last record per (epoch, split, weights); group by (split, weights)."""
-    last: dict[tuple[int, str, str], Record] = {}
-    for r in records:
-        if not isinstance(r.get("epoch"), (int, float)) or "split" not in r:
-            continue
-        last[(int(r["epoch"]), str(r["split"]), str(r.get("weights", "model")))] = r
-    series: dict[tuple[str, str], list[Record]] = {}
-    for (_, split, weights), r in sorted(last.items()):
-        series.setdefault((split, weights), []).append(r)
-    return series
-
-
-def load_run(out_dir: str, label: str | None) -> Run:
-    path = os.path.join(out_dir, METRICS_FILE)
-    name = label or os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
-    return Run(label=name, series=dedupe(read_records(path)))
-
-
 def default_output(out_dirs: Sequence[str]) -> str:
     if len(out_dirs) == 1:
         return os.path.join(out_dirs[0], "metrics.png")
     return "metrics.png"
-
-
-def xy(records: list[Record], key: str) -> tuple[list[float], list[float]]:
-    """Epochs and values of `key`, skipping records without a numeric value."""
-    xs, ys = [], []
-    for r in records:
-        value = r.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            xs.append(float(r["epoch"]))
-            ys.append(float(value) if math.isfinite(value) else math.nan)
-    return xs, ys
-
-
-def plot_series(ax: Any, records: list[Record], key: str, style: dict[str, Any]) -> None:
-    xs, ys = xy(records, key)
-    if xs:
-        ax.plot(xs, ys, **style)
-
-
-def draw_run(axes: Any, run: Run, color: str) -> None:
-    """Draw one run's curves on the four axes (loss, top-1, lr, images/s)."""
-    train, val, ema = run.get("train"), run.get("val"), run.get("val", "ema")
-    thin = {"color": color, "linewidth": 1.2, "alpha": 0.75}
-    dots = {"color": color, "linewidth": 1.8, "marker": "o", "markersize": 3}
-    dashed = {**dots, "linestyle": "--", "marker": "s"}
-    ax_loss, ax_top1, ax_lr, ax_ips = axes
-    plot_series(ax_loss, train, "loss", {**thin, "label": f"{run.label} train"})
-    plot_series(ax_loss, val, "loss", {**dots, "label": f"{run.label} val"})
-    plot_series(ax_top1, train, "top1", {**thin, "label": f"{run.label} train"})
-    plot_series(ax_top1, val, "top1", {**dots, "label": f"{run.label} val"})
-    plot_series(ax_top1, ema, "top1", {**dashed, "label": f"{run.label} val (ema)"})
-    plot_series(ax_lr, train, "lr", {**thin, "alpha": 1.0, "label": run.label})
-    plot_series(ax_ips, train, "images_per_s", {**dots, "label": run.label})
-
-
-def style_axes(axes: Any) -> None:
-    titles = ("loss (log scale)", "top-1 accuracy (%)", "learning rate", "training throughput (images/s)")
-    for ax, title in zip(axes, titles):
-        ax.set_title(title)
-        ax.set_xlabel("epoch")
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-    # Losses span decades (an early val loss is often 100x the final one): a log axis shows them all.
-    if all(y > 0 for line in axes[0].get_lines() for y in line.get_ydata()):
-        axes[0].set_yscale("log")
-    axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-
-
-def make_figure(plt: Any, runs: Sequence[Run]) -> Any:
-    fig, grid = plt.subplots(2, 2, figsize=(12, 8.5))
-    axes = grid.flatten()
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, run in enumerate(runs):
-        draw_run(axes, run, colors[i % len(colors)])
-    style_axes(axes)
-    fig.suptitle("distribuuuu metrics: " + ", ".join(run.label for run in runs))
-    fig.tight_layout()
-    return fig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,17 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plot_metrics.py: {e}", file=sys.stderr)
         return 1
     try:
-        import matplotlib
+        output = save_plot(runs, args.output or default_output(args.out_dirs))
     except ImportError:
         print("plot_metrics.py needs matplotlib: pip install matplotlib", file=sys.stderr)
         return 2
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    output = args.output or default_output(args.out_dirs)
-    fig = make_figure(plt, runs)
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
     print(f"wrote {output}")
     return 0
 

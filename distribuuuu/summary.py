@@ -1,0 +1,97 @@
+"""A run's summary from its OUT_DIR: best and last accuracy, time, images/s, config changes, plot.
+
+Read from what the run leaves behind (metrics.jsonl, config.yaml), so the same summary comes at
+the end of training (summary.md, written by rank 0's metrics writer) and from
+``tools/summarize.py OUT_DIR`` for any run, finished or not.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from distribuuuu.config import get_cfg_defaults
+from distribuuuu.plots import METRICS_FILE, dedupe, load_run, read_records, save_plot
+
+SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
+
+
+@dataclass
+class Summary:
+    """The numbers of a run's summary (accuracies in %, times in seconds)."""
+
+    out_dir: str
+    epochs: int = 0
+    best: dict = field(default_factory=dict)  # the val record with the highest top-1 (model or EMA)
+    last: dict = field(default_factory=dict)  # weights ("model"/"ema") -> the last val record
+    train_s: float = 0.0
+    val_s: float = 0.0
+    images_per_s: float = 0.0  # training images over training time, all epochs
+    config_changes: list = field(default_factory=list)  # (key, default, value)
+    plot: str = ""
+
+
+def summarize(out_dir: str) -> Summary:
+    """Summarise OUT_DIR's metrics.jsonl (last record per epoch wins) and its config.yaml."""
+    series = dedupe(read_records(os.path.join(out_dir, METRICS_FILE)))
+    train = series.get(("train", "model"), [])
+    vals = {w: recs for (split, w), recs in series.items() if split == "val" and recs}
+    s = Summary(out_dir=out_dir, epochs=len(train))
+    s.last = {w: recs[-1] for w, recs in vals.items()}
+    s.best = max((r for recs in vals.values() for r in recs), key=lambda r: r["top1"], default={})
+    s.train_s = sum(r["time_s"] for r in train)
+    s.val_s = sum(r["time_s"] for recs in vals.values() for r in recs)
+    s.images_per_s = sum(r["samples"] for r in train) / s.train_s if s.train_s else 0.0
+    s.config_changes = config_changes(os.path.join(out_dir, "config.yaml"))
+    return s
+
+
+def config_changes(path: str) -> list[tuple[str, object, object]]:
+    """(key, default, value) for every key of the run's config.yaml that differs from the defaults."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        saved = _flat(yaml.safe_load(f) or {})
+    defaults = _flat(yaml.safe_load(get_cfg_defaults().dump()))
+    return [(k, defaults.get(k), v) for k, v in sorted(saved.items()) if defaults.get(k) != v]
+
+
+def _flat(node: dict, prefix: str = "") -> dict:
+    out: dict = {}
+    for name, value in node.items():
+        out.update(_flat(value, f"{prefix}{name}.") if isinstance(value, dict) else {f"{prefix}{name}": value})
+    return out
+
+
+def format_summary(s: Summary) -> str:
+    """The summary as short Markdown."""
+    lines = [f"# Run summary: {s.out_dir}", "", f"- epochs trained: {s.epochs}"]
+    if s.best:
+        lines.append(
+            f"- best val top-1: {s.best['top1']:.2f}% ({s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
+        )
+    for weights, r in sorted(s.last.items()):
+        lines.append(
+            f"- last val top-1 ({weights}): {r['top1']:.2f}% (top-{r['k']} {r['topk']:.2f}%, epoch {r['epoch']})"
+        )
+    lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
+    lines.append(f"- training throughput: {s.images_per_s:.0f} images/s")
+    lines.append(f"- plot: {s.plot}" if s.plot else "- plot: none (pip install matplotlib)")
+    lines += ["", "## Config changes from the defaults", ""]
+    lines += [f"- `{k}`: {v!r} (default {d!r})" for k, d, v in s.config_changes] or ["- none"]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(out_dir: str) -> str:
+    """Draw OUT_DIR/metrics.png (if matplotlib is installed), write OUT_DIR/summary.md; return its text."""
+    s = summarize(out_dir)
+    try:
+        s.plot = save_plot([load_run(out_dir, None)], os.path.join(out_dir, PLOT_FILE))
+    except ImportError:
+        s.plot = ""  # matplotlib is the optional "plot" extra: the summary says how to get it
+    text = format_summary(s)
+    with open(os.path.join(out_dir, SUMMARY_FILE), "w") as f:
+        f.write(text)
+    return text

@@ -1,0 +1,187 @@
+"""Experiment trackers (W&B, MLflow) behind the metrics writer: optional, rank 0 only, never fatal.
+
+The metrics writer hands every tracker the scalars it writes to TensorBoard, each with its x
+axis (``epoch`` for the per-epoch records, ``global_step`` for the PRINT_FREQ windows). A tracker
+that cannot be imported or that fails is dropped with one warning: training goes on without it.
+The tracker run ids live in OUT_DIR/trackers.json, so a resumed run (same OUT_DIR) continues the
+same tracker runs, as metrics.jsonl does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Protocol
+
+import yaml
+from yacs.config import CfgNode
+
+from distribuuuu.errors import first_line
+
+# Not get_logger: logger.py imports this module, and its logger is the same object by name.
+logger = logging.getLogger("distribuuuu.tracking")
+RUN_IDS_FILE = "trackers.json"
+
+
+class Tracker(Protocol):
+    """What the metrics writer needs of a tracker."""
+
+    name: str
+
+    def log(self, scalars: dict[str, float], axis: str, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def cfg_dict(cfg: CfgNode) -> dict:
+    """The merged config as plain nested Python values (what the trackers store)."""
+    return yaml.safe_load(cfg.dump())
+
+
+def flat_cfg(node: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"TRAIN": {"BATCH_SIZE": 32}}`` -> ``{"TRAIN.BATCH_SIZE": 32}``."""
+    flat: dict[str, Any] = {}
+    for name, value in node.items():
+        key = f"{prefix}{name}"
+        flat.update(flat_cfg(value, key + ".") if isinstance(value, dict) else {key: value})
+    return flat
+
+
+class WandbTracker:
+    """A W&B run (offline by default: OUT_DIR/wandb, uploaded later with ``wandb sync``)."""
+
+    name = "wandb"
+
+    def __init__(self, cfg: CfgNode, out_dir: str, run_id: str | None):
+        import wandb
+
+        # console "off": W&B must not wrap stdout (the progress bar and the log own it); no
+        # system-stats thread: the tracker only forwards what the trainer already measured.
+        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
+        self.run = wandb.init(
+            project=cfg.LOG.PROJECT, name=run_name(cfg, out_dir), id=run_id, resume="allow" if run_id else None,
+            dir=out_dir, mode=cfg.LOG.WANDB_MODE, config=cfg_dict(cfg), settings=settings,
+        )  # fmt: skip
+        self.run_id = self.run.id
+        # Each tag is plotted against its own axis, not W&B's internal step counter: a resumed
+        # run may log an epoch again, which a monotonic `step=` would drop.
+        for axis in ("epoch", "global_step"):
+            self.run.define_metric(axis)
+        self.run.define_metric("train_step/*", step_metric="global_step")
+        for prefix in ("train", "val", "val_ema", "test", "test_ema"):
+            self.run.define_metric(f"{prefix}/*", step_metric="epoch")
+
+    def log(self, scalars: dict[str, float], axis: str, step: int) -> None:
+        self.run.log({**scalars, axis: step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowTracker:
+    """An MLflow run, through MlflowClient (no global active run): a local file store by default."""
+
+    name = "mlflow"
+
+    def __init__(self, cfg: CfgNode, out_dir: str, run_id: str | None):
+        uri = cfg.LOG.MLFLOW_URI or "file:" + os.path.abspath(os.path.join(out_dir, "mlruns"))
+        if uri.startswith("file:"):
+            # MLflow 3 keeps the file store in maintenance mode and refuses it unless asked:
+            # it is the one backend that needs no server and no database package.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(uri)
+        if run_id:
+            self.client.update_run(run_id, status="RUNNING")
+            logged = self.client.get_run(run_id).data.params
+        else:
+            experiment = self.client.get_experiment_by_name(cfg.LOG.PROJECT)
+            exp_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.LOG.PROJECT)
+            run_id, logged = self.client.create_run(exp_id, run_name=run_name(cfg, out_dir)).info.run_id, {}
+        self.run_id = run_id
+        # Params are immutable in MLflow: a resumed run adds the keys it lacks; config.yaml is the
+        # artifact that always holds the latest merged config.
+        params = [Param(k, str(v)[:6000]) for k, v in flat_cfg(cfg_dict(cfg)).items() if k not in logged]
+        for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
+            self.client.log_batch(run_id, params=params[start : start + 100])
+        self.client.log_text(run_id, cfg.dump(), "config.yaml")
+
+    def log(self, scalars: dict[str, float], axis: str, step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in scalars.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+_TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+
+
+def run_name(cfg: CfgNode, out_dir: str) -> str:
+    return cfg.LOG.RUN_NAME or os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
+
+
+class Trackers:
+    """The configured trackers; every call is guarded, and a failing tracker is dropped with one warning."""
+
+    def __init__(self, cfg: CfgNode, out_dir: str):
+        self.out_dir, self.active = out_dir, []
+        ids = _read_run_ids(out_dir)
+        for name in cfg.LOG.TRACKERS:
+            try:
+                tracker = _TRACKERS[name](cfg, out_dir, ids.get(name))
+            except ImportError as e:
+                logger.warning("LOG.TRACKERS: %s is not installed (%s); training goes on without it", name, e)
+                continue
+            except Exception as e:  # noqa: BLE001 - a tracker must never stop training
+                _warn(name, "could not start", e)
+                continue
+            ids[name] = tracker.run_id
+            self.active.append(tracker)
+        if self.active:
+            _write_run_ids(out_dir, ids)
+
+    def log(self, scalars: dict[str, float], axis: str, step: int) -> None:
+        """Send ``scalars`` (tag -> value) at ``axis`` = ``step`` to every tracker still working."""
+        for tracker in list(self.active):
+            try:
+                tracker.log(scalars, axis, step)
+            except Exception as e:  # noqa: BLE001
+                _warn(tracker.name, "failed", e)
+                self.active.remove(tracker)
+
+    def close(self) -> None:
+        for tracker in self.active:
+            try:
+                tracker.close()
+            except Exception as e:  # noqa: BLE001
+                _warn(tracker.name, "could not close its run", e)
+        self.active = []
+
+
+def _warn(name: str, what: str, e: Exception) -> None:
+    logger.warning("tracker %s %s (%s: %s); training goes on without it", name, what, type(e).__name__, first_line(e))
+
+
+def _read_run_ids(out_dir: str) -> dict[str, str]:
+    path = os.path.join(out_dir, RUN_IDS_FILE)
+    try:
+        with open(path) as f:
+            ids = json.load(f)
+        return ids if isinstance(ids, dict) else {}
+    except (OSError, ValueError):
+        return {}  # no file yet (a new run), or an unreadable one: start new tracker runs
+
+
+def _write_run_ids(out_dir: str, ids: dict[str, str]) -> None:
+    try:
+        with open(os.path.join(out_dir, RUN_IDS_FILE), "w") as f:
+            json.dump(ids, f)
+    except OSError as e:
+        logger.warning("tracker run ids not saved (%s): a resumed run will start new tracker runs", e)

@@ -1,0 +1,384 @@
+"""Issue 14: export (ONNX, torch.export), trackers (W&B offline, MLflow local), TensorBoard curves,
+the run summary, and the terminal progress bar.
+
+One short real run on the digits (two epochs, stopped after the first and resumed) serves the
+tracker, TensorBoard, summary and export tests; each compares what it reads back, through the
+library's own reader, with metrics.jsonl, log.txt or an independent PyTorch computation.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+
+from distribuuuu.config import get_cfg_defaults, load_cfg
+from distribuuuu.logger import CURVES, MetricsWriter
+from distribuuuu.models import register_model
+
+EXPORT = str(REPO / "tools" / "export.py")
+SUMMARIZE = str(REPO / "tools" / "summarize.py")
+VAL = REPO / "data" / "digits" / "val"
+PRINT_FREQ, STEPS_PER_EPOCH = 5, 11  # 361 val images (the train split here) / batch 32
+RUN_OPTS = [
+    "TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
+    "TRAIN.PRINT_FREQ", str(PRINT_FREQ), "OPTIM.WEIGHT_DECAY", "0.0001",
+]  # fmt: skip
+# Synthetic images: no decoding, for the tests that only need the loop to run.
+DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "64",
+              "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "1"]  # fmt: skip
+TRACKERS = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)]
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory) -> Path:
+    """Epoch 1 (TRAIN.STOP_AFTER_EPOCHS 1), then a resumed process for epoch 2, with the installed trackers."""
+    out = tmp_path_factory.mktemp("tracked")
+    opts = [*RUN_OPTS, "OUT_DIR", str(out), "LOG.TRACKERS", repr(TRACKERS)]
+    env = clean_env()
+    del env["OMP_NUM_THREADS"]  # a lone process may use both cores
+    assert_ok(run(python(TRAIN, *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=900, env=env))
+    assert_ok(run(python(TRAIN, *opts), timeout=900, env=env))
+    return out
+
+
+def epoch_curves(out: Path) -> dict[str, dict[int, float]]:
+    """metrics.jsonl's per-epoch curves as tag -> {epoch: value}, tags as the writer names them."""
+    curves: dict[str, dict[int, float]] = {}
+    for r in read_metrics(out):
+        prefix = r["split"] + ("_ema" if r.get("weights") == "ema" else "")
+        for key in CURVES:
+            if key in r:
+                curves.setdefault(f"{prefix}/{key}", {})[r["epoch"]] = r[key]
+    return curves
+
+
+def logged_windows(out: Path) -> dict[int, tuple[float, float, float]]:
+    """log.txt's window lines: global step -> (loss, lr, img/s) as printed."""
+    pattern = re.compile(r"epoch (\d+)/\d+  step (\d+)/\d+  loss ([\d.]+) .* lr ([\d.e+-]+)  (\d+) img/s")
+    windows = {}
+    for m in pattern.finditer((out / "log.txt").read_text()):
+        epoch, step = int(m.group(1)), int(m.group(2))
+        windows[(epoch - 1) * STEPS_PER_EPOCH + step] = (float(m.group(3)), float(m.group(4)), float(m.group(5)))
+    return windows
+
+
+# ------------------------------------------------------------------------------------------------
+# Trackers
+# ------------------------------------------------------------------------------------------------
+def wandb_history(out: Path, run_id: str) -> list[dict]:
+    """The history rows of every offline W&B run file of ``run_id`` (oldest first).
+
+    wandb 0.31 ships no Python reader for offline run files (its datastore moved into the Go
+    core): this decodes its LevelDB-style log (7-byte header, 32 KiB blocks of checksummed
+    chunks) into wandb's own protobuf ``Record``.
+    """
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(glob.glob(str(out / "wandb" / f"offline-run-*-{run_id}" / f"run-{run_id}.wandb"))):
+        data, pos, chunk = Path(path).read_bytes(), 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a chunk header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            if length == 0 and kind == 0:
+                break
+            chunk, pos = (chunk if kind in (3, 4) else b"") + data[pos + 7 : pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # a whole record, or the last chunk of one
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(chunk)
+                if record.WhichOneof("record_type") == "history":
+                    items = record.history.item  # "a/b" keys arrive as nested_key ["a", "b"]
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+    return rows
+
+
+@pytest.mark.slow
+def test_offline_wandb_run_gets_the_metrics_jsonl_scalars_and_the_resume_continues_it(resumed_run):
+    pytest.importorskip("wandb")
+    run_id = json.loads((resumed_run / "trackers.json").read_text())["wandb"]
+    files = glob.glob(str(resumed_run / "wandb" / "offline-run-*"))
+    assert len(files) == 2 and all(f.endswith(run_id) for f in files), f"two processes, one W&B run id: {files}"
+    got: dict[str, dict[int, float]] = {}
+    for row in wandb_history(resumed_run, run_id):
+        for tag, value in row.items():
+            if "epoch" in row and "/" in tag:
+                got.setdefault(tag, {})[row["epoch"]] = value
+    expected = epoch_curves(resumed_run)
+    assert set(got) == set(expected)
+    for tag, values in expected.items():
+        assert got[tag] == pytest.approx(values, rel=1e-6), tag
+    assert sorted(got["val/top1"]) == [1, 2], "the resumed process appended epoch 2 to the same run"
+
+
+@pytest.mark.slow
+def test_local_mlflow_run_gets_the_metrics_jsonl_scalars_and_the_resume_continues_it(resumed_run):
+    pytest.importorskip("mlflow")
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient("file:" + str(resumed_run / "mlruns"))
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_id for r in runs] == [json.loads((resumed_run / "trackers.json").read_text())["mlflow"]]
+    run_id = runs[0].info.run_id
+    for tag, values in epoch_curves(resumed_run).items():
+        history = {m.step: m.value for m in client.get_metric_history(run_id, tag)}
+        assert history == pytest.approx(values, rel=1e-6), tag
+    assert runs[0].data.params["OPTIM.WEIGHT_DECAY"] == "0.0001"  # the merged config
+    windows = logged_windows(resumed_run)
+    losses = {m.step: m.value for m in client.get_metric_history(run_id, "train_step/loss")}
+    assert sorted(losses) == sorted(windows) and all(abs(losses[s] - windows[s][0]) < 6e-5 for s in windows)
+
+
+WRAPPER = """
+import sys
+sys.modules["wandb"] = None  # `import wandb` now raises ImportError, as if it were not installed
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+import runpy
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_finishes(tmp_path):
+    wrapper = tmp_path / "no_wandb.py"
+    wrapper.write_text(WRAPPER)
+    out = tmp_path / "out"
+    result = run(python(str(wrapper), TRAIN, *DUMMY_OPTS, "OUT_DIR", str(out), "LOG.TRACKERS", "['wandb']"))
+    assert_ok(result)
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "not installed" in line]
+    assert len(warnings) == 1 and "LOG.TRACKERS: wandb is not installed" in warnings[0], warnings
+    assert "Traceback" not in result.stderr
+    assert [r["split"] for r in read_metrics(out)] == ["train", "val"]
+
+
+# ------------------------------------------------------------------------------------------------
+# TensorBoard and the summary
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_tensorboard_has_the_window_curves_and_no_bookkeeping_tags(resumed_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(resumed_run / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == set(epoch_curves(resumed_run)) | {"train_step/loss", "train_step/lr", "train_step/images_per_s"}
+    windows = logged_windows(resumed_run)
+    assert sorted(windows) == [5, 10, 11, 16, 21, 22]  # every PRINT_FREQ step and each epoch's last
+    for i, name in enumerate(("loss", "lr", "images_per_s")):
+        points = {e.step: e.value for e in events.Scalars(f"train_step/{name}")}
+        assert sorted(points) == sorted(windows)
+        for step, printed in windows.items():  # the log line rounds: compare at its precision
+            assert points[step] == pytest.approx(printed[i], rel=1e-3, abs=0.6 if name == "images_per_s" else 6e-5)
+    for tag, values in epoch_curves(resumed_run).items():
+        assert {e.step: e.value for e in events.Scalars(tag)} == pytest.approx(values, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_run_summary_reports_the_metrics_and_the_config_changes(resumed_run):
+    records = read_metrics(resumed_run)
+    val = [r for r in records if r["split"] == "val"]
+    train = [r for r in records if r["split"] == "train"]
+    text = (resumed_run / "summary.md").read_text()
+    best = max(val, key=lambda r: r["top1"])
+    assert f"best val top-1: {best['top1']:.2f}% (model weights, epoch {best['epoch']})" in text
+    assert f"last val top-1 (model): {val[-1]['top1']:.2f}%" in text
+    assert f"{sum(r['time_s'] for r in train):.1f} s training" in text
+    assert f"{sum(r['samples'] for r in train) / sum(r['time_s'] for r in train):.0f} images/s" in text
+    assert "`OPTIM.WEIGHT_DECAY`: 0.0001 (default 5e-05)" in text and "`TRAIN.SPLIT`: 'val' (default 'train')" in text
+    assert "`TRAIN.BATCH_SIZE`" not in text  # left at its default
+    if importlib.util.find_spec("matplotlib"):
+        assert (resumed_run / "metrics.png").stat().st_size > 0
+    result = run(python(SUMMARIZE, str(resumed_run)))
+    assert_ok(result)
+    assert result.stdout == text == (resumed_run / "summary.md").read_text()  # the tool's report is the trainer's
+    bad = run(python(SUMMARIZE, str(resumed_run / "nothing")))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# Export
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported(resumed_run, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    prefix = tmp_path_factory.mktemp("export") / "digits"
+    result = run(
+        python(EXPORT, "--weights", str(resumed_run / "best.pth.tar"), "--out", str(prefix), "--max-check", "0")
+    )
+    assert_ok(result)
+    return prefix, result
+
+
+def pytorch_logits(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every val image through the checkpoint's model in PyTorch (the reference), with the inputs."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import predict
+
+    state = predict.load_state(str(checkpoint))
+    cfg = predict.build_cfg(state, None, ())
+    model = predict.load_model(state, cfg, "model", torch.device("cpu"))
+    images = predict.find_images([str(VAL)])
+    from distribuuuu.data import build_val_transform, load_image
+
+    transform = build_val_transform(cfg)
+    inputs = torch.stack([transform(load_image(p, "pil")) for p in images])
+    with torch.no_grad():
+        return inputs, model(inputs)
+
+
+@pytest.mark.slow
+def test_onnx_and_torch_export_agree_with_pytorch_on_every_val_image(resumed_run, exported):
+    import onnxruntime
+
+    prefix, result = exported
+    inputs, reference = pytorch_logits(resumed_run / "best.pth.tar")
+    assert len(inputs) == 361
+    session = onnxruntime.InferenceSession(f"{prefix}.onnx", providers=["CPUExecutionProvider"])
+    for batch in (1, 7):  # the batch dimension is dynamic
+        for start in (0, 7, 354):
+            out = session.run(["logits"], {"images": inputs[start : start + batch].numpy()})[0]
+            assert out.shape == (batch, 10)
+            assert torch.allclose(torch.from_numpy(out), reference[start : start + batch], atol=1e-3)
+    onnx_top1 = torch.cat([torch.from_numpy(session.run(None, {"images": c.numpy()})[0]) for c in inputs.split(50)])
+    assert torch.equal(onnx_top1.argmax(1), reference.argmax(1))
+    program = torch.export.load(f"{prefix}.pt2").module()
+    with torch.no_grad():
+        assert torch.equal(program(inputs).argmax(1), reference.argmax(1))
+    for name in ("onnx", "torch.export"):
+        assert f"{name}: top-1 agrees with PyTorch on 361/361 images" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_preprocessing_is_stated_beside_and_inside_the_exports(resumed_run, exported):
+    import onnx
+
+    prefix, _ = exported
+    meta = json.loads(Path(f"{prefix}.json").read_text())
+    cfg = load_cfg(str(resumed_run / "config.yaml"))
+    assert (meta["resize"], meta["crop"], meta["mean"], meta["std"]) == (16, 16, cfg.DATA.MEAN, cfg.DATA.STD)
+    assert meta["classes"] == sorted(p.name for p in VAL.iterdir()) and meta["interpolation"] == "bilinear"
+    props = {p.key: p.value for p in onnx.load(f"{prefix}.onnx").metadata_props}
+    assert json.loads(props["distribuuuu.preprocessing"]) == meta
+    extra = {"preprocessing.json": ""}
+    torch.export.load(f"{prefix}.pt2", extra_files=extra)
+    assert json.loads(extra["preprocessing.json"]) == meta
+
+
+class Unexportable(torch.nn.Module):
+    """A data-dependent branch: torch.export cannot trace it."""
+
+    def __init__(self, num_classes: int = 10, pretrained: bool = False):
+        super().__init__()
+        self.head = torch.nn.Linear(3, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = x.mean((2, 3))
+        return self.head(pooled) if pooled.sum() > 0 else -self.head(pooled)
+
+
+def test_export_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    pytest.importorskip("onnxscript")
+    sys.path.insert(0, str(REPO / "tools"))
+    import export
+
+    missing = run(python(EXPORT, "--weights", str(tmp_path / "none.pth.tar")))
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+        f"export.py: error: checkpoint not found: {tmp_path / 'none.pth.tar'}"
+    ]
+    register_model("unexportable_test_net")(Unexportable)
+    cfg = get_cfg_defaults()
+    cfg.MODEL.ARCH = "unexportable_test_net"
+    state = {"model": Unexportable().state_dict(), "classes": list("0123456789"), "cfg": cfg.dump()}
+    torch.save(state, tmp_path / "bad.pth.tar")
+    assert export.main(["--weights", str(tmp_path / "bad.pth.tar"), "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("export.py: error: unexportable_test_net cannot be exported"), err
+
+
+# ------------------------------------------------------------------------------------------------
+# The progress bar
+# ------------------------------------------------------------------------------------------------
+def run_on_pty(cmd: list[str], timeout: float = 300) -> str:
+    """Run ``cmd`` with stdout on a pseudo-terminal; return what it printed there."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=slave, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        proc.wait(timeout=30)
+        os.close(master)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+BAR = re.compile(r"\r\x1b\[Kepoch 1/1 \[[#.]{24}\] (\d)/4  loss \d+\.\d{4}  \d+ img/s  eta \d+:\d\d:\d\d")
+
+
+def test_the_progress_bar_shows_on_a_terminal_and_not_when_redirected(tmp_path):
+    shown = run_on_pty(python(TRAIN, *DUMMY_OPTS, "OUT_DIR", str(tmp_path / "tty")))
+    assert [int(m.group(1)) for m in BAR.finditer(shown)] == [1, 2, 3, 4]  # one redraw per sync point
+    assert "step 1/4" not in shown and "val model epoch 1" in shown  # windows as the bar, the rest as lines
+    assert len(re.findall(r"step \d/4", (tmp_path / "tty" / "log.txt").read_text())) == 4  # log.txt keeps them
+    redirected = run(python(TRAIN, *DUMMY_OPTS, "OUT_DIR", str(tmp_path / "pipe")))
+    assert_ok(redirected)
+    assert not BAR.search(redirected.stdout) and "\r" not in redirected.stdout
+    assert len(re.findall(r"step \d/4", redirected.stdout)) == 4
+
+
+def test_the_loop_with_a_real_writer_and_the_bar_syncs_only_at_sync_points(tmp_path):
+    """The hot-loop check of test_hot_loop.py, with TensorBoard windows and the bar drawing."""
+    import test_hot_loop as hot
+
+    from distribuuuu.logger import setup_logging
+
+    batches = list(hot._digits_run(hot.DistEnv()).train.loader)
+    log = setup_logging(str(tmp_path), 0, progress_bar=True)
+    writer = MetricsWriter(str(tmp_path))
+    try:
+        with hot.one_rank_group():
+            run_ = hot.with_batches(hot._digits_run(hot.DistEnv()), batches)
+            run_.writer = writer
+            calls = hot.record_epoch(run_)
+    finally:
+        writer.close()
+        for handler in list(log.handlers):
+            handler.close()
+            log.removeHandler(handler)
+    hot.check_collectives(calls)
+    hot.check_host_syncs(calls)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train_step/loss")] == hot.SYNC_STEPS

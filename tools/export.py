@@ -1,0 +1,208 @@
+"""Export a checkpoint to ONNX and to a torch.export program, and check both against PyTorch.
+
+    python tools/export.py --weights OUT_DIR/best.pth.tar [--ema] [--out PREFIX] [--check PATH ...]
+
+Writes PREFIX.onnx (dynamic batch dimension; input "images" NCHW float32, output "logits"),
+PREFIX.pt2 (``torch.export.save``; load with ``torch.export.load(path).module()``) and
+PREFIX.json: the preprocessing (resize, crop, interpolation, mean/std, RGB in [0, 1]) and the
+class names, also stored in the ONNX file's metadata_props and in the .pt2's extra files. Then
+runs PyTorch, onnxruntime and the loaded program on real images (--check, default the config's
+val folder) and prints, per format, the top-1 agreement and the largest logit difference.
+
+Needs the "export" extra (onnx, onnxruntime, onnxscript). Exit status: 0; 1 when an export
+disagrees with PyTorch on some top-1; 2 on bad input (missing checkpoint, an architecture that
+cannot be exported, a missing package), printed as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from predict import PredictError, batches, build_cfg, find_images, load_model, load_state  # noqa: E402
+from torch import nn  # noqa: E402
+from yacs.config import CfgNode  # noqa: E402
+
+from distribuuuu.checkpoint import CheckpointError  # noqa: E402
+from distribuuuu.config import ConfigError  # noqa: E402
+from distribuuuu.data import BadImageError, build_val_transform, load_image  # noqa: E402
+from distribuuuu.errors import first_line  # noqa: E402
+
+EXIT_DISAGREE, EXIT_BAD_INPUT = 1, 2
+INPUT, OUTPUT = "images", "logits"
+
+
+class ExportError(ValueError):
+    """An export that cannot be made: printed as one line, exit 2."""
+
+
+def read_single_file(path: str) -> dict:
+    """A one-file checkpoint written by train_net.py (checked: loads, verifies, names its classes)."""
+    return load_state(path)
+
+
+# How a checkpoint is read, by its shape on disk. A sharded checkpoint (a folder of shards, e.g.
+# torch.distributed.checkpoint) plugs in here with a reader that returns the same dict.
+CHECKPOINT_READERS: dict[str, Callable[[str], dict]] = {"file": read_single_file}
+
+
+def read_checkpoint(path: str) -> dict:
+    """The checkpoint's state dict ("model"/"ema", "classes", "cfg", "arch"), whatever its layout."""
+    kind = "folder" if os.path.isdir(path) else "file"
+    if kind not in CHECKPOINT_READERS:
+        raise ExportError(f"{path} is a folder (a sharded checkpoint?): export.py reads single-file checkpoints")
+    return CHECKPOINT_READERS[kind](path)
+
+
+def preprocessing(cfg: CfgNode, classes: list, weights: str) -> dict:
+    """What a deployment must do to an image before the model (the val transform), and the class names."""
+    return {
+        "arch": cfg.MODEL.ARCH,
+        "weights": weights,
+        "input": {"name": INPUT, "layout": "NCHW", "dtype": "float32", "channels": "RGB"},
+        "output": {"name": OUTPUT, "meaning": "logits (softmax for probabilities)"},
+        "resize": cfg.TEST.IM_SIZE,  # the shorter side, as torchvision's Resize(int)
+        "crop": cfg.TRAIN.IM_SIZE,  # center crop, square
+        "interpolation": "bilinear",
+        "antialias": True,
+        "scale": "divide 8-bit pixel values by 255",
+        "mean": list(cfg.DATA.MEAN),
+        "std": list(cfg.DATA.STD),
+        "classes": list(classes),
+    }
+
+
+def export_onnx(model: nn.Module, example: torch.Tensor, path: str, meta: dict) -> None:
+    """ONNX with a dynamic batch dimension (torch.onnx's dynamo exporter), metadata in metadata_props."""
+    import onnx
+
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    torch.onnx.export(
+        model, (example,), path, input_names=[INPUT], output_names=[OUTPUT], dynamo=True,
+        dynamic_shapes=({0: batch},), external_data=False, verbose=False,
+    )  # fmt: skip
+    proto = onnx.load(path)
+    onnx.helper.set_model_props(proto, {"distribuuuu.preprocessing": json.dumps(meta)})
+    onnx.save(proto, path)
+
+
+def export_program(model: nn.Module, example: torch.Tensor, path: str, meta: dict) -> None:
+    """A torch.export program with a dynamic batch dimension, preprocessing in its extra files."""
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, path, extra_files={"preprocessing.json": json.dumps(meta)})
+
+
+@contextlib.contextmanager
+def quiet_torch_logs():
+    """Keep torch.export's and the ONNX exporter's warnings off stderr: a failed export prints its
+    partial graph there (dozens of lines), and the user gets one line from us instead."""
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("torch")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+@torch.no_grad()
+def check(runners: dict[str, Callable], images: list[str], cfg: CfgNode, batch_size: int) -> dict[str, tuple]:
+    """Run every runner on the images; per non-reference runner: (top-1 agreements, images, max |logit diff|)."""
+    transform = build_val_transform(cfg)
+    logits: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
+    for paths in batches(images, batch_size):
+        inputs = torch.stack([transform(load_image(p, cfg.DATA.DECODER)) for p in paths])
+        for name, runner in runners.items():
+            logits[name].append(runner(inputs).float())
+    ref = torch.cat(logits.pop("pytorch"))
+    results = {}
+    for name, outs in logits.items():
+        out = torch.cat(outs)
+        agree = int((out.argmax(1) == ref.argmax(1)).sum())
+        results[name] = (agree, len(ref), float((out - ref).abs().max()))
+    return results
+
+
+def onnx_runner(path: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return lambda x: torch.from_numpy(session.run([OUTPUT], {INPUT: x.numpy()})[0])
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", required=True, help="checkpoint written by train_net.py")
+    parser.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
+    parser.add_argument("--out", default="", help="output path prefix (default: the checkpoint's, without .pth.tar)")
+    parser.add_argument("--check", nargs="*", default=None, help="images/folders to check on (default: val folder)")
+    parser.add_argument("--max-check", type=int, default=256, help="check at most N images (0: all)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per checked batch")
+    return parser.parse_args(argv)
+
+
+def export(args: argparse.Namespace) -> int:
+    """Load, export both formats, check them; return the exit status."""
+    state = read_checkpoint(args.weights)
+    cfg = build_cfg(state, None, ())
+    kind = "ema" if args.ema else "model"
+    model = load_model(state, cfg, kind, torch.device("cpu"))
+    prefix = args.out or args.weights.removesuffix(".tar").removesuffix(".pth")
+    meta = preprocessing(cfg, state["classes"], kind)
+    example = torch.randn(2, 3, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"--out: cannot create the folder of {prefix}: {e.strerror or e}") from None
+    try:
+        with quiet_torch_logs():
+            export_program(model, example, prefix + ".pt2", meta)
+            export_onnx(model, example, prefix + ".onnx", meta)
+    except ImportError as e:
+        raise ExportError(f"{e.name or e} is not installed: pip install 'distribuuuu[export]'") from None
+    except Exception as e:  # noqa: BLE001 - torch.export/onnx raise many types; the user needs one line
+        raise ExportError(f"{cfg.MODEL.ARCH} cannot be exported: {type(e).__name__}: {first_line(e)[:300]}") from None
+    with open(prefix + ".json", "w") as f:
+        json.dump(meta, f, indent=2)
+    print(f"wrote {prefix}.onnx, {prefix}.pt2 and {prefix}.json ({kind} weights of {cfg.MODEL.ARCH})")
+    return report(model, prefix, args, cfg)
+
+
+def report(model: nn.Module, prefix: str, args: argparse.Namespace, cfg: CfgNode) -> int:
+    """Check the exports against PyTorch on real images and print one line per format."""
+    images = find_images(args.check or [os.path.join(cfg.TEST.DATASET, cfg.TEST.SPLIT)])
+    images = images[: args.max_check] if args.max_check > 0 else images
+    program = torch.export.load(prefix + ".pt2").module()
+    runners = {"pytorch": model, "onnx": onnx_runner(prefix + ".onnx"), "torch.export": program}
+    ok = True
+    for name, (agree, total, diff) in check(runners, images, cfg, args.batch_size).items():
+        print(f"{name}: top-1 agrees with PyTorch on {agree}/{total} images; largest logit difference {diff:.3g}")
+        ok &= agree == total
+    return 0 if ok else EXIT_DISAGREE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Export; known errors become one line on stderr and exit code 2."""
+    args = parse_args(argv)
+    try:
+        return export(args)
+    except (ExportError, PredictError, CheckpointError, ConfigError, BadImageError) as e:
+        print(f"export.py: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

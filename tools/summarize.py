@@ -1,0 +1,41 @@
+"""Summarise a run: ``python tools/summarize.py OUT_DIR [--no-write]``.
+
+Prints the run's best and last val accuracy, training and validation time, training images/s, the
+config keys that differ from the defaults, and draws OUT_DIR/metrics.png (with matplotlib, the
+"plot" extra). Writes OUT_DIR/summary.md too, unless --no-write (then no plot either). Works on any
+OUT_DIR with a metrics.jsonl, finished or not. Exit status: 0, or 2 when OUT_DIR holds no readable
+metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from distribuuuu.plots import MetricsError  # noqa: E402
+from distribuuuu.summary import format_summary, summarize, write_summary  # noqa: E402
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the summary of OUT_DIR; a missing or unreadable metrics.jsonl is one line and exit 2."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="a training run's output directory")
+    parser.add_argument("--no-write", action="store_true", help="print only: no summary.md, no plot")
+    args = parser.parse_args(argv)
+    try:
+        text = format_summary(summarize(args.out_dir)) if args.no_write else write_summary(args.out_dir)
+    except (MetricsError, OSError) as e:
+        print(f"summarize.py: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
