@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from distribuuuu.distributed import all_reduce_sum, is_main_process
+from distribuuuu.distributed import all_gather_object, all_reduce_sum, is_main_process
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,81 @@ class ConfusionMatrix:
 
     def reset(self) -> None:
         self.counts.zero_()
+
+
+class Predictions:
+    """Each evaluated sample's top-k classes, kept on the device until the end of the evaluation.
+
+    ``gather`` pairs them with the dataset indices this rank's sampler yielded, in order, and
+    collects every rank's on the main process: with ExactEvalSampler each sample appears once,
+    whatever the world size. A batch that dropped unreadable images breaks that pairing, so then
+    nothing is saved (with a warning).
+    """
+
+    def __init__(self, k: int):
+        self.k, self.topk, self.targets, self.dropped = k, [], [], 0
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, target: torch.Tensor, dropped: int = 0) -> None:
+        self.topk.append(logits.topk(self.k, dim=1).indices)
+        self.targets.append(target)
+        self.dropped += dropped
+
+    def gather(self, indices: list[int]) -> list[tuple[int, int, list[int]]] | None:
+        """``(index, target, top-k)`` of every sample of every rank, by index, on the main process
+        (None elsewhere, or after dropped images); a collective: every rank calls it."""
+        mine = None
+        if not self.dropped:
+            topk = torch.cat(self.topk).tolist() if self.topk else []
+            targets = torch.cat(self.targets).tolist() if self.targets else []
+            mine = list(zip(indices, targets, topk))
+        gathered = all_gather_object(mine)
+        if any(rows is None for rows in gathered):
+            logger.warning("predictions not saved: unreadable images were skipped (DATA.BAD_IMAGE skip)")
+            return None
+        return sorted(row for rows in gathered for row in rows) if is_main_process() else None
+
+
+class EvalOutputs:
+    """What one evaluation saves beyond its metrics: the confusion matrix and/or the predictions.
+
+    Per batch everything stays on the device; ``save`` costs one all-reduce (the matrix) and one
+    gather (the predictions) per evaluation, and only the main process writes.
+    """
+
+    def __init__(self, num_classes: int, k: int, device: torch.device, confusion: bool, predictions: bool):
+        self.confusion = ConfusionMatrix(num_classes, device) if confusion else None
+        self.predictions = Predictions(k) if predictions else None
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor, dropped: int = 0) -> None:
+        if self.confusion is not None:
+            self.confusion.update(logits, target)
+        if self.predictions is not None:
+            self.predictions.update(logits, target, dropped)
+
+    def save(self, out_dir: str | Path, prefix: str, indices: list[int], paths: list[str], names: list[str]) -> None:
+        """Reduce and write ``<prefix>_*`` files under ``out_dir`` (a collective: every rank calls it)."""
+        if self.confusion is not None:
+            save_evaluation(out_dir, prefix, self.confusion.reduce(), names)
+        if self.predictions is not None:
+            save_predictions(out_dir, prefix, self.predictions.gather(indices), paths, names)
+
+
+def save_predictions(
+    out_dir: str | Path, prefix: str, rows: list[tuple[int, int, list[int]]], paths: list[str], class_names: list[str]
+) -> Path | None:
+    """Write ``<prefix>_predictions.csv``: index, path, target and top-k class names (main process only)."""
+    if not is_main_process() or rows is None:
+        return None
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    k = len(rows[0][2]) if rows else 0
+    writer.writerow(["index", "path", "target", *(f"top{i + 1}" for i in range(k))])
+    for index, target, topk in rows:
+        path = paths[index] if index < len(paths) else ""
+        writer.writerow([index, path, class_names[target], *(class_names[c] for c in topk)])
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return _write_atomic(Path(out_dir) / f"{prefix}_predictions.csv", out.getvalue().encode())
 
 
 def per_class_accuracy(matrix: torch.Tensor) -> torch.Tensor:

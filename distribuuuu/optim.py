@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from distribuuuu.config import ConfigError
+
 
 def param_groups(
     model: nn.Module,
@@ -219,7 +221,7 @@ def build_optimizer(
     makes GradScaler copy the flag to the host every step. LARS, ZeRO-1 and SGD with dampening
     keep that per-step sync.
     """
-    groups = param_groups(model, optim_cfg.WEIGHT_DECAY, optim_cfg.WEIGHT_DECAY_NORM_BIAS)
+    groups = optimizer_groups(model, optim_cfg)
     cls, kwargs = _optimizer_class_and_kwargs(optim_cfg)
     if not zero:
         fused_sgd = cls is torch.optim.SGD and optim_cfg.DAMPENING == 0
@@ -237,6 +239,18 @@ def build_optimizer(
     for group in groups[1:]:
         optimizer.add_param_group(group)
     return optimizer
+
+
+def optimizer_groups(model: nn.Module, optim_cfg: CfgNode) -> list[dict]:
+    """``param_groups`` from the OPTIM keys; a model it cannot split is a ConfigError naming the key."""
+    o = optim_cfg
+    try:
+        return param_groups(
+            model, o.WEIGHT_DECAY, o.WEIGHT_DECAY_NORM_BIAS, o.HEAD_LR_MULT, o.LAYER_DECAY, tuple(o.NO_WEIGHT_DECAY)
+        )
+    except ValueError as e:  # no blocks for layer decay, no classifier for the head multiplier
+        key = "OPTIM.LAYER_DECAY" if o.LAYER_DECAY > 0 and "layer-wise" in str(e) else "OPTIM.HEAD_LR_MULT"
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def _zero_momentum_buffers(optimizer: torch.optim.SGD) -> None:
