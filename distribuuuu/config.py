@@ -486,6 +486,8 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("MODEL.WEIGHTS_KIND", _choice(("model", "ema"))),
     ("MODEL.KWARGS", ((lambda v, c: _kwargs_ok(v)), 'must be a list of "name=value" strings')),
     ("MODEL.FREEZE", _STRINGS),
+    ("MODEL.PRETRAINED_WEIGHTS", ((lambda v, c: re.fullmatch(r"[\w.]*", v) is not None),
+                                  'must be a weight name such as "IMAGENET1K_V2" or "a1_in1k"')),
     ("DATA.MEAN", ((lambda v, c: len(v) == 3), "must have 3 values")),
     ("DATA.STD", ((lambda v, c: len(v) == 3 and all(s > 0 for s in v)), "must be 3 values > 0")),
     ("DATA.CROP_SCALE_MIN", _between(0, 1, lo_open=True)),
