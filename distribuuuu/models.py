@@ -94,17 +94,25 @@ def timm_pretrained_cfg(model_cfg: CfgNode) -> dict | None:
         return None
     timm = _timm()
     name = model_cfg.ARCH if weights == "DEFAULT" else f"{model_cfg.ARCH.split('.')[0]}.{weights}"
-    pretrained = timm.models.get_pretrained_cfg(name)
+    pretrained = _timm_pretrained_cfg(name)
     if pretrained is None:
         return None  # _create_timm names the unknown tag
     return timm.data.resolve_data_config({}, pretrained_cfg=pretrained.to_dict())
+
+
+def _timm_pretrained_cfg(name: str):
+    """timm's pretrained config of "arch.tag", or None for an unknown tag (timm raises on some)."""
+    try:
+        return _timm().models.get_pretrained_cfg(name)
+    except RuntimeError:
+        return None
 
 
 def _create_timm(arch: str, weights: str | None, num_classes: int, kwargs: dict) -> nn.Module:
     """timm.create_model with the pretrained tag ``weights`` ("DEFAULT": timm's default tag)."""
     timm = _timm()
     name = arch if weights in (None, "DEFAULT") else f"{arch.split('.')[0]}.{weights}"
-    if weights not in (None, "DEFAULT") and timm.models.get_pretrained_cfg(name) is None:
+    if weights not in (None, "DEFAULT") and _timm_pretrained_cfg(name) is None:
         tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch.split('.')[0]}.*")]
         raise ConfigError(f"MODEL.PRETRAINED_WEIGHTS: timm has no {weights!r} weights for {arch}; its tags: {tags}")
     try:
