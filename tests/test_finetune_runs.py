@@ -19,7 +19,8 @@ from helpers import REPO, assert_ok, python, read_metrics, run, torchrun
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
 
 DIGITS = REPO / "data" / "digits"
-SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.PRINT_FREQ", "100"]
+QUIET = ["TRAIN.PRINT_FREQ", "100"]
+SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", *QUIET]
 
 
 def _interleave(shards: list[list]) -> list:
@@ -61,19 +62,22 @@ def _five_class_copy(root: Path) -> Path:
 
 @pytest.mark.slow
 def test_fine_tuning_a_5_class_checkpoint_on_10_classes_with_a_new_head_and_a_frozen_stem(tmp_path):
+    # At the digits' own 32 px (measured: 16 px and 3 + 4 epochs reached 46-86%; 4 + 5 epochs at 32 px 94.5%;
+    # 4 + 8 epochs 97.5%, 5-7 min on 2 shared cores).
     five = _five_class_copy(tmp_path / "digits5")
     pre, fine = tmp_path / "pre", tmp_path / "fine"
     tic = time.perf_counter()
     first = run(
         python(str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(pre), "TRAIN.DATASET", str(five),
-               "TEST.DATASET", str(five), "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3", "OPTIM.MAX_EPOCH", "3", *SMALL),
+               "TEST.DATASET", str(five), "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3", "OPTIM.MAX_EPOCH", "4", *QUIET),
         timeout=600,
     )  # fmt: skip
     assert_ok(first)
     second = run(
         python(str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(fine), "MODEL.WEIGHTS", str(pre / "best.pth.tar"),
-               "MODEL.FREEZE", "['conv1.*', 'bn1.*']", "OPTIM.HEAD_LR_MULT", "10.0", "OPTIM.MAX_EPOCH", "4", *SMALL),
-        timeout=600,
+               "MODEL.FREEZE", "['conv1.*', 'bn1.*']", "OPTIM.BASE_LR", "0.02", "OPTIM.HEAD_LR_MULT", "5.0",
+               "OPTIM.MAX_EPOCH", "8", *QUIET),
+        timeout=900,
     )  # fmt: skip
     assert_ok(second)
     print(f"pre-training and fine-tuning took {time.perf_counter() - tic:.0f} s")
@@ -82,7 +86,7 @@ def test_fine_tuning_a_5_class_checkpoint_on_10_classes_with_a_new_head_and_a_fr
     print("fine-tuned val top-1 per epoch:", [round(r["top1"], 2) for r in val])
     assert val[-1]["top1"] >= 95.0
     before = model_state_from(load_checkpoint(pre / "best.pth.tar"))
-    after = model_state_from(load_checkpoint(fine / "checkpoints" / "ckpt_ep_004.pth.tar"))
+    after = model_state_from(load_checkpoint(fine / "checkpoints" / "ckpt_ep_008.pth.tar"))
     for name in ("conv1.weight", "bn1.weight", "bn1.bias"):
         assert torch.equal(after[name], before[name]), name
     assert not torch.equal(after["layer1.0.conv1.weight"], before["layer1.0.conv1.weight"])  # the rest trained
