@@ -32,8 +32,20 @@ _C.MODEL = CN()
 _C.MODEL.ARCH = "resnet18"
 # Number of output classes
 _C.MODEL.NUM_CLASSES = 10
-# Start from the architecture's pretrained torchvision/timm weights (needs them cached locally)
+# Start from the architecture's default pretrained torchvision/timm weights (needs them cached locally)
 _C.MODEL.PRETRAINED = False
+# Pretrained weights by name (implies pretrained): a torchvision weight enum name ("IMAGENET1K_V2",
+# "DEFAULT") or a timm tag ("a1_in1k"); "" with PRETRAINED True means the default weights
+_C.MODEL.PRETRAINED_WEIGHTS = ""
+# Extra constructor arguments as "name=value" strings, values read as Python literals
+# (["drop_path_rate=0.1", "dropout=0.2"]); a name the constructor does not take is an error
+_C.MODEL.KWARGS = []
+# Zero-initialise the last BatchNorm scale of each residual block (large-batch recipes; Goyal et al.)
+_C.MODEL.ZERO_INIT_RESIDUAL = False
+# Activation (gradient) checkpointing of the repeated blocks: less memory, one more forward per step
+_C.MODEL.GRAD_CHECKPOINT = False
+# Freeze parameters whose names match any of these fnmatch patterns (["conv1.*", "bn1.*"])
+_C.MODEL.FREEZE = []
 # Convert BatchNorm layers to SyncBatchNorm (CUDA only; see README "SyncBatchNorm on CPU")
 _C.MODEL.SYNCBN = False
 # Checkpoint whose weights initialise the model (fine-tuning) or are evaluated (test_net.py)
@@ -86,8 +98,19 @@ _C.TRAIN.CHANNELS_LAST = False
 _C.TRAIN.COMPILE = False
 # Clip gradients to this global L2 norm (0 disables)
 _C.TRAIN.CLIP_GRAD_NORM = 0.0
-# Label smoothing factor of the cross-entropy loss
+# Label smoothing factor of the loss
 _C.TRAIN.LABEL_SMOOTHING = 0.0
+# Training loss: "ce" (cross-entropy) or "bce" (binary cross-entropy per class, timm A1 / DeiT III)
+_C.TRAIN.LOSS = "ce"
+# BCE only: targets above this become 1, the rest 0 (timm's bce_target_thresh, e.g. 0.2; 0 disables)
+_C.TRAIN.BCE_TARGET_THRESHOLD = 0.0
+# Class weights of the training loss: "none" or "balanced" (N / (C x count), from the train split)
+_C.TRAIN.CLASS_WEIGHTS = "none"
+# Training sampler: "default" (shuffled), "repeated" (repeated augmentation, DeiT) or "weighted"
+# (classes drawn equally often, with replacement)
+_C.TRAIN.SAMPLER = "default"
+# Copies of each drawn sample per epoch with TRAIN.SAMPLER "repeated"
+_C.TRAIN.REPEATED_AUG = 3
 # What a non-finite loss does: "stop" (error naming epoch and step) or "skip" (skip, count, go on)
 _C.TRAIN.NAN_POLICY = "stop"
 # Also write a checkpoint every N optimizer steps inside an epoch (0: only at epoch end)
@@ -110,8 +133,22 @@ _C.TEST.DATASET = "data/digits"
 _C.TEST.SPLIT = "val"
 # Images per process for evaluation
 _C.TEST.BATCH_SIZE = 64
-# Resize size before the TRAIN.IM_SIZE center crop
+# Resize size (shorter side) before the center crop; timm and torchvision name the crop instead
 _C.TEST.IM_SIZE = 32
+# Center-crop size of evaluation (0: TRAIN.IM_SIZE)
+_C.TEST.CROP_SIZE = 0
+# Crop ratio: if > 0, resize to crop size / CROP_PCT instead of TEST.IM_SIZE (timm's crop_pct;
+# 0.875 is ImageNet's 256 -> 224); 0 with a pretrained timm model takes the model's own
+_C.TEST.CROP_PCT = 0.0
+# Resize interpolation of evaluation: "bilinear", "bicubic" or "nearest" ("": bilinear, or a
+# pretrained timm model's own)
+_C.TEST.INTERPOLATION = ""
+# More evaluation sets after each epoch: roots in TEST.DATASET's forms, each read at TEST.SPLIT
+_C.TEST.EXTRA_DATASETS = []
+# Also save the confusion matrix and per-class accuracy (CSV, JSON, PNG) of each evaluation
+_C.TEST.CONFUSION = False
+# Also save each image's path, target and top-k predictions (CSV) of each evaluation
+_C.TEST.SAVE_PREDICTIONS = False
 # Log every PRINT_FREQ evaluation batches
 _C.TEST.PRINT_FREQ = 10
 # Evaluate a folder whose classes differ from the model's: only the classes both have (folders
@@ -167,7 +204,7 @@ _C.CUDNN.DETERMINISTIC = False
 # Optimizer and learning-rate schedule (the schedule is updated every optimizer step)
 # ------------------------------------------------------------------------------------------------
 _C.OPTIM = CN()
-# Optimizer: "sgd", "adamw" or "lars"
+# Optimizer: "sgd", "adamw", "lars" or "lamb"
 _C.OPTIM.OPTIMIZER = "sgd"
 # Number of training epochs
 _C.OPTIM.MAX_EPOCH = 10
@@ -195,7 +232,14 @@ _C.OPTIM.WARMUP_EPOCHS = 1.0
 _C.OPTIM.WEIGHT_DECAY = 5e-5
 # Apply weight decay to normalisation weights and all biases too (off: they get none)
 _C.OPTIM.WEIGHT_DECAY_NORM_BIAS = False
-# AdamW betas
+# Parameters whose names match these fnmatch patterns get no weight decay (beside 1-D ones and
+# the model's own no_weight_decay())
+_C.OPTIM.NO_WEIGHT_DECAY = []
+# LR multiplier of the classifier head (fine-tuning a new head: e.g. 10)
+_C.OPTIM.HEAD_LR_MULT = 1.0
+# Layer-wise LR decay: block i of N gets LR x LAYER_DECAY ** (N + 1 - i) (ViT/ConvNeXt; 0 disables)
+_C.OPTIM.LAYER_DECAY = 0.0
+# AdamW and LAMB betas
 _C.OPTIM.BETAS = [0.9, 0.999]
 # LARS trust coefficient
 _C.OPTIM.LARS_TRUST = 0.001
@@ -265,7 +309,9 @@ _C.LOG.PROGRESS = True
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")
-OPTIMIZERS = ("sgd", "adamw", "lars")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+INTERPOLATIONS = ("", "bilinear", "bicubic", "nearest")
+SAMPLERS = ("default", "repeated", "weighted")
 AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
 DECODERS = ("auto", "pil", "torchvision", "batched")
@@ -428,6 +474,7 @@ _POSITIVE = (lambda v, c: v > 0), "must be > 0"
 _NON_NEGATIVE = (lambda v, c: v >= 0), "must be >= 0"
 _AT_LEAST_1 = (lambda v, c: v >= 1), "must be >= 1"
 _PROBABILITY = _between(0, 1)
+_STRINGS = (lambda v, c: all(isinstance(s, str) and s for s in v)), "must be a list of non-empty strings"
 
 # Every rule: (key, (test(value, config) -> bool, what the value must be)). The first failing
 # rule raises ConfigError("KEY what, got VALUE"). Rules that read other keys say so in their text.
@@ -435,7 +482,12 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TRAIN.BATCH_SIZE", _POSITIVE),
     ("TEST.BATCH_SIZE", _POSITIVE),
     ("TRAIN.IM_SIZE", _POSITIVE),
-    ("TEST.IM_SIZE", ((lambda v, c: v >= c.TRAIN.IM_SIZE), "must be >= TRAIN.IM_SIZE")),
+    ("TEST.CROP_SIZE", _NON_NEGATIVE),
+    ("TEST.IM_SIZE", ((lambda v, c: c.TEST.CROP_PCT > 0 or v >= eval_crop_size(c)),
+                      "must be >= TEST.CROP_SIZE (0: TRAIN.IM_SIZE)")),
+    ("TEST.CROP_PCT", _between(0, 1)),
+    ("TEST.INTERPOLATION", _choice(INTERPOLATIONS)),
+    ("TEST.EXTRA_DATASETS", ((lambda v, c: all(isinstance(d, str) and d for d in v)), "must be a list of dataset roots")),
     ("MODEL.NUM_CLASSES", _POSITIVE),
     ("TRAIN.TOPK", ((lambda v, c: 1 <= v <= c.MODEL.NUM_CLASSES), "must be in 1..MODEL.NUM_CLASSES")),
     ("TRAIN.PRINT_FREQ", _POSITIVE),
@@ -446,12 +498,21 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TRAIN.PRECISION", _choice(PRECISIONS)),
     ("TRAIN.CLIP_GRAD_NORM", _NON_NEGATIVE),
     ("TRAIN.LABEL_SMOOTHING", _between(0, 1, hi_open=True)),
+    ("TRAIN.LOSS", _choice(("ce", "bce"))),
+    ("TRAIN.BCE_TARGET_THRESHOLD", _between(0, 1, hi_open=True)),
+    ("TRAIN.CLASS_WEIGHTS", _choice(("none", "balanced"))),
+    ("TRAIN.SAMPLER", _choice(SAMPLERS)),
+    ("TRAIN.REPEATED_AUG", _AT_LEAST_1),
     ("TRAIN.NAN_POLICY", _choice(("stop", "skip"))),
     ("TRAIN.CKPT_PERIOD_ITERS", _NON_NEGATIVE),
     ("TRAIN.KEEP_CKPTS", _AT_LEAST_1),
     ("TRAIN.EVAL_PERIOD", _AT_LEAST_1),
     ("TRAIN.STOP_AFTER_EPOCHS", _NON_NEGATIVE),
     ("MODEL.WEIGHTS_KIND", _choice(("model", "ema"))),
+    ("MODEL.KWARGS", ((lambda v, c: _kwargs_ok(v)), 'must be a list of "name=value" strings')),
+    ("MODEL.FREEZE", _STRINGS),
+    ("MODEL.PRETRAINED_WEIGHTS", ((lambda v, c: re.fullmatch(r"[\w.]*", v) is not None),
+                                  'must be a weight name such as "IMAGENET1K_V2" or "a1_in1k"')),
     ("DATA.MEAN", ((lambda v, c: len(v) == 3), "must have 3 values")),
     ("DATA.STD", ((lambda v, c: len(v) == 3 and all(s > 0 for s in v)), "must be 3 values > 0")),
     ("DATA.CROP_SCALE_MIN", _between(0, 1, lo_open=True)),
@@ -480,6 +541,9 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("OPTIM.WARMUP_FACTOR", _between(0, 1, lo_open=True)),
     ("OPTIM.WARMUP_EPOCHS", ((lambda v, c: 0 <= v <= c.OPTIM.MAX_EPOCH), "must be in [0, OPTIM.MAX_EPOCH]")),
     ("OPTIM.WEIGHT_DECAY", _NON_NEGATIVE),
+    ("OPTIM.NO_WEIGHT_DECAY", _STRINGS),
+    ("OPTIM.HEAD_LR_MULT", _POSITIVE),
+    ("OPTIM.LAYER_DECAY", _between(0, 1)),
     ("OPTIM.BETAS", ((lambda v, c: len(v) == 2 and all(0 <= b < 1 for b in v)), "must be two values in [0, 1)")),
     ("OPTIM.LARS_TRUST", _POSITIVE),
     ("OPTIM.REFERENCE_BATCH", _NON_NEGATIVE),
@@ -514,6 +578,34 @@ def _get(c: CN, key: str) -> Any:
     return c
 
 
+def eval_crop_size(c: CN) -> int:
+    """The evaluation center-crop size: TEST.CROP_SIZE, or TRAIN.IM_SIZE when it is 0."""
+    return c.TEST.CROP_SIZE or c.TRAIN.IM_SIZE
+
+
+def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    """MODEL.KWARGS ``["drop_path_rate=0.1", "norm=batch"]`` -> ``{"drop_path_rate": 0.1, "norm": "batch"}``.
+
+    Values are Python literals (numbers, True/None, lists) or else the string itself, as on the
+    command line.
+    """
+    kwargs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise ConfigError(f'MODEL.KWARGS entries must be "name=value" strings, got {item!r}')
+        kwargs[name.strip()] = _decode(value.strip())
+    return kwargs
+
+
+def _kwargs_ok(items: Sequence[str]) -> bool:
+    try:
+        parse_model_kwargs(items)
+    except (ConfigError, TypeError, AttributeError):
+        return False
+    return True
+
+
 def _ascending_positive(steps: list) -> bool:
     numbers = all(isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 for s in steps)
     return numbers and list(steps) == sorted(steps)
@@ -536,6 +628,7 @@ def check_dataset_paths(c: CN) -> None:
     for key, root, split in (
         ("TRAIN.DATASET", c.TRAIN.DATASET, c.TRAIN.SPLIT),
         ("TEST.DATASET", c.TEST.DATASET, c.TEST.SPLIT),
+        *(("TEST.EXTRA_DATASETS", extra, c.TEST.SPLIT) for extra in c.TEST.EXTRA_DATASETS),
     ):
         kind, _, path = root.partition(":") if root.split(":", 1)[0] in ("cifar10", "cifar100") else ("", "", root)
         if kind:

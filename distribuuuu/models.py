@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import logging
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 import torchvision
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, parse_model_kwargs
 from distribuuuu.errors import first_line
 
 logger = logging.getLogger(__name__)
@@ -52,23 +56,88 @@ def model_source(arch: str) -> str:
 
 
 def build_model(model_cfg: CfgNode) -> nn.Module:
-    """Build MODEL.ARCH with MODEL.NUM_CLASSES outputs, optionally from pretrained weights."""
-    arch, num_classes, pretrained = model_cfg.ARCH, model_cfg.NUM_CLASSES, model_cfg.PRETRAINED
-    source = model_source(arch)
-    if source == "registry":
-        return _REGISTRY[arch](num_classes=num_classes, pretrained=pretrained)
-    if source == "timm":
-        return _timm().create_model(arch, pretrained=pretrained, num_classes=num_classes)
-    model = torchvision.models.get_model(arch, num_classes=num_classes)
-    if pretrained:
-        _load_torchvision_pretrained(model, arch)
+    """Build MODEL.ARCH with MODEL.NUM_CLASSES outputs and MODEL.KWARGS, optionally from pretrained
+    weights, with zero-initialised residual BatchNorm and gradient checkpointing as configured."""
+    arch, num_classes = model_cfg.ARCH, model_cfg.NUM_CLASSES
+    source, weights = model_source(arch), pretrained_weights(model_cfg)
+    kwargs = parse_model_kwargs(model_cfg.KWARGS)
+    try:
+        if source == "registry":
+            model = _REGISTRY[arch](num_classes=num_classes, pretrained=weights is not None, **kwargs)
+        elif source == "timm":
+            model = _create_timm(arch, weights, num_classes, kwargs)
+        else:
+            model = torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
+    except TypeError as e:  # a keyword the constructor does not take
+        raise ConfigError(f"MODEL.KWARGS {model_cfg.KWARGS}: {arch} refuses them ({first_line(e)})") from None
+    if source == "torchvision" and weights is not None:
+        _load_torchvision_pretrained(model, arch, weights)
+    if model_cfg.ZERO_INIT_RESIDUAL:
+        zero_init_residual(model)
+    if model_cfg.GRAD_CHECKPOINT:
+        enable_grad_checkpointing(model)
     return model
 
 
-def _load_torchvision_pretrained(model: nn.Module, arch: str) -> None:
-    """Copy the pretrained weights of matching shape (a different class count keeps a new head)."""
+def pretrained_weights(model_cfg: CfgNode) -> str | None:
+    """The pretrained weights' name: MODEL.PRETRAINED_WEIGHTS, "DEFAULT" for MODEL.PRETRAINED, or None."""
+    if model_cfg.PRETRAINED_WEIGHTS:
+        return model_cfg.PRETRAINED_WEIGHTS
+    return "DEFAULT" if model_cfg.PRETRAINED else None
+
+
+def timm_pretrained_cfg(model_cfg: CfgNode) -> dict | None:
+    """A timm model's own preprocessing (mean, std, interpolation, crop_pct) when its pretrained
+    weights are used, from ``timm.data.resolve_data_config``; None otherwise."""
+    weights = pretrained_weights(model_cfg)
+    if weights is None or model_source(model_cfg.ARCH) != "timm":
+        return None
+    timm = _timm()
+    name = model_cfg.ARCH if weights == "DEFAULT" else f"{model_cfg.ARCH.split('.')[0]}.{weights}"
+    pretrained = _timm_pretrained_cfg(name)
+    if pretrained is None:
+        return None  # _create_timm names the unknown tag
+    return timm.data.resolve_data_config({}, pretrained_cfg=pretrained.to_dict())
+
+
+def _timm_pretrained_cfg(name: str):
+    """timm's pretrained config of "arch.tag", or None for an unknown tag (timm raises on some)."""
     try:
-        weights = torchvision.models.get_model_weights(arch).DEFAULT
+        return _timm().models.get_pretrained_cfg(name)
+    except RuntimeError:
+        return None
+
+
+def _create_timm(arch: str, weights: str | None, num_classes: int, kwargs: dict) -> nn.Module:
+    """timm.create_model with the pretrained tag ``weights`` ("DEFAULT": timm's default tag)."""
+    timm = _timm()
+    name = arch if weights in (None, "DEFAULT") else f"{arch.split('.')[0]}.{weights}"
+    if weights not in (None, "DEFAULT") and _timm_pretrained_cfg(name) is None:
+        tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch.split('.')[0]}.*")]
+        raise ConfigError(f"MODEL.PRETRAINED_WEIGHTS: timm has no {weights!r} weights for {arch}; its tags: {tags}")
+    try:
+        return timm.create_model(name, pretrained=weights is not None, num_classes=num_classes, **kwargs)
+    except (OSError, RuntimeError, ValueError) as e:  # offline hub, missing file
+        raise ConfigError(
+            f"MODEL.PRETRAINED: could not load pretrained weights for {name!r} ({type(e).__name__}: "
+            f"{first_line(e)}); cache them with timm first or set MODEL.PRETRAINED False"
+        ) from None
+
+
+def torchvision_weights(arch: str, name: str) -> torchvision.models.WeightsEnum:
+    """torchvision's weight enum member ``name`` of ``arch`` ("DEFAULT" included), or a ConfigError listing them."""
+    enum = torchvision.models.get_model_weights(arch)
+    try:
+        return enum[name] if name != "DEFAULT" else enum.DEFAULT
+    except KeyError:
+        valid = ["DEFAULT", *(w.name for w in enum)]
+        raise ConfigError(f"MODEL.PRETRAINED_WEIGHTS: {arch} has no weights {name!r}; valid names: {valid}") from None
+
+
+def _load_torchvision_pretrained(model: nn.Module, arch: str, name: str = "DEFAULT") -> None:
+    """Copy the pretrained weights of matching shape (a different class count keeps a new head)."""
+    weights = torchvision_weights(arch, name)
+    try:
         state = weights.get_state_dict(progress=False, check_hash=True)
     except Exception as e:
         raise ConfigError(
@@ -83,6 +152,105 @@ def _load_torchvision_pretrained(model: nn.Module, arch: str) -> None:
         logger.info(
             "pretrained %s: new head for %d classes (%d tensors kept)", arch, model_num_classes(model), len(kept)
         )
+
+
+# torchvision's residual blocks (ResNet/ResNeXt/Wide ResNet, RegNet, MobileNetV2/V3, EfficientNet):
+# the last BatchNorm of the residual branch is zeroed, so each block starts as the identity.
+_RESIDUAL_BLOCKS = ("BasicBlock", "Bottleneck", "ResBottleneckBlock", "InvertedResidual", "MBConv", "FusedMBConv")
+_SHORTCUTS = ("downsample", "proj", "shortcut")
+
+
+def zero_init_residual(model: nn.Module) -> int:
+    """Zero the last BatchNorm scale of each residual block (Goyal et al., 2017); return how many.
+
+    timm's blocks know their own (``zero_init_last``); torchvision's are found by class name, and
+    the shortcut's BatchNorm (``downsample``) is left alone, as torchvision's ``zero_init_residual``.
+    """
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "zero_init_last"):
+            module.zero_init_last()
+            count += 1
+        elif type(module).__name__ in _RESIDUAL_BLOCKS and getattr(module, "use_res_connect", True):
+            norms = [
+                m
+                for name, m in module.named_modules()
+                if isinstance(m, nn.modules.batchnorm._BatchNorm) and not name.startswith(_SHORTCUTS)
+            ]
+            if norms:
+                nn.init.zeros_(norms[-1].weight)
+                count += 1
+    if not count:
+        raise ConfigError(f"MODEL.ZERO_INIT_RESIDUAL: no residual block with a BatchNorm in {type(model).__name__}")
+    return count
+
+
+def enable_grad_checkpointing(model: nn.Module) -> int:
+    """Recompute the repeated blocks' activations in the backward pass instead of storing them.
+
+    timm models switch it on themselves (``set_grad_checkpointing``). Elsewhere the repeated
+    blocks are the children of every ``nn.Sequential`` made of two or more composite modules of
+    one class (ResNet's ``layerN``, ViT's ``encoder.layers``, ConvNeXt's stages); each block's
+    forward runs under ``torch.utils.checkpoint`` (non-reentrant). Return the number of blocks.
+    """
+    if hasattr(model, "set_grad_checkpointing"):
+        model.set_grad_checkpointing(True)
+        return -1
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ConfigError(f"MODEL.GRAD_CHECKPOINT: no repeated blocks found in {type(model).__name__}")
+    for block in blocks:
+        block.forward = functools.partial(_checkpointed, block, block.forward)
+    return len(blocks)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """In each ``nn.Sequential``, the children of its most frequent composite class (two or more of
+    them; a Sequential such as a stage is a container, not a block), outermost first: a block's insides
+    are not blocks."""
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, seq in model.named_modules():
+        if not isinstance(seq, nn.Sequential) or any(name.startswith(f"{n}.") for n, _ in chosen):
+            continue
+        composite = [
+            (f"{name}.{n}", c)
+            for n, c in seq.named_children()
+            if not isinstance(c, nn.Sequential)
+            and next(c.children(), None) is not None
+            and next(c.parameters(), None) is not None
+        ]
+        kinds = collections.Counter(type(c) for _, c in composite)
+        if kinds and kinds.most_common(1)[0][1] >= 2:
+            kind = kinds.most_common(1)[0][0]
+            chosen += [(n, c) for n, c in composite if type(c) is kind]
+    return [c for _, c in chosen]
+
+
+def _checkpointed(block: nn.Module, forward: Callable, *args, **kwargs):
+    if not torch.is_grad_enabled():  # evaluation: nothing to save memory on
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(
+        forward, *args, use_reentrant=False, context_fn=lambda: _recompute_contexts(block), **kwargs
+    )
+
+
+def _recompute_contexts(block: nn.Module):
+    """The recomputation must not update BatchNorm's running statistics a second time."""
+    return contextlib.nullcontext(), _frozen_running_stats(block)
+
+
+@contextlib.contextmanager
+def _frozen_running_stats(block: nn.Module):
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(m.momentum, m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0  # running = (1 - 0) x running + 0 x batch: unchanged
+    try:
+        yield
+    finally:
+        for m, (momentum, tracked) in zip(norms, saved):
+            m.momentum = momentum
+            m.num_batches_tracked.copy_(tracked)
 
 
 def model_num_classes(model: nn.Module) -> int:

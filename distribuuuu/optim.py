@@ -1,35 +1,140 @@
-"""Optimizers (SGD, AdamW, LARS, optionally ZeRO-1 sharded) and the LR schedule as a pure function."""
+"""Optimizers (SGD, AdamW, LARS, LAMB, optionally ZeRO-1 sharded) and the LR schedule as a pure function."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
+import re
 
 import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from distribuuuu.config import ConfigError
 
-def param_groups(model: nn.Module, weight_decay: float, decay_norm_bias: bool) -> list[dict]:
-    """Split parameters into a decayed group and a no-decay group (biases and norm weights).
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    decay_norm_bias: bool,
+    head_lr_mult: float = 1.0,
+    layer_decay: float = 0.0,
+    no_weight_decay_names: tuple[str, ...] = (),
+) -> list[dict]:
+    """Group the trainable parameters by weight decay and LR scale.
 
     One-dimensional parameters are exactly the biases and the normalisation scales/shifts of
-    torchvision and timm models; decaying them hurts accuracy (Goyal et al., 2017).
+    torchvision and timm models; decaying them hurts accuracy (Goyal et al., 2017). Names from the
+    model's ``no_weight_decay()`` (timm: position embeddings, class token, which are not 1-D) and
+    ``no_weight_decay_names`` (fnmatch patterns) are not decayed either. ``lr_scale`` (timm's key)
+    is what ``set_lr`` multiplies the schedule's LR by: ``head_lr_mult`` for the classifier and
+    ``layer_decay ** (num_layers + 1 - layer_id)`` with layer-wise decay (0: off). With the
+    defaults the groups are the plain decay / no-decay pair.
     """
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim <= 1 and not decay_norm_bias else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay", "lars_adapt": True}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay", "lars_adapt": False})
-    return groups
+    skip = tuple(no_weight_decay_names) + tuple(getattr(model, "no_weight_decay", lambda: ())())
+    head = head_parameter_names(model) if head_lr_mult != 1.0 else set()
+    layers, num_layers = layer_ids(model) if layer_decay > 0 else ({}, 0)
+    groups: dict[tuple[bool, float], dict] = {}
+    if not head and not layers:  # today's layout: the decay group first, even when empty
+        groups[(True, 1.0)] = {"params": [], "weight_decay": weight_decay, "name": "decay", "lr_scale": 1.0}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:  # frozen: keep it out of the optimizer and its state
+            continue
+        decay = (p.ndim > 1 or decay_norm_bias) and not any(fnmatch.fnmatchcase(name, pat) for pat in skip)
+        scale = layer_decay ** (num_layers + 1 - layers[name]) if layers else 1.0
+        scale *= head_lr_mult if name in head else 1.0
+        if (decay, scale) not in groups:
+            groups[(decay, scale)] = {
+                "params": [],
+                "weight_decay": weight_decay if decay else 0.0,
+                "name": ("decay" if decay else "no_decay") + (f"_x{scale:.6g}" if scale != 1.0 else ""),
+                "lr_scale": scale,
+            }
+        groups[(decay, scale)]["params"].append(p)
+    return [g for k, g in groups.items() if g["params"] or k == (True, 1.0)]
+
+
+# Block-level prefixes, tried in order at the start of a parameter name: torchvision ViT,
+# torchvision ConvNeXt's CNBlocks (not its downsampling layers), timm ConvNeXt / Swin, timm ViT.
+LAYER_PATTERNS = (
+    r"encoder\.layers\.encoder_layer_\d+\.",
+    r"features\.\d+\.\d+\.(?=block\.|layer_scale)",
+    r"(?:stages|layers)\.\d+\.blocks\.\d+\.",
+    r"blocks\.\d+\.",
+)
+
+
+def layer_ids(model: nn.Module, patterns: tuple[str, ...] = LAYER_PATTERNS) -> tuple[dict[str, int], int]:
+    """Map each parameter name to its layer for layer-wise LR decay; return it and the block count.
+
+    Blocks are numbered 1..N in parameter order (the order of the forward pass in torchvision
+    and timm). Parameters before the first block (patch/stem embedding, class token, position
+    embedding) are layer 0; those between blocks (ConvNeXt's downsampling) go with the next block;
+    those after the last (final norm, head) are layer N + 1, as in BEiT / MAE. Written here because
+    torchvision models have no ``group_matcher`` (timm's layer-decay helper needs one).
+    """
+    names = [name for name, _ in model.named_parameters()]
+    prefixes = [next((m.group(0) for pat in patterns if (m := re.match(pat, name))), None) for name in names]
+    order = list(dict.fromkeys(p for p in prefixes if p is not None))
+    if not order:
+        raise ValueError(f"layer-wise LR decay: no blocks found in {type(model).__name__} (patterns {patterns})")
+    block = {prefix: i + 1 for i, prefix in enumerate(order)}
+    ids, pending, seen_block = {}, [], False
+    for name, prefix in zip(names, prefixes):
+        if prefix is None:
+            pending.append(name)  # its layer is the next block's, or N + 1 after the last one
+            if not seen_block:
+                ids[name] = 0
+            continue
+        seen_block = True
+        for waiting in pending:
+            ids.setdefault(waiting, block[prefix])
+        pending = []
+        ids[name] = block[prefix]
+    ids.update({name: len(order) + 1 for name in pending})
+    return ids, len(order)
+
+
+def head_parameter_names(model: nn.Module) -> set[str]:
+    """Names of the classifier's parameters: timm's ``get_classifier()``, a top-level
+    ``fc``/``classifier``/``heads``/``head``, or else the module holding the last Linear."""
+    if hasattr(model, "get_classifier"):
+        head = model.get_classifier()
+    else:
+        named = dict(model.named_children())
+        head = next((named[n] for n in ("fc", "classifier", "heads", "head") if n in named), None)
+        if head is None:
+            linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+            if not linears:
+                raise ValueError(f"no classifier found in {type(model).__name__}: it has no Linear layer")
+            head = linears[-1]
+    ids = {id(p) for p in head.parameters()}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def freeze(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[str]:
+    """Set ``requires_grad=False`` on parameters whose name matches an fnmatch pattern; return their names.
+
+    A pattern that matches nothing is an error: a typo would otherwise train what was meant frozen.
+    """
+    names = [name for name, _ in model.named_parameters()]
+    unmatched = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+    if unmatched:
+        raise ValueError(f"freeze patterns match no parameter of {type(model).__name__}: {unmatched}")
+    frozen = []
+    for name, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen
 
 
 class LARS(torch.optim.Optimizer):
     """SGD with momentum and layer-wise adaptive rate scaling (You et al., 2017).
 
-    PyTorch has no LARS. Groups with ``lars_adapt=False`` (biases, norm weights) get plain
-    momentum SGD, as in the large-batch ImageNet recipes.
+    PyTorch has no LARS. As in You et al. and the large-batch ImageNet recipes, biases and norm
+    parameters (ndim <= 1) get plain momentum SGD whatever their weight decay: adaptation follows
+    the parameter, not the decay group. A group may opt out of adaptation with ``lars_adapt=False``.
     """
 
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, trust: float = 0.001):
@@ -45,7 +150,7 @@ class LARS(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 grad = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
-                if group["lars_adapt"]:
+                if group["lars_adapt"] and p.ndim > 1:
                     p_norm, g_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(grad)
                     trust = torch.where((p_norm > 0) & (g_norm > 0), group["trust"] * p_norm / g_norm, 1.0)
                     grad = grad * trust
@@ -58,9 +163,49 @@ class LARS(torch.optim.Optimizer):
         return loss
 
 
+class LAMB(torch.optim.Optimizer):
+    """Adam with decoupled weight decay and a layer-wise trust ratio ||w|| / ||update|| (You et al., 2019).
+
+    PyTorch has no LAMB. Written here rather than taken from timm (``timm.optim.Lamb``, which a test
+    matches) because timm is optional, so the update would change with what a machine has
+    installed, and because timm's clips the global gradient norm by default and adapts only groups
+    with weight decay. Here, as for LARS, parameters with ndim <= 1 are not adapted.
+    """
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = torch.enable_grad()(closure)() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                exp_avg.mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                denom = (exp_avg_sq / (1 - beta2 ** state["step"])).sqrt_().add_(group["eps"])
+                update = (exp_avg / (1 - beta1 ** state["step"])).div_(denom)
+                if group["weight_decay"]:
+                    update.add_(p, alpha=group["weight_decay"])
+                if p.ndim > 1:
+                    w_norm, u_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(update)
+                    update.mul_(torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, 1.0))
+                p.add_(update, alpha=-group["lr"])
+        return loss
+
+
 def _optimizer_class_and_kwargs(o: CfgNode) -> tuple[type, dict]:
     if o.OPTIMIZER == "adamw":
         return torch.optim.AdamW, dict(lr=o.BASE_LR, betas=tuple(o.BETAS))
+    if o.OPTIMIZER == "lamb":
+        return LAMB, dict(lr=o.BASE_LR, betas=tuple(o.BETAS))
     if o.OPTIMIZER == "lars":
         return LARS, dict(lr=o.BASE_LR, momentum=o.MOMENTUM, trust=o.LARS_TRUST)
     return torch.optim.SGD, dict(lr=o.BASE_LR, momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV)
@@ -76,7 +221,7 @@ def build_optimizer(
     makes GradScaler copy the flag to the host every step. LARS, ZeRO-1 and SGD with dampening
     keep that per-step sync.
     """
-    groups = param_groups(model, optim_cfg.WEIGHT_DECAY, optim_cfg.WEIGHT_DECAY_NORM_BIAS)
+    groups = optimizer_groups(model, optim_cfg)
     cls, kwargs = _optimizer_class_and_kwargs(optim_cfg)
     if not zero:
         fused_sgd = cls is torch.optim.SGD and optim_cfg.DAMPENING == 0
@@ -94,6 +239,18 @@ def build_optimizer(
     for group in groups[1:]:
         optimizer.add_param_group(group)
     return optimizer
+
+
+def optimizer_groups(model: nn.Module, optim_cfg: CfgNode) -> list[dict]:
+    """``param_groups`` from the OPTIM keys; a model it cannot split is a ConfigError naming the key."""
+    o = optim_cfg
+    try:
+        return param_groups(
+            model, o.WEIGHT_DECAY, o.WEIGHT_DECAY_NORM_BIAS, o.HEAD_LR_MULT, o.LAYER_DECAY, tuple(o.NO_WEIGHT_DECAY)
+        )
+    except ValueError as e:  # no blocks for layer decay, no classifier for the head multiplier
+        key = "OPTIM.LAYER_DECAY" if o.LAYER_DECAY > 0 and "layer-wise" in str(e) else "OPTIM.HEAD_LR_MULT"
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def _zero_momentum_buffers(optimizer: torch.optim.SGD) -> None:
@@ -133,6 +290,6 @@ def lr_at(step: int, steps_per_epoch: int, optim_cfg: CfgNode, base_lr: float | 
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Set the learning rate of every parameter group."""
+    """Set every parameter group's learning rate to ``lr`` times its ``lr_scale`` (default 1)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)

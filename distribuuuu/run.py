@@ -11,14 +11,22 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu.config import ConfigError
-from distribuuuu.data import Split, build_batch_mixer, build_train_split, build_val_split
+from distribuuuu.data import (
+    Split,
+    build_batch_mixer,
+    build_extra_val_splits,
+    build_train_split,
+    build_val_split,
+    dataset_targets,
+)
 from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
 from distribuuuu.ema import ModelEMA
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger, make_writer, setup_logging
+from distribuuuu.losses import build_criterion, inverse_frequency_weights
 from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, has_batchnorm
-from distribuuuu.optim import build_optimizer, scaled_base_lr
+from distribuuuu.optim import build_optimizer, freeze, scaled_base_lr
 from distribuuuu.preemption import PreemptionHandler
 from distribuuuu.progress import show_progress_bar
 from distribuuuu.rng import seed_everything
@@ -55,6 +63,7 @@ class Run:
     writer: object
     ema: ModelEMA | None = None
     mixer: object = None
+    extra_val: dict[str, Split] = field(default_factory=dict)  # TEST.EXTRA_DATASETS by split name
     state: TrainState = field(default_factory=TrainState)
     preempt: PreemptionHandler | None = None
 
@@ -152,7 +161,9 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
     """Build loaders, model, optimizer, scaler, EMA and loss for a training run."""
     train = build_train_split(cfg, env)
     val = build_val_split(cfg, env, train.classes)
+    extra_val = build_extra_val_splits(cfg, env, train.classes)
     model = build_model_for(cfg, env)
+    freeze_parameters(model, cfg.MODEL.FREEZE)  # before the DDP wrap and the optimizer: both skip them
     t = cfg.TRAIN
     global_batch = t.BATCH_SIZE * env.world_size * t.ACCUM_STEPS
     base_lr = scaled_base_lr(cfg.OPTIM, global_batch)
@@ -177,7 +188,7 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         eval_model=compiled_or_plain,
         optimizer=build_optimizer(model, cfg.OPTIM, zero=cfg.OPTIM.ZERO and is_dist(), fused=t.PRECISION == "fp16"),
         scaler=torch.amp.GradScaler(env.device.type, enabled=t.PRECISION == "fp16"),
-        criterion=nn.CrossEntropyLoss(label_smoothing=t.LABEL_SMOOTHING),
+        criterion=build_train_criterion(cfg, train).to(env.device),  # class weights are a buffer
         train=train,
         val=val,
         steps_per_epoch=steps_per_epoch,
@@ -185,4 +196,33 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         writer=writer,
         ema=ema,
         mixer=build_batch_mixer(cfg),
+        extra_val=extra_val,
     )
+
+
+def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Freeze MODEL.FREEZE's parameters and log their names; a pattern matching nothing is a ConfigError."""
+    if not patterns:
+        return []
+    try:
+        frozen = freeze(model, patterns)
+    except ValueError as e:
+        raise ConfigError(f"MODEL.FREEZE: {e}") from None
+    logger.info("MODEL.FREEZE: %d parameter tensor(s) frozen: %s", len(frozen), ", ".join(frozen))
+    return frozen
+
+
+def build_train_criterion(cfg: CfgNode, train: Split) -> nn.Module:
+    """TRAIN.LOSS with label smoothing, the BCE threshold and TRAIN.CLASS_WEIGHTS from the train split."""
+    t, weights = cfg.TRAIN, None
+    if t.CLASS_WEIGHTS == "balanced":
+        targets = dataset_targets(train.dataset)
+        try:
+            found = inverse_frequency_weights(targets, len(train.classes))
+        except ValueError as e:
+            raise ConfigError(f"TRAIN.CLASS_WEIGHTS balanced: {e}") from None
+        # Outputs beyond the dataset's classes (MODEL.NUM_CLASSES larger) never are targets: weight 1.
+        weights = torch.ones(cfg.MODEL.NUM_CLASSES)
+        weights[: len(found)] = found
+        logger.info("TRAIN.CLASS_WEIGHTS balanced: %s", ", ".join(f"{w:.3g}" for w in found.tolist()))
+    return build_criterion(t.LOSS, t.LABEL_SMOOTHING, t.BCE_TARGET_THRESHOLD or None, weights)

@@ -7,6 +7,7 @@ resuming it (``state.py``), the records (``records.py``), preemption, RNG and fa
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -14,8 +15,9 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError, check_dataset_paths
-from distribuuuu.data import Split, build_val_split
+from distribuuuu.data import Split, build_val_split, sample_paths
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
+from distribuuuu.evaluation import EvalOutputs
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger
@@ -191,7 +193,7 @@ def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, st
     elapsed = time.perf_counter() - clock["start"]
     steps_left = run.steps_per_epoch - step + (run.cfg.OPTIM.MAX_EPOCH - epoch - 1) * run.steps_per_epoch
     log_train_window(
-        run.writer, totals, epoch, step, run.cfg, run.steps_per_epoch, lr=run.optimizer.param_groups[0]["lr"],
+        run.writer, totals, epoch, step, run.cfg, run.steps_per_epoch, lr=scheduled_lr(run),
         elapsed_s=elapsed, data_s=clock["data"], steps=len(window_losses), steps_left=steps_left,
         fp16=run.scaler.is_enabled(), global_step=run.global_step,
     )  # fmt: skip
@@ -201,22 +203,40 @@ def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, st
     return totals
 
 
+def scheduled_lr(run: Run) -> float:
+    """The schedule's LR of the last step taken: what the log shows (a group's LR is it x its lr_scale)."""
+    return lr_at(max(run.global_step - 1, 0), run.steps_per_epoch, run.cfg.OPTIM, run.base_lr)
+
+
 @torch.no_grad()
-def validate(model: nn.Module, split: Split, cfg: CfgNode, env: DistEnv) -> dict:
-    """Evaluate every val sample exactly once across ranks; return exact totals and means."""
+def validate(
+    model: nn.Module, split: Split, cfg: CfgNode, env: DistEnv, outputs: tuple[str, str] | None = None
+) -> dict:
+    """Evaluate every val sample exactly once across ranks; return exact totals and means.
+
+    With ``outputs`` (folder, file prefix), TEST.CONFUSION's and TEST.SAVE_PREDICTIONS's files are
+    saved there: one more all-reduce and one gather per evaluation, none per batch.
+    """
     model.eval()
     sums = MetricSums(env.device, cfg.TRAIN.TOPK)
+    names = split.classes + [str(c) for c in range(len(split.classes), cfg.MODEL.NUM_CLASSES)]
+    t = cfg.TEST
+    extras = EvalOutputs(len(names), cfg.TRAIN.TOPK, env.device, t.CONFUSION, t.SAVE_PREDICTIONS) if outputs else None
     tic = time.perf_counter()
     for i, (images, targets, skipped) in enumerate(split.loader):
         images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
         with autocast(cfg.TRAIN.PRECISION, env.device):
             logits = model(images)
         sums.add(nn.functional.cross_entropy(logits.float(), targets), logits, targets)
+        if extras is not None:
+            extras.update(logits, targets, skipped)
         if skipped:
             sums.add_field("skipped_images", skipped)
         if (i + 1) % cfg.TEST.PRINT_FREQ == 0:
             logger.info("val  batch %d/%d (rank 0)", i + 1, len(split.loader))
     totals = sums.reduce()
+    if extras is not None:
+        extras.save(*outputs, indices=list(split.sampler), paths=sample_paths(split.dataset), names=names)
     totals["time_s"] = time.perf_counter() - tic
     totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
     return totals
@@ -278,10 +298,10 @@ def train_epochs(run: Run) -> dict:
     for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
         train_totals = train_epoch(run, epoch)
         sync_buffers(run)
-        lr = run.optimizer.param_groups[0]["lr"]
         write_train_record(
-            run.writer, epoch + 1, train_totals, cfg.TRAIN.TOPK, lr, run.global_step, run.scaler.is_enabled()
-        )
+            run.writer, epoch + 1, train_totals, cfg.TRAIN.TOPK, scheduled_lr(run), run.global_step,
+            run.scaler.is_enabled(),
+        )  # fmt: skip
         run.state = TrainState(epoch + 1, 0, run.state.best_acc1, run.state.best_weights)
         is_best = False
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
@@ -306,20 +326,25 @@ def sync_buffers(run: Run) -> None:
 
 
 def evaluate_epoch(run: Run, epoch: int) -> tuple[dict, bool]:
-    """Validate the raw weights (and the EMA weights); update the best; log and record."""
+    """Validate the raw weights (and the EMA weights) on val and TEST.EXTRA_DATASETS; update the
+    best (from val only); log and record each."""
     candidates = [("model", run.eval_model)] + ([("ema", run.ema.module)] if run.ema is not None else [])
     is_best, results = False, {}
-    for name, module in candidates:
-        totals = validate(module, run.val, run.cfg, run.env)
-        results[name] = totals
-        write_eval_record(run.writer, "val", epoch + 1, totals, run.cfg.TRAIN.TOPK, name)
-        logger.info(
-            "val %s epoch %d: loss %.4f  top1 %.2f  top%d %.2f  (%d images, %.0f img/s)",
-            name, epoch + 1, totals["loss"], totals["top1_acc"], run.cfg.TRAIN.TOPK, totals["topk_acc"],
-            totals["samples"], totals["images_per_s"],
-        )  # fmt: skip
-        if totals["top1_acc"] > run.state.best_acc1:
-            run.state.best_acc1, run.state.best_weights, is_best = totals["top1_acc"], name, True
+    for split_name, split in [("val", run.val), *run.extra_val.items()]:
+        for name, module in candidates:
+            prefix = split_name + ("_ema" if name == "ema" else "")
+            totals = validate(module, split, run.cfg, run.env, (os.path.join(run.cfg.OUT_DIR, "evaluation"), prefix))
+            write_eval_record(run.writer, split_name, epoch + 1, totals, run.cfg.TRAIN.TOPK, name)
+            logger.info(
+                "%s %s epoch %d: loss %.4f  top1 %.2f  top%d %.2f  (%d images, %.0f img/s)",
+                split_name, name, epoch + 1, totals["loss"], totals["top1_acc"], run.cfg.TRAIN.TOPK,
+                totals["topk_acc"], totals["samples"], totals["images_per_s"],
+            )  # fmt: skip
+            if split_name != "val":
+                continue
+            results[name] = totals
+            if totals["top1_acc"] > run.state.best_acc1:
+                run.state.best_acc1, run.state.best_weights, is_best = totals["top1_acc"], name, True
     return results["model"], is_best
 
 

@@ -46,7 +46,7 @@ from distribuuuu.launch import DistEnv, LaunchError  # noqa: E402
 from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
-from distribuuuu.optim import LARS  # noqa: E402
+from distribuuuu.optim import LAMB, LARS, freeze, optimizer_groups  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
 
 WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants")
@@ -189,6 +189,7 @@ class PlainLoop:
         self.cfg, self.env = cfg, env
         model = build_model(cfg.MODEL).to(env.device)
         model.load_state_dict(run.model.state_dict())
+        freeze(model, cfg.MODEL.FREEZE)
         if cfg.TRAIN.CHANNELS_LAST:
             model = model.to(memory_format=torch.channels_last)
         self.model = model
@@ -206,15 +207,17 @@ class PlainLoop:
     @staticmethod
     def _optimizer(model: nn.Module, cfg: CfgNode, lr: float) -> torch.optim.Optimizer:
         o = cfg.OPTIM
-        decay = [p for p in model.parameters() if p.ndim > 1 or o.WEIGHT_DECAY_NORM_BIAS]
-        no_decay = [p for p in model.parameters() if p.ndim <= 1 and not o.WEIGHT_DECAY_NORM_BIAS]
-        groups = [{"params": decay, "weight_decay": o.WEIGHT_DECAY}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0, "lars_adapt": False})
+        # The run's own groups (decay split, head multiplier, layer decay), each at its LR scale:
+        # the plain loop keeps a constant LR, so the scale is applied once here.
+        groups = optimizer_groups(model, o)
+        for group in groups:
+            group["lr"] = lr * group["lr_scale"]
         if o.OPTIMIZER == "adamw":
             return torch.optim.AdamW(groups, lr=lr, betas=tuple(o.BETAS))
-        if o.OPTIMIZER == "lars":  # PyTorch has no LARS: the framework's class is the only one
+        if o.OPTIMIZER == "lars":  # PyTorch has no LARS nor LAMB: the framework's classes are the only ones
             return LARS(groups, lr=lr, momentum=o.MOMENTUM, trust=o.LARS_TRUST)
+        if o.OPTIMIZER == "lamb":
+            return LAMB(groups, lr=lr, betas=tuple(o.BETAS))
         return torch.optim.SGD(groups, lr=lr, momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV)
 
     def run_steps(self, steps: int, epoch: int) -> None:

@@ -2,7 +2,14 @@
 
 from distribuuuu.data.classes import map_classes
 from distribuuuu.data.datasets import BadImageError, DataError, load_image
-from distribuuuu.data.loader import Split, build_train_split, build_val_split
+from distribuuuu.data.loader import (
+    Split,
+    build_extra_val_splits,
+    build_train_split,
+    build_val_split,
+    dataset_targets,
+    sample_paths,
+)
 from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
 from distribuuuu.data.transforms import build_batch_mixer, build_train_transform, build_val_transform
 
@@ -13,10 +20,13 @@ __all__ = [
     "ResumableDistributedSampler",
     "Split",
     "build_batch_mixer",
+    "build_extra_val_splits",
     "build_train_split",
     "build_train_transform",
     "build_val_split",
     "build_val_transform",
+    "dataset_targets",
     "map_classes",
     "load_image",
+    "sample_paths",
 ]

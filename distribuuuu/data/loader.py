@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +20,15 @@ from distribuuuu.data.datasets import (
     build_base_dataset,
     collate_skipping_bad,
 )
-from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
+from distribuuuu.data.samplers import (
+    ExactEvalSampler,
+    RepeatedAugmentationSampler,
+    ResumableDistributedSampler,
+    WeightedDistributedSampler,
+)
 from distribuuuu.data.transforms import build_train_transform, build_val_transform
 from distribuuuu.launch import DistEnv
+from distribuuuu.losses import inverse_frequency_weights
 from distribuuuu.preemption import ignore_preemption_signals
 
 
@@ -82,7 +90,7 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg)
     dataset, decoder = _dataset(cfg, env, base, transform)
-    sampler = ResumableDistributedSampler(dataset, env.world_size, env.rank, seed=cfg.RNG_SEED)
+    sampler = _train_sampler(cfg, env, dataset, len(classes))
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
             f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS}) "
@@ -92,15 +100,45 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     return Split(loader, dataset, sampler, classes)
 
 
-def build_val_split(cfg: CfgNode, env: DistEnv, model_classes: list[str] | None = None) -> Split:
-    """Val loader: every sample evaluated exactly once across ranks, its targets the model's classes.
+def _train_sampler(cfg: CfgNode, env: DistEnv, dataset: Dataset, num_classes: int) -> torch.utils.data.Sampler:
+    """TRAIN.SAMPLER: shuffled (default), repeated augmentation, or class-balanced draws."""
+    if cfg.TRAIN.SAMPLER == "repeated":
+        return RepeatedAugmentationSampler(len(dataset), env.world_size, env.rank, cfg.RNG_SEED, cfg.TRAIN.REPEATED_AUG)
+    if cfg.TRAIN.SAMPLER == "weighted":
+        targets = dataset_targets(dataset)
+        try:
+            class_weights = inverse_frequency_weights(targets, num_classes)
+        except ValueError as e:
+            raise ConfigError(f"TRAIN.SAMPLER weighted: {e}") from None
+        return WeightedDistributedSampler(class_weights[targets], env.world_size, env.rank, cfg.RNG_SEED)
+    return ResumableDistributedSampler(dataset, env.world_size, env.rank, seed=cfg.RNG_SEED)
+
+
+def dataset_targets(dataset: Dataset) -> torch.Tensor:
+    """Every sample's class index, read from the dataset's labels (no image is decoded)."""
+    base = getattr(dataset, "base", dataset)  # SeededTransformDataset / EncodedImageDataset wrap it
+    return torch.as_tensor(base.targets, dtype=torch.int64)
+
+
+def sample_paths(dataset: Dataset) -> list[str]:
+    """Each sample's file path (ImageFolder), or an empty list (CIFAR, synthetic data)."""
+    base = getattr(dataset, "base", dataset)
+    return [path for path, _ in getattr(base, "samples", [])]
+
+
+def build_val_split(
+    cfg: CfgNode, env: DistEnv, model_classes: list[str] | None = None, root: str | None = None
+) -> Split:
+    """Val loader of ``root`` (TEST.DATASET by default): every sample evaluated exactly once across
+    ranks, its targets the model's classes.
 
     ``model_classes`` (the training classes, or a checkpoint's) are matched to the folder's by
     name: see data/classes.py.
     """
-    base, classes = _base(cfg, cfg.TEST.DATASET, cfg.TEST.SPLIT, train=False)
+    root = root or cfg.TEST.DATASET
+    base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
-        where = f"{cfg.TEST.DATASET}/{cfg.TEST.SPLIT}"
+        where = f"{root}/{cfg.TEST.SPLIT}"
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg)
@@ -108,3 +146,14 @@ def build_val_split(cfg: CfgNode, env: DistEnv, model_classes: list[str] | None 
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, False, decoder)
     return Split(loader, dataset, sampler, classes)
+
+
+def build_extra_val_splits(cfg: CfgNode, env: DistEnv, classes: list[str]) -> dict[str, Split]:
+    """TEST.EXTRA_DATASETS as val splits named ``val_<folder name>`` (the name in metrics.jsonl and TensorBoard)."""
+    splits: dict[str, Split] = {}
+    for root in cfg.TEST.EXTRA_DATASETS:
+        name = "val_" + re.sub(r"\W+", "_", os.path.basename(os.path.normpath(root.split(":")[-1])))
+        while name in splits or name == "val":
+            name += "_"
+        splits[name] = build_val_split(cfg, env, classes, root)
+    return splits

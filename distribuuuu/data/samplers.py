@@ -1,4 +1,5 @@
-"""Samplers: a resumable, epoch-keyed training sampler and an exact (unpadded) eval sampler."""
+"""Samplers: resumable, epoch-keyed training samplers (plain, repeated augmentation, weighted) and an
+exact (unpadded) eval sampler."""
 
 from __future__ import annotations
 
@@ -74,3 +75,94 @@ class ExactEvalSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def occurrence_numbers(draws: torch.Tensor) -> torch.Tensor:
+    """For each position of ``draws``, how many earlier positions hold the same index (0, 1, 2, ...)."""
+    order = torch.argsort(draws, stable=True)
+    ranked = draws[order]
+    positions = torch.arange(len(draws))
+    starts = torch.ones(len(draws), dtype=torch.bool)
+    starts[1:] = ranked[1:] != ranked[:-1]
+    run_start = torch.cummax(torch.where(starts, positions, 0), dim=0).values
+    numbers = torch.empty_like(positions)
+    numbers[order] = positions - run_start
+    return numbers
+
+
+class _RepeatingDistributedSampler(Sampler[tuple[int, int]]):
+    """Shard one seeded global draw per epoch by position (rank r takes r, r+W, ...), resumably.
+
+    A sample drawn several times in an epoch must be augmented differently each time, but
+    SeededTransformDataset seeds from the key ``(epoch, index)``. So the first element of each key
+    is an augmentation round, ``epoch * rounds_per_epoch + occurrence``: distinct for every copy
+    in every epoch, and equal to the epoch when nothing repeats, as with the plain sampler.
+    """
+
+    rounds_per_epoch = 1
+
+    def __init__(self, num_samples: int, num_replicas: int, rank: int, seed: int):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        self.num_samples, self.num_replicas, self.rank, self.seed = num_samples, num_replicas, rank, seed
+        self.epoch = self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def set_start(self, start: int) -> None:
+        """Skip the first ``start`` samples of this rank's shard in the current epoch."""
+        self.start = start
+
+    def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        total = self.num_samples * self.num_replicas
+        draws = self._draw(torch.Generator().manual_seed(self.seed + self.epoch), total)
+        rounds = self.epoch * self.rounds_per_epoch + occurrence_numbers(draws)
+        mine = slice(self.rank, total, self.num_replicas)
+        keys = list(zip(rounds[mine].tolist(), draws[mine].tolist()))
+        return iter(keys[self.start :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class RepeatedAugmentationSampler(_RepeatingDistributedSampler):
+    """Repeated augmentation (Hoffer et al., 2020; DeiT, timm's ``RASampler``): each drawn sample
+    appears ``repeats`` times in an epoch, each copy on the next rank and with its own augmentation.
+
+    As in timm, an epoch keeps its usual ``dataset_len // num_replicas`` samples per rank: it uses
+    about ``1 / repeats`` of the dataset, and the last sample drawn may be cut short of its
+    repeats. Written here (timm is optional, and its sampler neither yields seeded keys nor
+    resumes mid-epoch).
+    """
+
+    def __init__(self, dataset_len: int, num_replicas: int, rank: int, seed: int, repeats: int = 3):
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        super().__init__(dataset_len // num_replicas, num_replicas, rank, seed)
+        self.dataset_len, self.rounds_per_epoch = dataset_len, repeats
+
+    def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:
+        picked = torch.randperm(self.dataset_len, generator=generator)[: -(-total // self.rounds_per_epoch)]
+        return picked.repeat_interleave(self.rounds_per_epoch)[:total]
+
+
+class WeightedDistributedSampler(_RepeatingDistributedSampler):
+    """Draw ``num_samples`` indices per epoch with replacement, in proportion to ``weights``, shared by rank.
+
+    For class-imbalanced data: per-sample weights such as ``inverse_frequency_weights(t, C)[t]``
+    make every class equally likely. Written here because PyTorch's WeightedRandomSampler is not
+    distributed: every rank would need the same draw and its own share of it.
+    """
+
+    def __init__(self, weights, num_replicas: int, rank: int, seed: int, num_samples: int | None = None) -> None:
+        self.weights = torch.as_tensor(weights, dtype=torch.float64)
+        total = len(self.weights) if num_samples is None else num_samples
+        super().__init__(total // num_replicas, num_replicas, rank, seed)
+        self.rounds_per_epoch = total  # no index can be drawn more often than that
+
+    def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:
+        return torch.multinomial(self.weights, total, replacement=True, generator=generator)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torchvision.transforms import v2
 from yacs.config import CfgNode
+
+from distribuuuu.config import eval_crop_size, get_cfg_defaults
 
 
 def build_train_transform(cfg: CfgNode) -> Callable:
@@ -25,21 +29,62 @@ def build_train_transform(cfg: CfgNode) -> Callable:
     }.get(d.AUTO_AUGMENT)
     if policy is not None:
         steps.append(policy())
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(d.MEAN, d.STD)]
+    p = eval_preprocessing(cfg)  # the same normalisation as evaluation (a timm model's own)
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(p.mean, p.std)]
     if d.RANDOM_ERASING > 0:
         steps.append(v2.RandomErasing(p=d.RANDOM_ERASING, value=0))
     return v2.Compose(steps)
 
 
+@dataclass(frozen=True)
+class EvalPreprocessing:
+    """What evaluation does to an image: resize the shorter side, center-crop, normalise."""
+
+    resize: int
+    crop: int
+    interpolation: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+def eval_preprocessing(cfg: CfgNode) -> EvalPreprocessing:
+    """Resolve the evaluation keys: TEST.CROP_SIZE (0: TRAIN.IM_SIZE), TEST.IM_SIZE or the crop /
+    TEST.CROP_PCT, TEST.INTERPOLATION, DATA.MEAN / STD. A pretrained timm model's own values
+    (``timm.data.resolve_data_config``) fill in the keys left at their defaults: CROP_PCT 0,
+    INTERPOLATION "", MEAN / STD at the ImageNet defaults."""
+    t, d = cfg.TEST, cfg.DATA
+    timm_cfg = _timm_data_config(cfg)
+    crop = eval_crop_size(cfg)
+    crop_pct = t.CROP_PCT or timm_cfg.get("crop_pct", 0.0)
+    defaults = get_cfg_defaults().DATA
+    explicit = list(d.MEAN) != list(defaults.MEAN) or list(d.STD) != list(defaults.STD)
+    return EvalPreprocessing(
+        resize=math.floor(crop / crop_pct) if crop_pct else t.IM_SIZE,  # timm's rounding
+        crop=crop,
+        interpolation=t.INTERPOLATION or timm_cfg.get("interpolation", "bilinear"),
+        mean=tuple(d.MEAN if explicit or not timm_cfg else timm_cfg["mean"]),
+        std=tuple(d.STD if explicit or not timm_cfg else timm_cfg["std"]),
+    )
+
+
+def _timm_data_config(cfg: CfgNode) -> dict:
+    if cfg.MODEL.DUMMY_INPUT:
+        return {}
+    from distribuuuu.models import timm_pretrained_cfg  # models import torchvision's zoo: only when needed
+
+    return timm_pretrained_cfg(cfg.MODEL) or {}
+
+
 def build_val_transform(cfg: CfgNode) -> Callable:
-    """Resize(TEST.IM_SIZE) + CenterCrop(TRAIN.IM_SIZE) + normalise."""
+    """Resize (shorter side) + CenterCrop + normalise, as ``eval_preprocessing`` resolves them."""
+    p = eval_preprocessing(cfg)
     return v2.Compose(
         [
             v2.ToImage(),
-            v2.Resize(cfg.TEST.IM_SIZE, antialias=True),
-            v2.CenterCrop(cfg.TRAIN.IM_SIZE),
+            v2.Resize(p.resize, interpolation=v2.InterpolationMode[p.interpolation.upper()], antialias=True),
+            v2.CenterCrop(p.crop),
             v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(cfg.DATA.MEAN, cfg.DATA.STD),
+            v2.Normalize(p.mean, p.std),
         ]
     )
 

@@ -1,0 +1,71 @@
+"""Training losses: cross-entropy or binary cross-entropy (timm A1, DeiT III), optionally class-weighted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LOSSES = ("ce", "bce")
+
+
+class BinaryCrossEntropy(nn.Module):
+    """BCE-with-logits over one-hot or soft targets, averaged over samples and classes.
+
+    The formulas of timm's ``BinaryCrossEntropy``, written here because timm is an optional extra:
+    hard labels become ``smoothing / C`` off and ``1 - smoothing + smoothing / C`` on; soft targets
+    (mixup, cutmix) are taken as they come; ``target_threshold`` then turns every target above it
+    into 1 and the rest into 0, as DeiT III and timm's A1 recipe do with mixed targets.
+    ``weight`` (one per class) scales each class's column of the loss.
+    """
+
+    def __init__(
+        self, smoothing: float = 0.0, target_threshold: float | None = None, weight: torch.Tensor | None = None
+    ):
+        super().__init__()
+        self.smoothing, self.target_threshold = smoothing, target_threshold
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target.shape != logits.shape:  # hard labels
+            num_classes = logits.size(-1)
+            off = self.smoothing / num_classes
+            target = torch.full_like(logits, off).scatter_(1, target.long().view(-1, 1), 1.0 - self.smoothing + off)
+        if self.target_threshold is not None:
+            target = target.gt(self.target_threshold).to(logits.dtype)
+        return F.binary_cross_entropy_with_logits(logits, target.to(logits.dtype), weight=self.weight)
+
+
+def build_criterion(
+    loss: str = "ce",
+    label_smoothing: float = 0.0,
+    bce_target_threshold: float | None = None,
+    class_weights: Sequence[float] | torch.Tensor | None = None,
+) -> nn.Module:
+    """Build the training loss: ``ce`` (PyTorch's, with label smoothing) or ``bce``, with optional class weights.
+
+    With class weights, CE weights each sample by its class's weight (soft targets: each class's
+    term) and, for hard labels, divides by the summed weights of the batch (PyTorch's mean).
+    """
+    weight = None if class_weights is None else torch.as_tensor(class_weights, dtype=torch.float32)
+    if loss == "ce":
+        return nn.CrossEntropyLoss(weight=weight, label_smoothing=label_smoothing)
+    if loss == "bce":
+        return BinaryCrossEntropy(label_smoothing, bce_target_threshold, weight)
+    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+
+
+def inverse_frequency_weights(targets: Sequence[int] | torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Weight each class by ``N / (C * count)`` (scikit-learn's "balanced"): the mean weight per sample is 1.
+
+    A class without samples is an error: its weight would be infinite.
+    """
+    counts = torch.bincount(torch.as_tensor(targets, dtype=torch.int64), minlength=num_classes)
+    if len(counts) > num_classes:
+        raise ValueError(f"targets go up to {len(counts) - 1} but there are {num_classes} classes")
+    empty = torch.nonzero(counts == 0).flatten().tolist()
+    if empty:
+        raise ValueError(f"class weights: classes {empty} have no samples")
+    return (counts.sum() / (num_classes * counts.double())).float()
