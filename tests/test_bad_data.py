@@ -53,6 +53,7 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("distribuuuu: error:")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, decoder", [(0, "auto"), (2, "auto"), (2, "batched")])
 def test_truncated_image_stops_the_run_naming_its_path(bad_tree, tmp_path, workers, decoder):
     root, bad = bad_tree
@@ -64,6 +65,7 @@ def test_truncated_image_stops_the_run_naming_its_path(bad_tree, tmp_path, worke
     assert not (tmp_path / "out" / "checkpoints" / "ckpt_ep_001.pth.tar").exists(), "the epoch did not finish"
 
 
+@pytest.mark.slow
 def test_bad_image_skip_drops_and_counts_it_and_ignores_non_images(bad_tree, tmp_path):
     root, _ = bad_tree
     out = tmp_path / "out"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
 from helpers import REPO, assert_ok, python, run
 
 BENCH = str(REPO / "tools" / "benchmark.py")
@@ -30,6 +31,7 @@ def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     out = tmp_path / "bench.jsonl"
     what = "train,plain,breakdown,eval,variants,data,decode"

@@ -165,6 +165,7 @@ def _assert_one_error_line(stderr: str, names: str) -> None:
     assert names in lines[0], f"the error line does not name {names!r}: {lines[0]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_exits_2_with_one_line_naming_it_and_trains_nothing(bad_runs, case):
     out_dir, result = bad_runs[case]
@@ -174,6 +175,7 @@ def test_bad_input_exits_2_with_one_line_naming_it_and_trains_nothing(bad_runs, 
     assert not (Path(out_dir) / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_bad_input_under_torchrun_is_reported_once_not_once_per_rank(tmp_path):
     missing = "/nonexistent/imagenet"
     result = run(torchrun(2, TRAIN, "OUT_DIR", str(tmp_path), "TRAIN.DATASET", missing), timeout=300)
@@ -185,6 +187,7 @@ def test_bad_input_under_torchrun_is_reported_once_not_once_per_rank(tmp_path):
     assert not list(tmp_path.rglob("*.pth.tar"))
 
 
+@pytest.mark.slow
 def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_written(tmp_path):
     opts = ["TRAIN.DATASET", "/nonexistent/imagenet", "MODEL.DUMMY_INPUT", "True", *TINY_DUMMY]
     result = run(python(TRAIN, "OUT_DIR", str(tmp_path), *opts), timeout=300)

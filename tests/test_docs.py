@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
 from helpers import REPO, assert_ok, run, torchrun
 
 from distribuuuu import utils
@@ -90,6 +91,7 @@ def test_the_utils_toolbox_page_names_every_public_name_of_distribuuuu_utils():
     assert not missing, f"docs/development.md does not list these names of distribuuuu.utils: {missing}"
 
 
+@pytest.mark.slow
 def test_the_docs_utils_example_runs_under_torchrun_with_two_processes(tmp_path):
     examples = [
         block

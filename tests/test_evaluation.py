@@ -26,6 +26,7 @@ def _count_by_hand(logits: torch.Tensor, targets: torch.Tensor, num_classes: int
     return matrix
 
 
+@pytest.mark.slow
 def test_two_ranks_reduce_to_the_single_process_matrix(tmp_path):
     result = run(torchrun(2, str(REPO / "tests" / "scripts" / "confusion_job.py"), str(tmp_path)), timeout=180)
     assert_ok(result)

@@ -154,6 +154,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_finishes(tmp_path):
     wrapper = tmp_path / "no_wandb.py"
     wrapper.write_text(WRAPPER)
@@ -345,6 +346,7 @@ def run_on_pty(cmd: list[str], timeout: float = 300) -> str:
 BAR = re.compile(r"\r\x1b\[Kepoch 1/1 \[[#.]{24}\] (\d)/4  loss \d+\.\d{4}  \d+ img/s  eta \d+:\d\d:\d\d")
 
 
+@pytest.mark.slow
 def test_the_progress_bar_shows_on_a_terminal_and_not_when_redirected(tmp_path):
     shown = run_on_pty(python(TRAIN, *DUMMY_OPTS, "OUT_DIR", str(tmp_path / "tty")))
     assert [int(m.group(1)) for m in BAR.finditer(shown)] == [1, 2, 3, 4]  # one redraw per sync point

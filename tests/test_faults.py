@@ -375,6 +375,7 @@ def test_nan_loss_stops_naming_epoch_and_first_bad_step(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_nan_policy_skip_skips_and_counts_the_bad_steps(tmp_path):
     bad = [7, 8, 20]  # forward calls = optimizer steps of epoch 1
     env = clean_env(FAULT_NAN_CALLS=",".join(map(str, bad)))

@@ -83,6 +83,7 @@ TWO_ACCUM = [*TINY, "TRAIN.BATCH_SIZE", "16", "TRAIN.ACCUM_STEPS", "2", "TRAIN.P
 FAULTS = dict(FAULT_NAN_CALLS="5,6", FAULT_INF_GRAD_CALLS="13")
 
 
+@pytest.mark.slow
 def test_two_ranks_count_each_skipped_non_finite_step_once(tmp_path):
     """A NaN loss on both ranks' micro-batches of one step, and a step whose loss is finite but
     whose gradients are not: two skipped optimizer steps (not 4 + 0, as per rank and micro-batch)."""
@@ -94,6 +95,7 @@ def test_two_ranks_count_each_skipped_non_finite_step_once(tmp_path):
     assert all(torch.isfinite(t).all() for t in final["model"].values())
 
 
+@pytest.mark.slow
 def test_fp16_on_the_cpu_counts_each_overflow_skip_once_in_two_processes(tmp_path):
     """Every skipped step halves the scale and nothing grows it in this run, so the number of
     skipped steps is log2(initial scale / final scale): the checkpoint's scaler says it too."""

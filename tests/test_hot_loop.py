@@ -180,6 +180,7 @@ def test_the_checks_catch_a_per_step_all_reduce_and_item(digits_batches, monkeyp
     assert sorted({step for _, name, step in calls if name == "item"}) == list(range(STEPS - 6, STEPS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(tmp_path, precision):
     result = run(torchrun(2, __file__, str(tmp_path), precision), timeout=300, env=clean_env())

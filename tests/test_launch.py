@@ -138,6 +138,7 @@ def test_test_net_without_weights_exits_2_naming_model_weights(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # distribuuuu.utils in a user's own script
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_utils_job_runs_under_torchrun_with_two_processes(tmp_path):
     result = run(torchrun(2, UTILS_JOB, str(tmp_path)), timeout=300)
     assert_ok(result)

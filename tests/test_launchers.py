@@ -99,6 +99,7 @@ def test_nproc_under_a_launcher_is_refused(tmp_path, launcher_env):
     ],
     ids=["invalid-value", "missing-dataset"],
 )
+@pytest.mark.slow
 def test_spawn_with_a_bad_config_exits_2_and_prints_the_error_once(tmp_path, bad, message):
     result = run(python(TRAIN, "--nproc", "2", "OUT_DIR", str(tmp_path), *bad), timeout=300)
     assert result.returncode == 2, result.stderr
