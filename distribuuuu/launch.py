@@ -90,58 +90,71 @@ def detect_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     SLURM_PROCID=0 in every rank.
     """
     env = os.environ if environ is None else environ
-    get = env.get
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        return DistEnv(
-            rank=int(env["RANK"]),
-            world_size=world,
-            local_rank=int(get("LOCAL_RANK", 0)),
-            local_world_size=int(get("LOCAL_WORLD_SIZE", world)),
-            master_addr=get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(get("MASTER_PORT", DEFAULT_PORT)),
-            launcher="torchrun",
-        )
+    return _torchrun_env(env) or _mpi_env(env) or _slurm_env(env) or DistEnv()
+
+
+def _torchrun_env(env: Mapping[str, str]) -> DistEnv | None:
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    world = int(env["WORLD_SIZE"])
+    return DistEnv(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+        launcher="torchrun",
+    )
+
+
+def _mpi_env(env: Mapping[str, str]) -> DistEnv | None:
     for rank_key, size_key, local_key, local_size_key in (
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
         ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     ):
-        if rank_key in env and size_key in env:
-            world = int(env[size_key])
-            local_world = int(get(local_size_key, world))
-            if local_world < world and "MASTER_ADDR" not in env:
-                raise LaunchError(
-                    f"MPI launch across nodes ({world} ranks, {local_world} on this node) needs "
-                    "MASTER_ADDR set to the first node's address (e.g. mpirun -x MASTER_ADDR=host1)"
-                )
-            return DistEnv(
-                rank=int(env[rank_key]),
-                world_size=world,
-                local_rank=int(get(local_key, 0)),
-                local_world_size=local_world,
-                master_addr=get("MASTER_ADDR", "127.0.0.1"),
-                master_port=int(get("MASTER_PORT", DEFAULT_PORT)),
-                launcher="mpi",
+        if rank_key not in env or size_key not in env:
+            continue
+        world = int(env[size_key])
+        local_world = int(env.get(local_size_key, world))
+        if local_world < world and "MASTER_ADDR" not in env:
+            raise LaunchError(
+                f"MPI launch across nodes ({world} ranks, {local_world} on this node) needs "
+                "MASTER_ADDR set to the first node's address (e.g. mpirun -x MASTER_ADDR=host1)"
             )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodelist = get("SLURM_STEP_NODELIST") or get("SLURM_NODELIST") or get("SLURM_JOB_NODELIST")
-        if not nodelist:
-            raise LaunchError("Slurm launch: SLURM_NODELIST is not set")
-        job_id = int(get("SLURM_JOB_ID", 0))
-        # Two jobs sharing a node must not pick the same port: derive it from the job id.
-        port = int(get("MASTER_PORT", 15000 + job_id % 20000))
         return DistEnv(
-            rank=int(env["SLURM_PROCID"]),
-            # Inside a step (srun) the step's own variables win over the job's: `srun -n 4` in an
-            # allocation of 8 tasks runs 4 ranks.
-            world_size=int(get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
-            local_rank=int(get("SLURM_LOCALID", 0)),
-            local_world_size=_tasks_on_first_node(get("SLURM_STEP_TASKS_PER_NODE") or get("SLURM_TASKS_PER_NODE", "1")),
-            master_addr=get("MASTER_ADDR") or parse_slurm_nodelist(nodelist)[0],
-            master_port=port,
-            launcher="slurm",
+            rank=int(env[rank_key]),
+            world_size=world,
+            local_rank=int(env.get(local_key, 0)),
+            local_world_size=local_world,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            launcher="mpi",
         )
-    return DistEnv()
+    return None
+
+
+def _slurm_env(env: Mapping[str, str]) -> DistEnv | None:
+    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
+        return None
+    get = env.get
+    nodelist = get("SLURM_STEP_NODELIST") or get("SLURM_NODELIST") or get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise LaunchError("Slurm launch: SLURM_NODELIST is not set")
+    job_id = int(get("SLURM_JOB_ID", 0))
+    # Two jobs sharing a node must not pick the same port: derive it from the job id.
+    port = int(get("MASTER_PORT", 15000 + job_id % 20000))
+    return DistEnv(
+        rank=int(env["SLURM_PROCID"]),
+        # Inside a step (srun) the step's own variables win over the job's: `srun -n 4` in an
+        # allocation of 8 tasks runs 4 ranks.
+        world_size=int(get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"]),
+        local_rank=int(get("SLURM_LOCALID", 0)),
+        local_world_size=_tasks_on_first_node(get("SLURM_STEP_TASKS_PER_NODE") or get("SLURM_TASKS_PER_NODE", "1")),
+        master_addr=get("MASTER_ADDR") or parse_slurm_nodelist(nodelist)[0],
+        master_port=port,
+        launcher="slurm",
+    )
 
 
 def detect_env_rank() -> int:

@@ -3,6 +3,7 @@ exact (unpadded) eval sampler."""
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Iterator
 
@@ -90,7 +91,7 @@ def occurrence_numbers(draws: torch.Tensor) -> torch.Tensor:
     return numbers
 
 
-class _RepeatingDistributedSampler(Sampler[tuple[int, int]]):
+class _RepeatingDistributedSampler(Sampler[tuple[int, int]], abc.ABC):
     """Shard one seeded global draw per epoch by position (rank r takes r, r+W, ...), resumably.
 
     A sample drawn several times in an epoch must be augmented differently each time, but
@@ -114,8 +115,9 @@ class _RepeatingDistributedSampler(Sampler[tuple[int, int]]):
         """Skip the first ``start`` samples of this rank's shard in the current epoch."""
         self.start = start
 
+    @abc.abstractmethod
     def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The epoch's ``total`` global draws of dataset indices."""
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         total = self.num_samples * self.num_replicas
