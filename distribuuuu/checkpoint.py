@@ -122,7 +122,9 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
 
 
 def find_resumable(
-    ckpt_dir: str, listing: Callable[[str], list[str]] = list_checkpoints, verify: Callable[[str], object] = None
+    ckpt_dir: str,
+    listing: Callable[[str], list[str]] = list_checkpoints,
+    verify: Callable[[str], object] | None = None,
 ) -> str | None:
     """Return the newest checkpoint that loads and verifies; move broken newer ones aside.
 

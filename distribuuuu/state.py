@@ -94,10 +94,15 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> tuple[str | None, list[str]]:
     """
     if not cfg.TRAIN.AUTO_RESUME:
         return None, []
-    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR))
+    loaded: dict[str, dict] = {}  # the verifying load's state: its config is compared, not read again
+
+    def verify(candidate: str) -> None:
+        loaded[candidate] = ckpt.load_checkpoint(candidate)
+
+    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR), verify=verify)
     if path is None:
         return None, []
-    saved = ckpt.load_checkpoint(path).get("cfg")
+    saved = loaded[path].get("cfg")
     changes = config_changes(CfgNode.load_cfg(saved), cfg) if saved else []
     clash = [c for c in changes if c.split(":")[0] in EXPERIMENT_KEYS]
     if clash and not cfg.TRAIN.RESUME_ANYWAY:
