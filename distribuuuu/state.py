@@ -104,11 +104,16 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> tuple[str | None, list[str]]:
         return None, []
     saved = loaded[path].get("cfg")
     changes = config_changes(CfgNode.load_cfg(saved), cfg) if saved else []
-    clash = [c for c in changes if c.split(":")[0] in EXPERIMENT_KEYS]
+    # Without LOAD_OPT the optimizer state is not restored: a new optimizer on the old weights is a
+    # deliberate continuation, not a second experiment.
+    keys = [k for k in EXPERIMENT_KEYS if cfg.TRAIN.LOAD_OPT or k != "OPTIM.OPTIMIZER"]
+    clash = [c for c in changes if c.split(":")[0] in keys]
     if clash and not cfg.TRAIN.RESUME_ANYWAY:
+        new_optimizer = any(c.startswith("OPTIM.OPTIMIZER:") for c in clash)
         raise ConfigError(
             f"OUT_DIR {cfg.OUT_DIR} holds another experiment ({path}): {'; '.join(clash)}. Give this run "
             "its own OUT_DIR, or set TRAIN.RESUME_ANYWAY True to continue that run with these values"
+            + (" (TRAIN.LOAD_OPT False continues from its weights with the new optimizer)" if new_optimizer else "")
         )
     return path, changes
 

@@ -192,7 +192,7 @@ def loss_falls(ctx: Context, name: str, *opts: str, steps: int = 6) -> str:
 def in_this_process_group():
     """Let trainer.train_model run in-process: keep the group it would destroy, log to files only."""
 
-    def log_to_file_only(out_dir, rank):
+    def log_to_file_only(out_dir, rank, progress_bar=False):
         log = setup_logging(out_dir, rank)
         log.handlers = [h for h in log.handlers if type(h) is not logging.StreamHandler]
         return log
