@@ -24,8 +24,8 @@ setup(
     python_requires=">=3.9",
     install_requires=REQUIREMENTS,
     extras_require={
-        # The export and tracker tests need those extras: CI installs them with "test" so they run.
-        "test": ["pytest", "matplotlib", *EXPORT, "wandb", "mlflow-skinny"],
+        # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
+        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny"],
         "plot": ["matplotlib"],
         "timm": ["timm"],
         "export": EXPORT,

@@ -42,6 +42,7 @@ def test_torchvision_weights_by_name_fetch_that_enums_file(monkeypatch, name, ex
 
 
 def test_an_unknown_timm_tag_is_one_config_error_listing_the_models_tags():
+    pytest.importorskip("timm")
     cfg = load_cfg(opts=["MODEL.ARCH", "resnet18d", "MODEL.PRETRAINED_WEIGHTS", "b9_in1k"])
     with pytest.raises(
         ConfigError,
