@@ -13,6 +13,7 @@ REQUIREMENTS = [
 
 # torch.onnx's dynamo exporter needs onnxscript; onnxruntime checks the exported model.
 EXPORT = ["onnx", "onnxruntime", "onnxscript"]
+RUFF = "ruff==0.17.6"
 
 setup(
     name="distribuuuu",
@@ -25,13 +26,14 @@ setup(
     install_requires=REQUIREMENTS,
     extras_require={
         # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
-        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny"],
+        # ruff is pinned: CI checks the formatting, and another ruff version formats differently.
+        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny", RUFF],
         "plot": ["matplotlib"],
         "timm": ["timm"],
         "export": EXPORT,
         "wandb": ["wandb"],
         "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
-        "dev": ["pytest", "matplotlib", "ruff"],
+        "dev": ["pytest", "matplotlib", RUFF],
     },
     license="MIT",
 )
