@@ -22,3 +22,16 @@ def plain_logging():
         handler.close()
     log.handlers, log.propagate = saved[0], saved[2]
     log.setLevel(saved[1])
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """The README's first run: the default config under torchrun with 2 processes (10 epochs).
+
+    One run serves every test that needs a well-trained digits model: the accuracy test checks
+    it, the fine-tuning test starts from its ``best.pth.tar``. Returns (OUT_DIR, the finished process).
+    """
+    from helpers import TRAIN, run, torchrun
+
+    out = tmp_path_factory.mktemp("digits_default")
+    return out, run(torchrun(2, TRAIN, "OUT_DIR", str(out)), timeout=900)

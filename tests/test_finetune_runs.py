@@ -1,13 +1,13 @@
-"""Issue 16 end to end: fine-tuning a checkpoint on more classes, the repeated-augmentation sampler in
-a 2-process job, and the evaluation output of a 2-process training run (extra val set, confusion
-matrix, predictions), each checked against what one process computes independently."""
+"""Issue 16 end to end: fine-tuning the digits checkpoint on a subset of its classes, the
+repeated-augmentation sampler in a 2-process job, and the evaluation output of a 2-process training
+run (extra val set, confusion matrix, predictions), each checked against what one process computes
+independently."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -61,36 +61,28 @@ def _five_class_copy(root: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_fine_tuning_a_5_class_checkpoint_on_10_classes_with_a_new_head_and_a_frozen_stem(tmp_path):
-    # At the digits' own 32 px (measured: 16 px and 3 + 4 epochs reached 46-86%; 4 + 5 epochs at 32 px 94.5%;
-    # 4 + 8 epochs 97.5%, 5-7 min on 2 shared cores).
-    five = _five_class_copy(tmp_path / "digits5")
-    pre, fine = tmp_path / "pre", tmp_path / "fine"
-    tic = time.perf_counter()
-    first = run(
-        python(str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(pre), "TRAIN.DATASET", str(five),
-               "TEST.DATASET", str(five), "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3", "OPTIM.MAX_EPOCH", "4", *QUIET),
+def test_fine_tuning_the_digits_checkpoint_on_5_classes_with_a_new_head_and_a_frozen_stem(digits_run, tmp_path):
+    # From the session's 10-class digits run (its best.pth.tar) to a 5-class subset: the head's
+    # shape differs, so it starts new. Measured: 98.3% after 1 epoch, 98.9% after 2 (~20 s idle).
+    pretrained, _ = digits_run
+    five, fine = _five_class_copy(tmp_path / "digits5"), tmp_path / "fine"
+    result = run(
+        python(str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(fine), "TRAIN.DATASET", str(five),
+               "TEST.DATASET", str(five), "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3",
+               "MODEL.WEIGHTS", str(pretrained / "best.pth.tar"), "MODEL.FREEZE", "['conv1.*', 'bn1.*']",
+               "OPTIM.BASE_LR", "0.02", "OPTIM.HEAD_LR_MULT", "5.0", "OPTIM.MAX_EPOCH", "2", *QUIET),
         timeout=600,
     )  # fmt: skip
-    assert_ok(first)
-    second = run(
-        python(str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(fine), "MODEL.WEIGHTS", str(pre / "best.pth.tar"),
-               "MODEL.FREEZE", "['conv1.*', 'bn1.*']", "OPTIM.BASE_LR", "0.02", "OPTIM.HEAD_LR_MULT", "5.0",
-               "OPTIM.MAX_EPOCH", "8", *QUIET),
-        timeout=900,
-    )  # fmt: skip
-    assert_ok(second)
-    print(f"pre-training and fine-tuning took {time.perf_counter() - tic:.0f} s")
-    assert "skipped 2 tensors of another shape" in second.stderr + second.stdout  # fc.weight, fc.bias: a new head
+    assert_ok(result)
+    assert "skipped 2 tensors of another shape" in result.stderr + result.stdout  # fc.weight, fc.bias: a new head
     val = [r for r in read_metrics(fine) if r["split"] == "val"]
-    print("fine-tuned val top-1 per epoch:", [round(r["top1"], 2) for r in val])
-    assert val[-1]["top1"] >= 95.0
-    before = model_state_from(load_checkpoint(pre / "best.pth.tar"))
-    after = model_state_from(load_checkpoint(fine / "checkpoints" / "ckpt_ep_008.pth.tar"))
-    for name in ("conv1.weight", "bn1.weight", "bn1.bias"):
+    assert val[-1]["top1"] >= 95.0 and val[-1]["samples"] == len(torchvision.datasets.ImageFolder(five / "val"))
+    before = model_state_from(load_checkpoint(pretrained / "best.pth.tar"))
+    after = model_state_from(load_checkpoint(fine / "checkpoints" / "ckpt_ep_002.pth.tar"))
+    for name in ("conv1.weight", "bn1.weight", "bn1.bias"):  # frozen: the pretrained tensors, bit for bit
         assert torch.equal(after[name], before[name]), name
     assert not torch.equal(after["layer1.0.conv1.weight"], before["layer1.0.conv1.weight"])  # the rest trained
-    assert after["fc.weight"].shape == (10, 512)
+    assert after["fc.weight"].shape == (5, 512)
 
 
 @pytest.mark.slow
