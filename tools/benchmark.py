@@ -171,7 +171,7 @@ def timed(fn: Callable[[], object], env: DistEnv) -> float:
 # ------------------------------------------------------------------------------------------------
 def framework_epoch(run: run_setup.Run, steps: int, epoch: int) -> None:
     """Run the last ``steps`` steps of an epoch through trainer.train_epoch (sync points included)."""
-    run.state = run_setup.TrainState(epoch=epoch % run.cfg.OPTIM.MAX_EPOCH, step_in_epoch=run.steps_per_epoch - steps)
+    run.state = run.at_step(epoch % run.cfg.OPTIM.MAX_EPOCH, run.steps_per_epoch - steps)
     trainer.train_epoch(run, run.state.epoch)
 
 
