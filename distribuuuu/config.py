@@ -574,6 +574,9 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
                        "fsdp/hsdp cannot combine with DIST.COMM_HOOK (a DDP gradient hook): set DIST.COMM_HOOK "
                        "'' (fsdp reduce-scatters in fp32 under TRAIN.PRECISION bf16/fp16)")),
     ("DIST.CKPT_FORMAT", _choice(CKPT_FORMATS)),
+    ("DIST.CKPT_FORMAT", ((lambda v, c: v != "file" or c.DIST.STRATEGY == "ddp"),
+                          "file would gather the whole sharded model on one rank under DIST.STRATEGY fsdp/hsdp: "
+                          "set DIST.CKPT_FORMAT '' (sharded) and convert with tools/convert_checkpoint.py")),
     ("OUT_DIR", ((lambda v, c: bool(v)), "must not be empty")),
     ("CFG_DEST", ((lambda v, c: bool(v) and os.sep not in v), "must be a file name")),
     ("LOG.TRACKERS", ((lambda v, c: all(t in TRACKERS for t in v) and len(set(v)) == len(v)),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
+from helpers import TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 pytestmark = pytest.mark.slow  # two 10-epoch resnet18 runs
 # 10 epochs reach 96-98% on the CPUs seen so far (README): far above this floor on any of them.
@@ -22,6 +22,21 @@ def test_default_config_under_torchrun_two_processes_reaches_95_percent(tmp_path
     assert_ok(result)
     assert "torchrun launch, 2 process(es)" in result.stdout
     assert _final_val_top1(tmp_path) >= TARGET_TOP1
+
+
+def test_default_config_with_fsdp_under_torchrun_two_processes_reaches_95_percent_and_test_net_reads_its_shards(
+    tmp_path,
+):
+    result = run(torchrun(2, TRAIN, "OUT_DIR", str(tmp_path), "DIST.STRATEGY", "fsdp"), timeout=900)
+    assert_ok(result)
+    assert "DIST.STRATEGY fsdp: mesh (2,)" in result.stdout
+    assert _final_val_top1(tmp_path) >= TARGET_TOP1
+    # The best weights are a sharded checkpoint; test_net.py evaluates it in one plain process.
+    best = max((r for r in read_metrics(tmp_path) if r["split"] == "val"), key=lambda r: r["top1"])
+    tested = run(python(TEST, "OUT_DIR", str(tmp_path / "test"), "MODEL.WEIGHTS", str(tmp_path / "best.dcp")))
+    assert_ok(tested)
+    [record] = [r for r in read_metrics(tmp_path / "test") if r["split"] == "test"]
+    assert record["samples"] == 361 and record["top1"] == best["top1"]
 
 
 def test_default_config_in_one_plain_process_reaches_95_percent(tmp_path):
