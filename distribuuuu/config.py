@@ -577,6 +577,9 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DIST.CKPT_FORMAT", ((lambda v, c: v != "file" or c.DIST.STRATEGY == "ddp"),
                           "file would gather the whole sharded model on one rank under DIST.STRATEGY fsdp/hsdp: "
                           "set DIST.CKPT_FORMAT '' (sharded) and convert with tools/convert_checkpoint.py")),
+    ("DIST.CKPT_FORMAT", ((lambda v, c: v != "sharded" or not c.OPTIM.ZERO),
+                          "sharded cannot save OPTIM.ZERO's optimizer (ZeRO-1 consolidates into one file): "
+                          "set DIST.CKPT_FORMAT '' or OPTIM.ZERO False")),
     ("OUT_DIR", ((lambda v, c: bool(v)), "must not be empty")),
     ("CFG_DEST", ((lambda v, c: bool(v) and os.sep not in v), "must be a file name")),
     ("LOG.TRACKERS", ((lambda v, c: all(t in TRACKERS for t in v) and len(set(v)) == len(v)),
