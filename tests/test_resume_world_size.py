@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, clean_env, run, torchrun
+from helpers import REPO, clean_env, read_metrics, run, torchrun
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu.config import get_cfg_defaults
@@ -33,6 +33,7 @@ CHAIN = [
     "TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS), "OPTIM.EMA_DECAY", "0.9", "DATA.MIXUP_ALPHA", "0.2",
     "TRAIN.BATCH_SIZE", str(BATCH), "TRAIN.ACCUM_STEPS", str(ACCUM), "TRAIN.CLIP_GRAD_NORM", "0.5",
     "TRAIN.PRINT_FREQ", "3", "TRAIN.WORKERS", "1",
+    "TEST.BATCH_SIZE", "4",  # 361 val images on 2 ranks: 46 and 45 batches, so fsdp's eval pads one forward
 ]  # fmt: skip
 # (ranks, FAULT_SIGNAL_AT_STEP): the ranks stop at the next PRINT_FREQ sync point after that step.
 # Step numbers count the optimizer steps taken in the epoch, over all segments: 2 ranks stop at
@@ -140,6 +141,11 @@ def test_ddp_and_fsdp_chains_end_on_the_same_weights(chains):
         "optimizer": final["fsdp"]["optimizer"],
     }
     _assert_equal_states(resumed_like, final["ddp"], atol=DDP_FSDP_ATOL)
+    # Evaluation with uneven shards finished under fsdp (no hang) and saw every val image once.
+    val = {s: [r for r in read_metrics(chains[s] / "out") if r["split"] == "val"] for s in chains}
+    assert [(r["weights"], r["samples"]) for r in val["fsdp"]] == [("model", 361), ("ema", 361)]
+    for ddp, fsdp in zip(val["ddp"], val["fsdp"]):
+        assert fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-4), fsdp["weights"]
 
 
 if __name__ == "__main__":
