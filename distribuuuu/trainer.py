@@ -243,6 +243,9 @@ def validate(
     t = cfg.TEST
     extras = EvalOutputs(len(names), cfg.TRAIN.TOPK, env.device, t.CONFUSION, t.SAVE_PREDICTIONS) if outputs else None
     tic = time.perf_counter()
+    # A sharded model all-gathers in every forward: ranks with fewer batches owe empty forwards,
+    # counted before the loop (a count taken after it would meet a peer's all-gather: deadlock).
+    owed = missing_forwards(len(split.loader), env.device) if is_sharded(model) else 0
     for i, (images, targets, skipped) in enumerate(split.loader):
         images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
         with autocast(cfg.TRAIN.PRECISION, env.device):
@@ -254,8 +257,7 @@ def validate(
             sums.add_field("skipped_images", skipped)
         if (i + 1) % cfg.TEST.PRINT_FREQ == 0:
             logger.info("val  batch %d/%d (rank 0)", i + 1, len(split.loader))
-    if is_sharded(model):
-        match_peer_forwards(model, len(split.loader), cfg, env)
+    run_empty_forwards(model, owed, cfg, env)
     totals = sums.reduce()
     if extras is not None:
         extras.save(*outputs, indices=list(split.sampler), paths=sample_paths(split.dataset), names=names)
@@ -264,15 +266,15 @@ def validate(
     return totals
 
 
-def match_peer_forwards(model: nn.Module, num_batches: int, cfg: CfgNode, env: DistEnv) -> None:
-    """A sharded model all-gathers in every forward: run empty ones until every rank has run as many.
+def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv) -> None:
+    """Call the (sharded) model ``count`` times on an empty batch, so every rank joins every all-gather.
 
     The exact eval sampler gives ranks up to one batch more or less; without these the ranks
     with more batches would wait for the others' all-gathers until the timeout.
     """
     size = eval_crop_size(cfg)
     empty = torch.empty(0, 3, size, size, device=env.device)
-    for _ in range(missing_forwards(num_batches, env.device)):
+    for _ in range(count):
         with autocast(cfg.TRAIN.PRECISION, env.device):
             model(empty)
 
