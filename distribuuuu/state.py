@@ -6,7 +6,7 @@ import os
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
@@ -198,8 +198,8 @@ def resume_or_load_weights(run: Run, path: str | None) -> None:
         logger.info("resumed from %s at epoch %d, step %d", path, run.state.epoch + 1, run.state.step_in_epoch)
     elif cfg.MODEL.WEIGHTS:
         load_weights(run.model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, strict=False)
-        if run.ema is not None:
-            load_full_weights(run.ema.module, full_state_dict(run.model))
+        if run.ema is not None:  # sharded alike under fsdp: shard by shard, nothing gathered
+            run.ema.module.load_state_dict(run.model.state_dict())
 
 
 def restore_training_state(run: Run, state: dict, path: str) -> None:
@@ -322,10 +322,3 @@ def load_full_weights(model: nn.Module, weights: dict, strict: bool = True):
         return model.load_state_dict(weights, strict=strict)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     return set_state_dict(model, [], model_state_dict=weights, optim_state_dict={}, options=options)
-
-
-def full_state_dict(model: nn.Module) -> dict:
-    """``model``'s whole state dict (gathered on every rank if sharded: for weights, not checkpoints)."""
-    if not is_sharded(model):
-        return model.state_dict()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

@@ -153,14 +153,13 @@ def _record_hooks() -> None:
 
 def _save_resumed_state(run, path: str) -> None:
     """Rank 0 saves the run's whole state right after its resume (every rank gathers: collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     from distribuuuu.sharded_checkpoint import _optimizer_by_index
-    from distribuuuu.state import full_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model, optim = get_state_dict(run.model, run.optimizer, options=options)
-    ema = full_state_dict(run.ema.module) if run.ema is not None else None
+    ema = get_model_state_dict(run.ema.module, options=options) if run.ema is not None else None
     if run.env.rank == 0:
         progress = {"epoch": run.state.epoch, "step": run.state.step_in_epoch, "position": run.state.samples_in_epoch}
         torch.save({"model": model, "optimizer": _optimizer_by_index(optim), "ema": ema, **progress}, path)
