@@ -158,7 +158,13 @@ def build_model_for(cfg: CfgNode, env: DistEnv) -> nn.Module:
                 "process keeps its own BatchNorm batch statistics (running stats follow rank 0)"
             )
     model = model.to(env.device)
-    if cfg.TRAIN.CHANNELS_LAST:
+    if cfg.TRAIN.CHANNELS_LAST and shards(cfg, env):
+        # FSDP2 refuses non-contiguous parameters (torch 2.14): the weights stay contiguous and
+        # the channels_last inputs alone pick the convolutions' memory format.
+        logger.info(
+            "TRAIN.CHANNELS_LAST under DIST.STRATEGY %s: channels_last inputs, contiguous weights", cfg.DIST.STRATEGY
+        )
+    elif cfg.TRAIN.CHANNELS_LAST:
         model = model.to(memory_format=torch.channels_last)
     return model
 
