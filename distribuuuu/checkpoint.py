@@ -99,7 +99,15 @@ def save_checkpoint(state: dict, path: str) -> None:
 
 
 def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:
-    """Load a checkpoint with ``weights_only=True`` (no code from the file runs) and verify it."""
+    """Load a checkpoint with ``weights_only=True`` (no code from the file runs) and verify it.
+
+    A sharded checkpoint (a ``.dcp`` directory) is read whole into this process, as the state a
+    single file would hold: every tool that takes a checkpoint file takes one.
+    """
+    if os.path.isdir(path):
+        from distribuuuu.sharded_checkpoint import read_full_state
+
+        return read_full_state(path, verify=verify)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:

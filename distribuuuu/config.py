@@ -278,6 +278,15 @@ _C.DIST.COMM_HOOK = ""
 _C.DIST.REQUEUE = False
 # After a preemption signal, exit hard if the synchronised stop has not finished in this many s
 _C.DIST.PREEMPT_GRACE_S = 60
+# Data parallelism: "ddp" (replicated weights), "fsdp" (FSDP2: parameters, gradients and optimizer
+# state sharded over all ranks) or "hsdp" (sharded within a node, replicated across nodes)
+_C.DIST.STRATEGY = "ddp"
+# fsdp/hsdp: free each block's gathered weights after its forward (least memory, one more
+# all-gather in backward); False keeps them until backward
+_C.DIST.RESHARD_AFTER_FORWARD = True
+# Checkpoint format: "" (sharded DCP directories under fsdp/hsdp, single files under ddp),
+# "sharded" or "file"; resume reads either
+_C.DIST.CKPT_FORMAT = ""
 
 # ------------------------------------------------------------------------------------------------
 # Misc
@@ -314,6 +323,8 @@ INTERPOLATIONS = ("", "bilinear", "bicubic", "nearest")
 SAMPLERS = ("default", "repeated", "weighted")
 AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+CKPT_FORMATS = ("", "sharded", "file")
 DECODERS = ("auto", "pil", "torchvision", "batched")
 TRACKERS = ("wandb", "mlflow")
 
@@ -555,6 +566,20 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DIST.BUCKET_CAP_MB", _POSITIVE),
     ("DIST.PREEMPT_GRACE_S", _POSITIVE),
     ("DIST.COMM_HOOK", _choice(COMM_HOOKS)),
+    ("DIST.STRATEGY", _choice(STRATEGIES)),
+    ("DIST.STRATEGY", ((lambda v, c: v == "ddp" or not c.OPTIM.ZERO),
+                       "fsdp/hsdp cannot combine with OPTIM.ZERO True (ZeRO-1 is for ddp; fsdp shards the "
+                       "optimizer state itself): set OPTIM.ZERO False")),
+    ("DIST.STRATEGY", ((lambda v, c: v == "ddp" or not c.DIST.COMM_HOOK),
+                       "fsdp/hsdp cannot combine with DIST.COMM_HOOK (a DDP gradient hook): set DIST.COMM_HOOK "
+                       "'' (fsdp reduce-scatters in fp32 under TRAIN.PRECISION bf16/fp16)")),
+    ("DIST.CKPT_FORMAT", _choice(CKPT_FORMATS)),
+    ("DIST.CKPT_FORMAT", ((lambda v, c: v != "file" or c.DIST.STRATEGY == "ddp"),
+                          "file would gather the whole sharded model on one rank under DIST.STRATEGY fsdp/hsdp: "
+                          "set DIST.CKPT_FORMAT '' (sharded) and convert with tools/convert_checkpoint.py")),
+    ("DIST.CKPT_FORMAT", ((lambda v, c: v != "sharded" or not c.OPTIM.ZERO),
+                          "sharded cannot save OPTIM.ZERO's optimizer (ZeRO-1 consolidates into one file): "
+                          "set DIST.CKPT_FORMAT '' or OPTIM.ZERO False")),
     ("OUT_DIR", ((lambda v, c: bool(v)), "must not be empty")),
     ("CFG_DEST", ((lambda v, c: bool(v) and os.sep not in v), "must be a file name")),
     ("LOG.TRACKERS", ((lambda v, c: all(t in TRACKERS for t in v) and len(set(v)) == len(v)),

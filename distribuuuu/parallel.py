@@ -187,7 +187,9 @@ def missing_forwards(num_local_batches: int, device: torch.device) -> int:
 
     Each forward of a sharded model all-gathers with every rank, and the exact eval sampler
     gives ranks up to one batch more or less: the ranks with fewer batches run ``model(x[:0])``
-    this many times after their last one, or the others wait for them forever.
+    this many times after their last one, or the others wait for them forever. Call it *before*
+    the loop: its all-reduce, called after a rank's last batch, would meet the all-gather of a
+    peer's extra batch and deadlock.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ from distribuuuu.losses import build_criterion, inverse_frequency_weights
 from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, has_batchnorm
 from distribuuuu.optim import build_optimizer, freeze, scaled_base_lr
+from distribuuuu.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
 from distribuuuu.preemption import PreemptionHandler
 from distribuuuu.progress import show_progress_bar
 from distribuuuu.rng import seed_everything
@@ -42,6 +44,7 @@ class TrainState:
     step_in_epoch: int = 0  # optimizer steps done in the epoch in progress
     best_acc1: float = 0.0
     best_weights: str = "model"  # which weights reached best_acc1: "model" or "ema"
+    samples_in_epoch: int = 0  # global position in the epoch's permutation: samples all ranks consumed
 
 
 @dataclass
@@ -50,9 +53,9 @@ class Run:
 
     cfg: CfgNode
     env: DistEnv
-    model: nn.Module  # the plain model: its state_dict is what checkpoints hold
-    forward_model: nn.Module  # what training calls: compiled and/or DDP-wrapped
-    eval_model: nn.Module  # what evaluation calls: compiled or plain, never DDP
+    model: nn.Module  # the plain (or, under fsdp/hsdp, sharded) model: what checkpoints hold
+    forward_model: nn.Module  # what training calls: compiled and/or DDP-wrapped (or the sharded model)
+    eval_model: nn.Module  # what evaluation calls: compiled or plain, never DDP (sharded under fsdp)
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     criterion: nn.Module
@@ -70,6 +73,31 @@ class Run:
     @property
     def global_step(self) -> int:
         return self.state.epoch * self.steps_per_epoch + self.state.step_in_epoch
+
+    def at_step(self, epoch: int, step_in_epoch: int) -> TrainState:
+        """The state of this run ``step_in_epoch`` steps into ``epoch`` (0-based), on its own global batch."""
+        return TrainState(epoch=epoch, step_in_epoch=step_in_epoch, samples_in_epoch=step_in_epoch * self.global_batch)
+
+    @property
+    def global_batch(self) -> int:
+        """Samples one optimizer step takes from the epoch's permutation, over all ranks."""
+        t = self.cfg.TRAIN
+        return t.BATCH_SIZE * t.ACCUM_STEPS * self.env.world_size
+
+    @property
+    def schedule_step(self) -> float:
+        """The LR schedule's position in this run's steps: completed epochs plus the epoch's sample fraction.
+
+        Counted from the global sample position, not from steps: a run resumed with another
+        world size (another global batch) lands where the schedule was when it stopped.
+        """
+        return self.state.epoch * self.steps_per_epoch + self.state.samples_in_epoch / self.global_batch
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """DIST.CKPT_FORMAT: "" means sharded DCP directories under fsdp/hsdp, single files under ddp."""
+        fmt = self.cfg.DIST.CKPT_FORMAT
+        return fmt == "sharded" or (not fmt and self.cfg.DIST.STRATEGY != "ddp")
 
 
 def setup_environment(cfg: CfgNode, training: bool = True) -> tuple[DistEnv, object]:
@@ -130,7 +158,13 @@ def build_model_for(cfg: CfgNode, env: DistEnv) -> nn.Module:
                 "process keeps its own BatchNorm batch statistics (running stats follow rank 0)"
             )
     model = model.to(env.device)
-    if cfg.TRAIN.CHANNELS_LAST:
+    if cfg.TRAIN.CHANNELS_LAST and shards(cfg, env):
+        # FSDP2 refuses non-contiguous parameters (torch 2.14): the weights stay contiguous and
+        # the channels_last inputs alone pick the convolutions' memory format.
+        logger.info(
+            "TRAIN.CHANNELS_LAST under DIST.STRATEGY %s: channels_last inputs, contiguous weights", cfg.DIST.STRATEGY
+        )
+    elif cfg.TRAIN.CHANNELS_LAST:
         model = model.to(memory_format=torch.channels_last)
     return model
 
@@ -176,18 +210,24 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         steps_per_epoch, base_lr,
         f" (OPTIM.BASE_LR x {global_batch}/{cfg.OPTIM.REFERENCE_BATCH})" if cfg.OPTIM.REFERENCE_BATCH else "",
     )  # fmt: skip
-    forward_model = wrap_model(model, cfg, env)
-    # After the DDP wrap, which broadcasts rank 0's initial weights: every rank's EMA starts from them.
-    ema = ModelEMA(model, cfg.OPTIM.EMA_DECAY, cfg.OPTIM.EMA_WARMUP) if cfg.OPTIM.EMA_DECAY > 0 else None
-    compiled_or_plain = wrap_model(model, cfg, DistEnv(world_size=1)) if t.COMPILE else model
+    if shards(cfg, env):
+        model, ema = shard_for_training(model, cfg, env)
+        forward_model = compiled_or_plain = torch.compile(model) if t.COMPILE else model
+    else:
+        forward_model = wrap_model(model, cfg, env)
+        # After the DDP wrap, which broadcasts rank 0's initial weights: every rank's EMA starts from them.
+        ema = ModelEMA(model, cfg.OPTIM.EMA_DECAY, cfg.OPTIM.EMA_WARMUP) if cfg.OPTIM.EMA_DECAY > 0 else None
+        compiled_or_plain = wrap_model(model, cfg, DistEnv(world_size=1)) if t.COMPILE else model
     return Run(
         cfg=cfg,
         env=env,
         model=model,
         forward_model=forward_model,
         eval_model=compiled_or_plain,
-        optimizer=build_optimizer(model, cfg.OPTIM, zero=cfg.OPTIM.ZERO and is_dist(), fused=t.PRECISION == "fp16"),
-        scaler=torch.amp.GradScaler(env.device.type, enabled=t.PRECISION == "fp16"),
+        optimizer=build_optimizer(
+            model, cfg.OPTIM, zero=cfg.OPTIM.ZERO and is_dist(), fused=t.PRECISION == "fp16" and not shards(cfg, env)
+        ),  # built after sharding: fully_shard replaces the parameters
+        scaler=build_scaler(cfg, env),
         criterion=build_train_criterion(cfg, train).to(env.device),  # class weights are a buffer
         train=train,
         val=val,
@@ -198,6 +238,47 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         mixer=build_batch_mixer(cfg),
         extra_val=extra_val,
     )
+
+
+def shards(cfg: CfgNode, env: DistEnv) -> bool:
+    """DIST.STRATEGY fsdp/hsdp with several ranks (one process trains its plain model)."""
+    return cfg.DIST.STRATEGY != "ddp" and env.world_size > 1
+
+
+def shard_for_training(model: nn.Module, cfg: CfgNode, env: DistEnv) -> tuple[nn.Module, ModelEMA | None]:
+    """DIST.STRATEGY fsdp/hsdp: shard ``model`` (blocks, then root) and its EMA copy the same way.
+
+    Rank 0's initial weights are broadcast first (fully_shard does not, DDP does); the EMA copy is
+    taken before sharding (sharded modules refuse deepcopy) and sharded alike, so the average
+    lives in the same shards as the weights.
+    """
+    broadcast_parameters(model)
+    ema_copy = copy.deepcopy(model) if cfg.OPTIM.EMA_DECAY > 0 else None
+    try:
+        mesh = build_mesh(cfg.DIST.STRATEGY, env.world_size, env.local_world_size, env.device.type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    policy = mixed_precision_policy(cfg.TRAIN.PRECISION, model)
+    for module in (model, ema_copy):
+        if module is not None:
+            shard_model(module, mesh, policy, cfg.DIST.RESHARD_AFTER_FORWARD)
+    logger.info(
+        "DIST.STRATEGY %s: mesh %s, parameters %s in forward, reshard after forward %s",
+        cfg.DIST.STRATEGY, tuple(mesh.shape), policy.param_dtype if policy else "fp32 (autocast)",
+        cfg.DIST.RESHARD_AFTER_FORWARD,
+    )  # fmt: skip
+    ema = ModelEMA.owning(ema_copy, cfg.OPTIM.EMA_DECAY, cfg.OPTIM.EMA_WARMUP) if ema_copy is not None else None
+    return model, ema
+
+
+def build_scaler(cfg: CfgNode, env: DistEnv) -> torch.amp.GradScaler:
+    """fp16's loss scaler; under fsdp/hsdp the sharded one, which agrees on a non-finite shard over ranks."""
+    enabled = cfg.TRAIN.PRECISION == "fp16"
+    if shards(cfg, env):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(env.device.type, enabled=enabled)
+    return torch.amp.GradScaler(env.device.type, enabled=enabled)
 
 
 def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from distribuuuu.checkpoint import CheckpointError, checkpoint_name, find_resumable
+from distribuuuu.checkpoint import CheckpointError, checkpoint_name, find_resumable, list_checkpoints
 from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
 from distribuuuu.ema import ModelEMA
 
@@ -198,6 +198,16 @@ def load_sharded(
     return extra
 
 
+def list_any(ckpt_dir: str) -> list[str]:
+    """Single-file and sharded checkpoints of ``ckpt_dir`` together, oldest first (a run may change format)."""
+
+    def order(path: str) -> tuple[int, int]:
+        epoch, step = re.match(r"ckpt_ep_(\d+)(?:_it_(\d+))?", os.path.basename(path)).groups()
+        return int(epoch), int(step) if step else 1 << 62
+
+    return sorted(list_checkpoints(ckpt_dir) + list_sharded(ckpt_dir), key=order)
+
+
 def find_resumable_sharded(ckpt_dir: str) -> str | None:
     """The newest sharded checkpoint that verifies; broken newer ones are moved aside (main process only)."""
     return find_resumable(ckpt_dir, listing=list_sharded, verify=verify_sharded)
@@ -228,20 +238,25 @@ def _optimizer_by_index(optim_state: dict) -> dict:
     }
 
 
-def to_single_file(dcp_dir: str, out_path: str) -> None:
-    """Convert a sharded checkpoint to today's single checksummed file (one process, no process group).
+def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
+    """A sharded checkpoint as today's single-file state dict, in this process's memory (no process group).
 
-    The whole state is read into this process's memory: an offline tool, not a training step.
+    What ``load_checkpoint`` returns for a ``.dcp`` directory: evaluation, prediction, MODEL.WEIGHTS
+    and the conversion tool read either format through it. The whole state is read into memory:
+    for tools and weights, not for resuming a sharded run (``load_sharded`` does that shard by shard).
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from distribuuuu.checkpoint import save_checkpoint
-
-    verify_sharded(dcp_dir)
-    tmp = f"{out_path}.dcp_read.{os.getpid()}"
+    if verify:
+        verify_sharded(dcp_dir)
+    tmp = f"{dcp_dir.rstrip(os.sep)}.read.{os.getpid()}"
     try:
         dcp_to_torch_save(dcp_dir, tmp)
         tensors = torch.load(tmp, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"could not read sharded checkpoint {dcp_dir}: {type(e).__name__}: {e}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -251,7 +266,14 @@ def to_single_file(dcp_dir: str, out_path: str) -> None:
     if "ema" in tensors:
         state["ema"] = {"module": tensors["ema"], "updates": extra.get("ema_updates", 0)}
     state.pop("ema_updates", None)
-    save_checkpoint(state, out_path)
+    return state
+
+
+def to_single_file(dcp_dir: str, out_path: str) -> None:
+    """Convert a sharded checkpoint to today's single checksummed file (one process, no process group)."""
+    from distribuuuu.checkpoint import save_checkpoint
+
+    save_checkpoint(read_full_state(dcp_dir), out_path)
 
 
 def from_single_file(path: str, dcp_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

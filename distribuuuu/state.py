@@ -6,13 +6,16 @@ import os
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
+from distribuuuu import sharded_checkpoint as shards
 from distribuuuu.config import ConfigError
 from distribuuuu.distributed import all_gather_object, rank0_decides
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
+from distribuuuu.parallel import is_sharded
 from distribuuuu.rng import capture_rng_state, restore_rng_state
 from distribuuuu.run import Run, TrainState
 
@@ -30,10 +33,19 @@ def training_state(run: Run) -> dict:
     return {
         "model": run.model.state_dict(),
         "optimizer": opt_state,
-        "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
         "ema": run.ema.state_dict() if run.ema is not None else None,
+        **progress_state(run),
+    }
+
+
+def progress_state(run: Run) -> dict:
+    """A checkpoint's non-tensor state (a sharded one's extra.pt); collective (the RNG gather)."""
+    return {
+        "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
         "epoch": run.state.epoch,
         "step_in_epoch": run.state.step_in_epoch,
+        "samples_in_epoch": run.state.samples_in_epoch,  # the global position: resumable on any world size
+        "global_batch": run.global_batch,
         "steps_per_epoch": run.steps_per_epoch,
         "best_acc1": run.state.best_acc1,
         "best_weights": run.state.best_weights,
@@ -46,10 +58,14 @@ def training_state(run: Run) -> dict:
 
 
 def save_training_checkpoint(run: Run, is_best: bool = False) -> str:
-    """Write the current state to OUT_DIR/checkpoints (and best.pth.tar); all ranks call this."""
-    state = training_state(run)
+    """Write the current state to OUT_DIR/checkpoints (and the best weights); all ranks call this."""
     epoch_1based = run.state.epoch + (1 if run.state.step_in_epoch else 0)
     ckpt_dir = os.path.join(run.cfg.OUT_DIR, ckpt.CKPT_DIR)
+    if run.sharded_checkpoints:
+        path = save_sharded_training_checkpoint(run, ckpt_dir, epoch_1based, is_best)
+        logger.info("saved %s%s", path, " (best)" if is_best else "")
+        return path
+    state = training_state(run)
     path = os.path.join(ckpt_dir, ckpt.checkpoint_name(epoch_1based, run.state.step_in_epoch))
 
     def write() -> None:
@@ -66,10 +82,32 @@ def save_training_checkpoint(run: Run, is_best: bool = False) -> str:
     return path
 
 
+def save_sharded_training_checkpoint(run: Run, ckpt_dir: str, epoch_1based: int, is_best: bool) -> str:
+    """Each rank writes its own shard (DCP), never the whole model on one rank; best weights as best.dcp."""
+    extra = progress_state(run)
+    path = os.path.join(ckpt_dir, shards.sharded_name(epoch_1based, run.state.step_in_epoch))
+    shards.save_sharded(path, run.model, run.optimizer, extra, run.ema)
+    if is_best:
+        best = {k: v for k, v in extra.items() if k in WEIGHTS_ONLY_KEYS}
+        shards.save_sharded(os.path.join(run.cfg.OUT_DIR, BEST_SHARDED), run.model, None, best, run.ema)
+
+    def prune() -> None:
+        try:
+            shards.prune_sharded(ckpt_dir, run.cfg.TRAIN.KEEP_CKPTS)
+        except OSError as e:
+            raise ckpt.CheckpointError(f"could not remove an old checkpoint in {ckpt_dir}: {e}") from None
+
+    rank0_decides(prune)
+    return path
+
+
+WEIGHTS_ONLY_KEYS = ("model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg")
+BEST_SHARDED = "best.dcp"  # under sharded checkpoints: the best weights (and EMA), no optimizer
+
+
 def weights_only_state(state: dict) -> dict:
     """What evaluation and fine-tuning need of a training state (best.pth.tar): no optimizer, RNG or scaler."""
-    keep = ("model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg")
-    return {k: state[k] for k in keep}
+    return {k: state[k] for k in WEIGHTS_ONLY_KEYS}
 
 
 # Keys that make another experiment: resuming a checkpoint trained with other values would mix
@@ -97,9 +135,13 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> tuple[str | None, list[str]]:
     loaded: dict[str, dict] = {}  # the verifying load's state: its config is compared, not read again
 
     def verify(candidate: str) -> None:
-        loaded[candidate] = ckpt.load_checkpoint(candidate)
+        if candidate.endswith(".dcp"):
+            shards.verify_sharded(candidate)
+            loaded[candidate] = shards.read_extra(candidate)
+        else:
+            loaded[candidate] = ckpt.load_checkpoint(candidate)
 
-    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR), verify=verify)
+    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR), listing=shards.list_any, verify=verify)
     if path is None:
         return None, []
     saved = loaded[path].get("cfg")
@@ -147,37 +189,97 @@ def resume_or_load_weights(run: Run, path: str | None) -> None:
     if path:
         if cfg.MODEL.WEIGHTS:
             logger.info("resuming from %s: it wins over MODEL.WEIGHTS %s", path, cfg.MODEL.WEIGHTS)
-        # Always read to the CPU: load_state_dict copies weights to their device, and the RNG
-        # states must stay CPU byte tensors (torch.set_rng_state, torch.cuda.set_rng_state).
-        restore_training_state(run, ckpt.load_checkpoint(path, map_location="cpu"), path)
+        if path.endswith(".dcp"):
+            restore_sharded_training_state(run, path)
+        else:
+            # Always read to the CPU: load_state_dict copies weights to their device, and the RNG
+            # states must stay CPU byte tensors (torch.set_rng_state, torch.cuda.set_rng_state).
+            restore_training_state(run, ckpt.load_checkpoint(path, map_location="cpu"), path)
         logger.info("resumed from %s at epoch %d, step %d", path, run.state.epoch + 1, run.state.step_in_epoch)
     elif cfg.MODEL.WEIGHTS:
         load_weights(run.model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, strict=False)
-        if run.ema is not None:
+        if run.ema is not None:  # sharded alike under fsdp: shard by shard, nothing gathered
             run.ema.module.load_state_dict(run.model.state_dict())
 
 
 def restore_training_state(run: Run, state: dict, path: str) -> None:
-    """Load a training checkpoint into the run (weights always; the rest with LOAD_OPT)."""
-    run.model.load_state_dict(ckpt.model_state_from(state))
-    run.state = TrainState(state["epoch"], state["step_in_epoch"], state["best_acc1"], state["best_weights"])
-    if state["steps_per_epoch"] != run.steps_per_epoch and run.state.step_in_epoch:
-        # Another world size or batch: continue at the same fraction of the epoch.
-        run.state.step_in_epoch = round(run.state.step_in_epoch * run.steps_per_epoch / state["steps_per_epoch"])
-        logger.warning(
-            "steps per epoch changed from %d to %d: mid-epoch resume is approximate",
-            state["steps_per_epoch"],
-            run.steps_per_epoch,
+    """Load a single-file training checkpoint into the run (weights always; the rest with LOAD_OPT)."""
+    if is_sharded(run.model):
+        raise ckpt.CheckpointError(
+            f"{path} is a single-file checkpoint and DIST.STRATEGY {run.cfg.DIST.STRATEGY} shards the model: convert it "
+            f"once with tools/convert_checkpoint.py {path} {path.replace('.pth.tar', '.dcp')}, or resume with "
+            "DIST.STRATEGY ddp"
         )
+    run.model.load_state_dict(ckpt.model_state_from(state))
+    restore_progress(run, state)
     if not run.cfg.TRAIN.LOAD_OPT:
         return
     load_optimizer_state(run.optimizer, state, run.cfg.OPTIM.OPTIMIZER, path)
-    if state["scaler"] and run.scaler.is_enabled():
-        run.scaler.load_state_dict(state["scaler"])
     if state["ema"] and run.ema is not None:
         run.ema.load_state_dict(state["ema"])
+    restore_scaler_and_rng(run, state)
+
+
+def restore_sharded_training_state(run: Run, path: str) -> None:
+    """Load a sharded checkpoint: each rank reads the pieces of the saved shards its own shards overlap."""
+    load_opt = run.cfg.TRAIN.LOAD_OPT
+    if load_opt:
+        check_optimizer_name(shards.read_extra(path), run.cfg.OPTIM.OPTIMIZER, path)
+    optimizer, ema = (run.optimizer, run.ema) if load_opt else (None, None)
+    extra = shards.load_sharded(path, run.model, optimizer, ema)
+    restore_progress(run, extra)
+    if load_opt:
+        restore_scaler_and_rng(run, extra)
+
+
+def restore_scaler_and_rng(run: Run, state: dict) -> None:
+    """The fp16 loss scale, and each rank's RNG states when the world size is the saving run's."""
+    if state["scaler"] and run.scaler.is_enabled():
+        run.scaler.load_state_dict(state["scaler"])
     if run.env.rank < len(state["rng"]) and state["world_size"] == run.env.world_size:
         restore_rng_state(state["rng"][run.env.rank])
+
+
+def restore_progress(run: Run, state: dict) -> None:
+    """Epoch, steps and the global sample position; on another global batch, say what that changes."""
+    saved_batch = state.get("global_batch") or saved_global_batch(state)
+    samples = state.get("samples_in_epoch", state["step_in_epoch"] * saved_batch)
+    run.state = TrainState(state["epoch"], state["step_in_epoch"], state["best_acc1"], state["best_weights"], samples)
+    if saved_batch != run.global_batch:
+        log_global_batch_change(run, saved_batch, state)
+
+
+def saved_global_batch(state: dict) -> int:
+    """The global batch of a checkpoint written before it recorded one: from its config and world size."""
+    t = CfgNode.load_cfg(state["cfg"]).TRAIN
+    return t.BATCH_SIZE * t.ACCUM_STEPS * state["world_size"]
+
+
+def log_global_batch_change(run: Run, saved_batch: int, state: dict) -> None:
+    """Tell what resuming with another global batch does to the epoch and the LR schedule."""
+    t, o = run.cfg.TRAIN, run.cfg.OPTIM
+    scaled = f"scaled to {run.base_lr:.5g} (OPTIM.REFERENCE_BATCH)" if o.REFERENCE_BATCH else "unchanged"
+    logger.warning(
+        "global batch changed from %d (%d rank(s)) to %d (%d x %d rank(s) x %d accumulation): the epoch continues "
+        "at sample %d of its permutation, each sample of it once; %d steps/epoch instead of %d, and the LR schedule "
+        "continues at epoch %.4f (its position counts samples, not steps); base LR %s; RNG states are %s",
+        saved_batch, state["world_size"], run.global_batch, t.BATCH_SIZE, run.env.world_size, t.ACCUM_STEPS,
+        run.state.samples_in_epoch, run.steps_per_epoch, state["steps_per_epoch"],
+        run.schedule_step / run.steps_per_epoch, scaled,
+        "restored" if state["world_size"] == run.env.world_size else "re-seeded (another world size)",
+    )  # fmt: skip
+
+
+_LOAD_OPT_HINT = "set TRAIN.LOAD_OPT False to resume from its weights only"
+
+
+def check_optimizer_name(state: dict, optimizer_name: str, path: str) -> None:
+    """Raise CheckpointError if the checkpoint's optimizer is another one than OPTIM.OPTIMIZER."""
+    saved = CfgNode.load_cfg(state["cfg"]).get("OPTIM", {}).get("OPTIMIZER") if state.get("cfg") else None
+    if saved and saved != optimizer_name:
+        raise ckpt.CheckpointError(
+            f"{path} holds {saved} optimizer state but OPTIM.OPTIMIZER is {optimizer_name}: {_LOAD_OPT_HINT}"
+        )
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, optimizer_name: str, path: str) -> None:
@@ -186,17 +288,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, optimize
     PyTorch checks only the parameter-group sizes: SGD's state loads into AdamW without complaint
     and fails at the first step with a KeyError, so the optimizer's name is compared first.
     """
-    hint = "set TRAIN.LOAD_OPT False to resume from its weights only"
-    saved = CfgNode.load_cfg(state["cfg"]).get("OPTIM", {}).get("OPTIMIZER") if state.get("cfg") else None
-    if saved and saved != optimizer_name:
-        raise ckpt.CheckpointError(
-            f"{path} holds {saved} optimizer state but OPTIM.OPTIMIZER is {optimizer_name}: {hint}"
-        )
+    check_optimizer_name(state, optimizer_name, path)
     try:
         optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError, RuntimeError) as e:
         raise ckpt.CheckpointError(
-            f"{path}: its optimizer state does not fit this run ({first_line(e)}): {hint}"
+            f"{path}: its optimizer state does not fit this run ({first_line(e)}): {_LOAD_OPT_HINT}"
         ) from None
 
 
@@ -205,15 +302,23 @@ def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool 
     state = ckpt.load_checkpoint(path)
     weights = ckpt.model_state_from(state, kind)
     if not strict:
-        own = model.state_dict()
+        own = model.state_dict()  # under FSDP2 DTensors: their shape is the full one
         skipped = [k for k, v in weights.items() if k in own and own[k].shape != v.shape]
         weights = {k: v for k, v in weights.items() if k not in skipped}
         if skipped:
             logger.info("MODEL.WEIGHTS: skipped %d tensors of another shape (new head?): %s", len(skipped), skipped[:4])
-    result = model.load_state_dict(weights, strict=strict)
+    result = load_full_weights(model, weights, strict)
     if not strict and (result.missing_keys or result.unexpected_keys):
         logger.warning(
             "MODEL.WEIGHTS %s: missing %s, unexpected %s", path, result.missing_keys[:4], result.unexpected_keys[:4]
         )
     logger.info("loaded %s weights from %s", kind, path)
     return state
+
+
+def load_full_weights(model: nn.Module, weights: dict, strict: bool = True):
+    """Load full (unsharded) weights into ``model``; a sharded model takes its own slice of each tensor."""
+    if not is_sharded(model):
+        return model.load_state_dict(weights, strict=strict)
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    return set_state_dict(model, [], model_state_dict=weights, optim_state_dict={}, options=options)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError, check_dataset_paths
+from distribuuuu.config import ConfigError, check_dataset_paths, eval_crop_size
 from distribuuuu.data import Split, build_val_split, sample_paths
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.evaluation import EvalOutputs
@@ -24,6 +24,7 @@ from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
 from distribuuuu.optim import lr_at, set_lr
+from distribuuuu.parallel import is_sharded, missing_forwards, norm_value, set_gradient_sync
 from distribuuuu.preemption import Preempted, PreemptionHandler, requeue_slurm_job
 from distribuuuu.records import log_train_window, write_eval_record, write_train_record
 from distribuuuu.run import (
@@ -65,7 +66,8 @@ def to_device(images: torch.Tensor, targets: torch.Tensor, env: DistEnv, channel
 
 
 def gradient_sync(model: nn.Module, sync: bool):
-    """Skip DDP's gradient all-reduce on accumulation micro-batches other than the last."""
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) on micro-batches other than the last."""
+    set_gradient_sync(model, sync)  # FSDP2 reads its flag in backward: a setter, before the forward is fine
     if sync or not isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
     return model.no_sync()
@@ -123,11 +125,12 @@ def optimizer_step(run: Run, sums: MetricSums) -> None:
 def gradient_norm(run: Run) -> torch.Tensor | None:
     """The global gradient norm (clipping to TRAIN.CLIP_GRAD_NORM first), or None when nothing needs it."""
     t = run.cfg.TRAIN
+    # Under FSDP2 the gradients are shards (DTensors): the norm is the global one, as a DTensor.
     if t.CLIP_GRAD_NORM > 0:
-        return nn.utils.clip_grad_norm_(run.model.parameters(), t.CLIP_GRAD_NORM, foreach=True)
+        return norm_value(nn.utils.clip_grad_norm_(run.model.parameters(), t.CLIP_GRAD_NORM, foreach=True))
     if run.scaler.is_enabled() or t.NAN_POLICY == "skip":
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
-        return nn.utils.get_total_norm(grads, foreach=True)
+        return norm_value(nn.utils.get_total_norm(grads, foreach=True))
     return None
 
 
@@ -142,19 +145,17 @@ def train_epoch(run: Run, epoch: int) -> dict:
     count. No other step syncs the host or talks to the other ranks.
     """
     cfg, t = run.cfg, run.cfg.TRAIN
-    start = run.state.step_in_epoch
-    run.train.sampler.set_epoch(epoch)
-    run.train.sampler.set_start(start * t.BATCH_SIZE * t.ACCUM_STEPS)
+    start, end = start_epoch_sampler(run, epoch)
     run.forward_model.train()
     batches = iter(run.train.loader)
     window, epoch_sums = MetricSums(run.env.device, t.TOPK), MetricSums(torch.device("cpu"), t.TOPK)
     window_losses: list[torch.Tensor] = []
     clock = {"data": 0.0, "start": time.perf_counter(), "epoch_start": time.perf_counter()}
-    for step in range(start, run.steps_per_epoch):
+    for step in range(start, end):
         tic = time.perf_counter()
         micro_batches = [next(batches) for _ in range(t.ACCUM_STEPS)]
         clock["data"] += time.perf_counter() - tic
-        set_lr(run.optimizer, lr_at(run.global_step, run.steps_per_epoch, cfg.OPTIM, run.base_lr))
+        set_lr(run.optimizer, lr_at(run.schedule_step, run.steps_per_epoch, cfg.OPTIM, run.base_lr))
         try:
             window_losses.append(train_step(run, micro_batches, window))
         except RuntimeError as e:
@@ -162,10 +163,11 @@ def train_epoch(run: Run, epoch: int) -> dict:
                 raise  # a bug in the model or the step: its traceback is what the user needs
             raise _with_context(e, run, epoch, step) from e
         run.state.step_in_epoch = step + 1
+        run.state.samples_in_epoch += run.global_batch
         # A mid-epoch checkpoint is a sync point too: its weights pass the non-finite check first.
         checkpoint_due = t.CKPT_PERIOD_ITERS and (step + 1) % t.CKPT_PERIOD_ITERS == 0
-        checkpoint_due = checkpoint_due and step + 1 < run.steps_per_epoch
-        if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == run.steps_per_epoch or checkpoint_due:
+        checkpoint_due = checkpoint_due and step + 1 < end
+        if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == end or checkpoint_due:
             totals = sync_point(run, window, window_losses, epoch, step + 1, clock)
             epoch_sums.add_totals(totals)
             if totals["stop"]:
@@ -173,6 +175,24 @@ def train_epoch(run: Run, epoch: int) -> dict:
         if checkpoint_due:
             save_training_checkpoint(run)
     return dict(epoch_sums.totals(), time_s=time.perf_counter() - clock["epoch_start"])
+
+
+def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
+    """Point the train sampler at the epoch's resumed position; return the range of step numbers to run.
+
+    Steps count the optimizer steps taken in the epoch (checkpoint names, EMA period); the
+    sampler and the LR follow the global sample position. On the run's own world size the range
+    is (step_in_epoch, steps_per_epoch) as always; resumed with another global batch, the epoch
+    continues at the saved position and ends when fewer samples than one global batch (per
+    rank: BATCH_SIZE x ACCUM_STEPS) are left, as drop_last ends every epoch.
+    """
+    t, sampler, start = run.cfg.TRAIN, run.train.sampler, run.state.step_in_epoch
+    sampler.set_epoch(epoch)
+    if not hasattr(sampler, "set_position"):  # repeated/weighted samplers: per-rank position only
+        sampler.set_start(start * t.BATCH_SIZE * t.ACCUM_STEPS)
+        return start, run.steps_per_epoch
+    sampler.set_position(run.state.samples_in_epoch)
+    return start, start + len(sampler) // (t.BATCH_SIZE * t.ACCUM_STEPS)
 
 
 def _with_context(e: RuntimeError, run: Run, epoch: int, step: int) -> RuntimeError:
@@ -205,7 +225,7 @@ def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, st
 
 def scheduled_lr(run: Run) -> float:
     """The schedule's LR of the last step taken: what the log shows (a group's LR is it x its lr_scale)."""
-    return lr_at(max(run.global_step - 1, 0), run.steps_per_epoch, run.cfg.OPTIM, run.base_lr)
+    return lr_at(max(run.schedule_step - 1, 0), run.steps_per_epoch, run.cfg.OPTIM, run.base_lr)
 
 
 @torch.no_grad()
@@ -223,6 +243,9 @@ def validate(
     t = cfg.TEST
     extras = EvalOutputs(len(names), cfg.TRAIN.TOPK, env.device, t.CONFUSION, t.SAVE_PREDICTIONS) if outputs else None
     tic = time.perf_counter()
+    # A sharded model all-gathers in every forward: ranks with fewer batches owe empty forwards,
+    # counted before the loop (a count taken after it would meet a peer's all-gather: deadlock).
+    owed = missing_forwards(len(split.loader), env.device) if is_sharded(model) else 0
     for i, (images, targets, skipped) in enumerate(split.loader):
         images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
         with autocast(cfg.TRAIN.PRECISION, env.device):
@@ -234,12 +257,26 @@ def validate(
             sums.add_field("skipped_images", skipped)
         if (i + 1) % cfg.TEST.PRINT_FREQ == 0:
             logger.info("val  batch %d/%d (rank 0)", i + 1, len(split.loader))
+    run_empty_forwards(model, owed, cfg, env)
     totals = sums.reduce()
     if extras is not None:
         extras.save(*outputs, indices=list(split.sampler), paths=sample_paths(split.dataset), names=names)
     totals["time_s"] = time.perf_counter() - tic
     totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
     return totals
+
+
+def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv) -> None:
+    """Call the (sharded) model ``count`` times on an empty batch, so every rank joins every all-gather.
+
+    The exact eval sampler gives ranks up to one batch more or less; without these the ranks
+    with more batches would wait for the others' all-gathers until the timeout.
+    """
+    size = eval_crop_size(cfg)
+    empty = torch.empty(0, 3, size, size, device=env.device)
+    for _ in range(count):
+        with autocast(cfg.TRAIN.PRECISION, env.device):
+            model(empty)
 
 
 # ------------------------------------------------------------------------------------------------

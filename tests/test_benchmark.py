@@ -76,3 +76,17 @@ def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
     spec.loader.exec_module(tool)
     assert tool.main(["--what", "train", "TRAIN.NO_SUCH_KEY", "1"]) == 2  # in-process: fails before any set-up
     assert "unknown config key TRAIN.NO_SUCH_KEY" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_memory_table_shows_fsdp_holding_half_of_ddps_state_per_rank_on_2_ranks():
+    # One torchrun job per strategy (ddp, ddp+ZeRO-1, fsdp), as docs/scale-out.md's table was made.
+    args = ["--memory-table", "2", "--steps", "1", "--repeats", "1", "--warmup", "1", "--archs", "resnet18", *TINY]
+    result = run(python(BENCH, *args), timeout=400)
+    assert_ok(result)
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| resnet18")]
+    mib = {r[2].strip(): [float(c.split()[0]) for c in r[3:7]] for r in rows}  # params, grads, optimizer, sum
+    assert set(mib) == {"ddp", "ddp+zero1", "fsdp"}
+    for ddp, fsdp in zip(mib["ddp"], mib["fsdp"]):
+        assert fsdp == pytest.approx(ddp / 2, rel=0.01)  # resnet18's tensors split evenly, up to padding
+    assert mib["ddp+zero1"][:2] == mib["ddp"][:2] and mib["ddp+zero1"][2] == pytest.approx(mib["ddp"][2] / 2, rel=0.02)

@@ -89,7 +89,7 @@ def test_layer_decay_and_head_multiplier_give_each_parameter_its_closed_form_lr_
     )
     for epoch in range(2):
         train_epoch(run, epoch)
-        run.state.epoch, run.state.step_in_epoch = epoch + 1, 0
+        run.state = run.at_step(epoch + 1, 0)  # as train_epochs starts the next epoch
     assert len(seen) == 2 * run.steps_per_epoch == 24
     for step, lrs in enumerate(seen):
         lr = lr_at(step, run.steps_per_epoch, run.cfg.OPTIM)

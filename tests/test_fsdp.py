@@ -9,6 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
+from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.parallel import build_mesh, find_blocks, mixed_precision_policy
 from tests.helpers import REPO, assert_ok, clean_env, run, torchrun
 
@@ -115,3 +116,21 @@ def test_hsdp_on_a_2x2_mesh_trains_the_weights_of_ddp(tmp_path):
     results = _job(tmp_path, 4, "hsdp")
     assert results["world_size"] == 4 and results.keys() >= {"accum_clip", "bf16_accum_clip"}
     _check_against_ddp(results)
+
+
+@pytest.mark.parametrize(
+    "opts, names",
+    [
+        (["DIST.STRATEGY", "zero3"], ["DIST.STRATEGY"]),
+        (["DIST.STRATEGY", "fsdp", "OPTIM.ZERO", "True"], ["DIST.STRATEGY", "OPTIM.ZERO"]),
+        (["DIST.STRATEGY", "hsdp", "DIST.COMM_HOOK", "bf16"], ["DIST.STRATEGY", "DIST.COMM_HOOK"]),
+        (["DIST.STRATEGY", "fsdp", "DIST.CKPT_FORMAT", "file"], ["DIST.CKPT_FORMAT", "DIST.STRATEGY"]),
+        (["DIST.CKPT_FORMAT", "zip"], ["DIST.CKPT_FORMAT"]),
+        (["DIST.CKPT_FORMAT", "sharded", "OPTIM.ZERO", "True"], ["DIST.CKPT_FORMAT", "OPTIM.ZERO"]),
+    ],
+)
+def test_combinations_fsdp_cannot_run_are_one_config_error_naming_the_keys(opts, names):
+    with pytest.raises(ConfigError) as e:
+        load_cfg(None, opts)
+    assert "\n" not in str(e.value) and all(n in str(e.value) for n in names), str(e.value)
+    load_cfg(None, opts[:2] if len(opts) > 2 else [])  # each key alone is valid

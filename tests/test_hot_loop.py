@@ -119,7 +119,7 @@ def recording(run: trainer.Run):
 
 def record_epoch(run: trainer.Run, start: int = 0) -> list[tuple[str, str, int]]:
     """Train one epoch from step ``start`` while recording collectives and host syncs."""
-    run.state = trainer.TrainState(epoch=0, step_in_epoch=start)
+    run.state = run.at_step(0, start)
     with recording(run) as calls:
         trainer.train_epoch(run, 0)
     return list(calls)

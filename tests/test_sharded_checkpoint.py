@@ -175,3 +175,25 @@ def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp
     os.truncate(os.path.join(sharded, "__0_0.distcp"), 10)
     bad = run(python(tool, sharded, str(tmp_path / "x.pth.tar")), timeout=120)
     assert bad.returncode == 2 and "__0_0.distcp" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_dcp_directory_is_taken_wherever_a_checkpoint_file_is_and_the_listing_orders_both(tmp_path):
+    from distribuuuu.checkpoint import save_checkpoint
+    from distribuuuu.sharded_checkpoint import list_any
+    from distribuuuu.state import load_weights
+
+    path = _save(tmp_path, 3)
+    model, optimizer, ema = _run(seed=0)
+    state = load_checkpoint(path)  # what test_net.py, predict.py and MODEL.WEIGHTS read: no process group
+    _assert_same(state["model"], model.state_dict())
+    _assert_same(state["optimizer"], optimizer.state_dict())
+    fresh = _run(seed=5)[0]
+    load_weights(fresh, path, "ema")
+    _assert_same(fresh.state_dict(), ema.module.state_dict())
+    save_checkpoint({"model": {}}, str(tmp_path / "ckpt_ep_002.pth.tar"))
+    save_checkpoint({"model": {}}, str(tmp_path / "ckpt_ep_003_it_000004.pth.tar"))
+    names = [os.path.basename(p) for p in list_any(str(tmp_path))]
+    assert names == ["ckpt_ep_002.pth.tar", "ckpt_ep_003_it_000004.pth.tar", "ckpt_ep_003.dcp"]
+    os.remove(os.path.join(path, "extra.pt"))
+    with pytest.raises(CheckpointError, match="extra.pt"):
+        load_checkpoint(path)  # verified before it is trusted

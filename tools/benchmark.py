@@ -47,9 +47,10 @@ from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.optim import LAMB, LARS, freeze, optimizer_groups  # noqa: E402
+from distribuuuu.parallel import local_state_bytes  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
 
-WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants")
+WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet photo
 DECODE_BATCH = 32  # JPEGs per decode_jpeg call when timing DATA.DECODER "batched" alone
@@ -70,6 +71,14 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     p.add_argument("--photos", type=int, default=96, help="synthetic 500x375 JPEGs generated for --what decode")
     p.add_argument("--bf16-steps", type=int, default=3, help="timed steps of the bf16 variants (slow on CPUs)")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
+    p.add_argument(
+        "--memory-table", default="", metavar="WORLD_SIZES",
+        help="driver: for each world size (e.g. 1,2,4), model (--archs) and strategy (ddp, ddp+ZeRO-1, fsdp)\n"
+        "start one torchrun job of --what memory, then print the per-rank bytes table with img/s vs ddp",
+    )  # fmt: skip
+    p.add_argument(
+        "--archs", default="resnet18", help="--memory-table: comma-separated MODEL.ARCH[:KWARG=VALUE...] values"
+    )
     bench, rest = p.parse_known_args(argv)
     what = [w for w in bench.what.split(",") if w]
     unknown = [w for w in what if w not in WHAT]
@@ -171,7 +180,7 @@ def timed(fn: Callable[[], object], env: DistEnv) -> float:
 # ------------------------------------------------------------------------------------------------
 def framework_epoch(run: run_setup.Run, steps: int, epoch: int) -> None:
     """Run the last ``steps`` steps of an epoch through trainer.train_epoch (sync points included)."""
-    run.state = run_setup.TrainState(epoch=epoch % run.cfg.OPTIM.MAX_EPOCH, step_in_epoch=run.steps_per_epoch - steps)
+    run.state = run.at_step(epoch % run.cfg.OPTIM.MAX_EPOCH, run.steps_per_epoch - steps)
     trainer.train_epoch(run, run.state.epoch)
 
 
@@ -392,6 +401,40 @@ def measure_variants(cfg_args, env: DistEnv, bench, report: Report) -> None:
             )
 
 
+def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
+    """The configured DIST.STRATEGY (and OPTIM.ZERO): bytes each rank holds, peak memory, trainer img/s.
+
+    Parameters, gradients (after a backward, before the step frees them) and optimizer state
+    are counted from this rank's local tensors (its shards under fsdp). One strategy per process:
+    the CPU's peak RSS cannot be reset, so the driver in docs/scale-out.md starts one per setting.
+    """
+    cfg, steps = run.cfg, bench.steps
+    framework_epoch(run, max(bench.warmup, 1), 0)  # creates the optimizer state
+    images, targets = next(iter(run.train.loader))[:2]
+    trainer.gradient_sync(run.forward_model, True)
+    with trainer.autocast(cfg.TRAIN.PRECISION, env.device):
+        loss = run.criterion(run.forward_model(images.to(env.device)).float(), targets.to(env.device))
+    loss.backward()
+    held = local_state_bytes(run.model, getattr(run.optimizer, "optim", run.optimizer))  # ZeRO: the local optimizer
+    run.optimizer.zero_grad(set_to_none=True)
+    reset_peak_memory(env)
+    secs = [timed(partial(framework_epoch, run, steps, r + 1), env) for r in range(bench.repeats)]
+    total = steps * cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS * env.world_size
+    report.emit(
+        {
+            "what": "memory",
+            "strategy": cfg.DIST.STRATEGY + ("+zero1" if cfg.OPTIM.ZERO else ""),
+            **describe(cfg, env),
+            **{f"{k}_bytes": v for k, v in held.items()},
+            "state_bytes": sum(held.values()),
+            "steps": steps,
+            **spread([total / s for s in secs], "images_per_s"),
+            "peak_mem_mib": peak_memory_mib(env),
+            "peak_mem_kind": "cuda_allocated" if env.device.type == "cuda" else "process_rss",
+        }
+    )
+
+
 def measure_eval(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
     """trainer.validate throughput on the synthetic val split (one warm-up pass)."""
     trainer.validate(run.eval_model, run.val, run.cfg, env)
@@ -565,6 +608,13 @@ def format_table(records: list[dict]) -> str:
                 f"{r['images_per_s_per_proc']:9.1f} img/s (1 process; min {r['images_per_s_min']:.1f}, "
                 f"max {r['images_per_s_max']:.1f})"
             )
+        elif w == "memory":
+            mib = {k: r[f"{k}_bytes"] / 2**20 for k in ("params", "grads", "optimizer", "state")}
+            lines.append(
+                f"memory    {r['strategy']:<10} {r['arch']:<20} np={r['world_size']}  params {mib['params']:.1f} + grads "
+                f"{mib['grads']:.1f} + optimizer {mib['optimizer']:.1f} = {mib['state']:.1f} MiB per rank  peak "
+                f"{r['peak_mem_mib']:.0f} MiB ({r['peak_mem_kind']})  {r['images_per_s_median']:.1f} img/s"
+            )
         elif w == "eval":
             lines.append(
                 f"eval      {r['arch']:<20} np={r['world_size']} bs={r['batch_per_proc']}  "
@@ -589,6 +639,8 @@ def benchmark(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> list[d
             measure_breakdown(run, env, bench, report)
         if "eval" in what:
             measure_eval(run, env, bench, report)
+        if "memory" in what:
+            measure_memory(run or build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env), env, bench, report)
         if "variants" in what:
             measure_variants(cfg_args, env, bench, report)
         if "data" in what:
@@ -602,8 +654,56 @@ def benchmark(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> list[d
         cleanup_distributed()
 
 
+STRATEGY_OPTS = {"ddp": [], "ddp+zero1": ["OPTIM.ZERO", "True"], "fsdp": ["DIST.STRATEGY", "fsdp"]}
+
+
+def memory_table(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> str:
+    """Run --what memory for every world size x arch x strategy (one torchrun job each); a markdown table."""
+    import subprocess
+
+    from distribuuuu.launch import find_free_port
+
+    own = ["--steps", str(bench.steps), "--warmup", str(bench.warmup), "--repeats", str(bench.repeats)]
+    own += [*(["--cfg", cfg_args.cfg_file] if cfg_args.cfg_file else []), *cfg_args.opts]
+    rows = []
+    for arch in bench.archs.split(","):
+        name, *kwargs = arch.split(":")  # "vit_tiny_patch16_224:img_size=32:patch_size=4": MODEL.KWARGS
+        arch_opts = ["MODEL.ARCH", name, *(["MODEL.KWARGS", repr(kwargs)] if kwargs else [])]
+        for world in [int(w) for w in bench.memory_table.split(",")]:
+            results = {}
+            for strategy, opts in STRATEGY_OPTS.items():
+                with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
+                    cmd = [
+                        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
+                        f"--master_port={find_free_port()}", os.path.abspath(__file__), "--what", "memory", "--json", out.name,
+                        *own, *arch_opts, *opts,
+                    ]  # fmt: skip
+                    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+                    results[strategy] = json.loads(out.read().splitlines()[-1])
+            for strategy, r in results.items():
+                ratio = r["images_per_s_median"] / results["ddp"]["images_per_s_median"]
+                rows.append((name, world, strategy, r, ratio))
+    mib = 2**20
+    lines = [
+        "| model | ranks | strategy | params | grads | optimizer | sum per rank | vs ddp | peak RSS per rank | img/s | vs ddp |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for arch, world, name, r, ratio in rows:
+        ddp_bytes = next(x[3]["state_bytes"] for x in rows if x[:2] == (arch, world) and x[2] == "ddp")
+        lines.append(
+            f"| {arch} | {world} | {name} | {r['params_bytes'] / mib:.1f} MiB | {r['grads_bytes'] / mib:.1f} MiB "
+            f"| {r['optimizer_bytes'] / mib:.1f} MiB | {r['state_bytes'] / mib:.1f} MiB | {r['state_bytes'] / ddp_bytes:.2f} "
+            f"| {r['peak_mem_mib']:.0f} MiB | {r['images_per_s_median']:.1f} | {ratio:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     bench, cfg_args = parse_bench_args(argv)
+    if bench.memory_table:
+        print(memory_table(bench, cfg_args))
+        return 0
     try:
         benchmark(bench, cfg_args)
     except (ConfigError, DataError, LaunchError) as e:

@@ -10,6 +10,10 @@ the hooks below are added, so a test can inject a fault at an exact, computable 
 - ``FAULT_FP16_INIT_SCALE=16777216``: the GradScaler starts at this scale (never grows within the run).
 - ``FAULT_SIGNAL_AT_STEP=N`` (with ``FAULT_SIGNAL=SIGTERM|SIGUSR1``, ``FAULT_SIGNAL_RANK=0``): after
   global optimizer step N (1-based) the process sends itself the signal, as a scheduler would.
+- ``FAULT_RECORD=DIR``: each rank appends, per optimizer step, the sampler keys it trained on, the
+  LR and the global sample position before the step to ``DIR/steps_w<W>_r<rank>.jsonl``; after a
+  resume, rank 0 saves the whole resumed state (model, optimizer by index, EMA, progress) to
+  ``DIR/resumed_w<W>.pt``, gathered for the test's comparison (a sharded run never does that itself).
 """
 
 from __future__ import annotations
@@ -108,7 +112,61 @@ def _scaler_hook() -> None:
     trainer.build_run = build_run
 
 
+def _record_hooks() -> None:
+    """FAULT_RECORD: what each step trained on, and the state a resume restored."""
+    out = os.environ.get("FAULT_RECORD")
+    if not out:
+        return
+    import json
+
+    from distribuuuu.data.samplers import ResumableDistributedSampler
+
+    real_iter, real_step, real_resume = (
+        ResumableDistributedSampler.__iter__,
+        trainer.train_step,
+        trainer.resume_or_load_weights,
+    )
+
+    def sampler_iter(self):
+        self.recorded, self.taken = list(real_iter(self)), 0
+        return iter(self.recorded)
+
+    def train_step(run, micro_batches, sums):
+        sampler, n = run.train.sampler, sum(len(targets) for _, targets, _ in micro_batches)
+        keys, sampler.taken = sampler.recorded[sampler.taken : sampler.taken + n], sampler.taken + n
+        record = {
+            "epoch": run.state.epoch, "step": run.state.step_in_epoch, "position": run.state.samples_in_epoch,
+            "lr": run.optimizer.param_groups[0]["lr"], "keys": keys,
+        }  # fmt: skip
+        with open(os.path.join(out, f"steps_w{run.env.world_size}_r{run.env.rank}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return real_step(run, micro_batches, sums)
+
+    def resume_or_load_weights(run, path):
+        real_resume(run, path)
+        if path:
+            _save_resumed_state(run, os.path.join(out, f"resumed_w{run.env.world_size}.pt"))
+
+    ResumableDistributedSampler.__iter__ = sampler_iter
+    trainer.train_step, trainer.resume_or_load_weights = train_step, resume_or_load_weights
+
+
+def _save_resumed_state(run, path: str) -> None:
+    """Rank 0 saves the run's whole state right after its resume (every rank gathers: collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    from distribuuuu.sharded_checkpoint import _optimizer_by_index
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model, optim = get_state_dict(run.model, run.optimizer, options=options)
+    ema = get_model_state_dict(run.ema.module, options=options) if run.ema is not None else None
+    if run.env.rank == 0:
+        progress = {"epoch": run.state.epoch, "step": run.state.step_in_epoch, "position": run.state.samples_in_epoch}
+        torch.save({"model": model, "optimizer": _optimizer_by_index(optim), "ema": ema, **progress}, path)
+
+
 if __name__ == "__main__":
     _signal_hook()
     _scaler_hook()
+    _record_hooks()
     sys.exit(cli.run_tool(trainer.train_model, description=__doc__))

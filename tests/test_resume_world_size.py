@@ -1,0 +1,152 @@
+"""Resume on another world size, exactly, under ddp and fsdp: one epoch trained by 2, then 3, then 2 ranks.
+
+Each chain is one epoch of the digits with ``fault_train.py``'s tiny CNN (16 px), preempted
+(SIGTERM) mid-epoch by 2 ranks, resumed by 3 ranks and preempted again, then finished by 2
+ranks. ``FAULT_RECORD`` makes every rank record the sampler keys each step trained on, the LR and
+the global sample position, and rank 0 save the state each resume restored. One chain per
+strategy checks, together: every sample of the interrupted epoch used exactly once, the LR at
+each step the schedule's at that sample position, the resumed weights, optimizer and EMA state
+identical to the checkpoint's, and ddp and fsdp ending on the same weights (accumulation and
+clipping included: the trainer's own step path).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, clean_env, read_metrics, run, torchrun
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu.config import get_cfg_defaults
+from distribuuuu.optim import lr_at
+
+FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
+DIGITS = REPO / "data" / "digits"
+BATCH, ACCUM = 16, 2
+CHAIN = [
+    "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1",
+    "TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS), "OPTIM.EMA_DECAY", "0.9", "DATA.MIXUP_ALPHA", "0.2",
+    "TRAIN.BATCH_SIZE", str(BATCH), "TRAIN.ACCUM_STEPS", str(ACCUM), "TRAIN.CLIP_GRAD_NORM", "0.5",
+    "TRAIN.PRINT_FREQ", "3", "TRAIN.WORKERS", "1",
+    "TEST.BATCH_SIZE", "4",  # 361 val images on 2 ranks: 46 and 45 batches, so fsdp's eval pads one forward
+]  # fmt: skip
+# (ranks, FAULT_SIGNAL_AT_STEP): the ranks stop at the next PRINT_FREQ sync point after that step.
+# Step numbers count the optimizer steps taken in the epoch, over all segments: 2 ranks stop at
+# step 6 (sample 384), 3 ranks take steps 7-9 (to sample 672), 2 ranks finish the epoch.
+SEGMENTS = [(2, 5), (3, 7), (2, 0)]
+# fp32: FSDP2 reduce-scatters where DDP all-reduces (another summation order); over ~20 steps of
+# SGD with momentum, clipping and mixup the weights drift apart by float rounding only (1e-7 here).
+DDP_FSDP_ATOL = 1e-6
+
+
+def _chain(root: Path, strategy: str) -> Path:
+    out, record = root / "out", root / "record"
+    record.mkdir(parents=True)
+    for ranks, signal_at in SEGMENTS:
+        env = clean_env(FAULT_RECORD=str(record), FAULT_SIGNAL_AT_STEP=str(signal_at))
+        cmd = torchrun(ranks, FAULT, "OUT_DIR", str(out), *CHAIN, "DIST.STRATEGY", strategy)
+        result = run(cmd, timeout=300, env=env)
+        preempted = signal_at and "exiting with 75" in result.stderr
+        assert result.returncode == 0 or preempted, f"{ranks} ranks:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return root
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory) -> dict[str, Path]:
+    return {s: _chain(tmp_path_factory.mktemp(s), s) for s in ("ddp", "fsdp")}
+
+
+def _steps(record: Path, world: int) -> list[dict]:
+    """Every step a segment of ``world`` ranks took, its keys joined over ranks (rank order)."""
+    per_rank = [
+        [json.loads(line) for line in (record / f"steps_w{world}_r{r}.jsonl").read_text().splitlines()]
+        for r in range(world)
+    ]
+    steps = []
+    for records in zip(*per_rank):
+        assert len({(s["step"], s["position"], s["lr"]) for s in records}) == 1, "ranks disagree on the step"
+        steps.append(dict(records[0], keys=[k for s in records for k in s["keys"]]))
+    return steps
+
+
+def _segments(record: Path) -> list[list[dict]]:
+    """The steps of each segment in order: the two 2-rank segments split where the position jumps."""
+    two, three = _steps(record, 2), _steps(record, 3)
+    cut = next(i for i in range(1, len(two)) if two[i]["position"] != two[i - 1]["position"] + BATCH * ACCUM * 2)
+    return [two[:cut], three, two[cut:]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_epoch_on_2_then_3_then_2_ranks_uses_each_sample_once_at_the_schedules_lr(chains, strategy):
+    segments = _segments(chains[strategy] / "record")
+    n = sum(1 for f in (DIGITS / "train").rglob("*") if f.is_file())
+    optim = get_cfg_defaults().OPTIM
+    optim.MAX_EPOCH = 1
+    position = 0
+    for steps, world in zip(segments, (2, 3, 2)):
+        batch = BATCH * ACCUM * world
+        steps_per_epoch = math.ceil(n / world) // (BATCH * ACCUM)  # DistributedSampler's share, drop_last
+        assert steps and steps[0]["position"] == position, "each segment starts where the last one stopped"
+        for s in steps:
+            assert s["position"] == position and len(s["keys"]) == batch
+            expected = lr_at(position / batch, steps_per_epoch, optim)  # the fraction of this run's epoch
+            assert s["lr"] == pytest.approx(expected, rel=1e-12), (world, position)
+            position += batch
+    assert n - position < BATCH * ACCUM * 2, "the epoch ran to its drop_last tail"
+    indices = [index for steps in segments for s in steps for epoch, index in s["keys"]]
+    assert len(indices) == len(set(indices)) == position, "a sample of the interrupted epoch was used twice"
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(get_cfg_defaults().RNG_SEED)).tolist()
+    assert set(indices) == set(order[:position]), "the epoch's permutation, from its start, without a gap"
+
+
+def _assert_equal_states(resumed: dict, saved: dict, atol: float = 0.0) -> None:
+    for name, a, b in (
+        ("model", resumed["model"], ckpt.model_state_from(saved)),
+        ("ema", resumed["ema"], saved["ema"]["module"]),
+        ("momentum", resumed["optimizer"]["state"], saved["optimizer"]["state"]),
+    ):
+        assert a.keys() == b.keys(), name
+        for key in a:
+            x, y = (a[key], b[key]) if name != "momentum" else (a[key]["momentum_buffer"], b[key]["momentum_buffer"])
+            assert x.shape == y.shape and torch.allclose(x.float(), y.float(), rtol=0, atol=atol), (name, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resumed_on_another_world_size_with_the_checkpoints_weights_optimizer_and_ema(chains, strategy):
+    root, suffix = chains[strategy], ".dcp" if strategy == "fsdp" else ".pth.tar"
+    for world, saved_at in ((3, 6), (2, 9)):  # 2 ranks' checkpoint into 3 ranks, 3 ranks' into 2
+        resumed = torch.load(root / "record" / f"resumed_w{world}.pt", weights_only=True)
+        path = root / "out" / "checkpoints" / ckpt.checkpoint_name(1, saved_at).replace(".pth.tar", suffix)
+        saved = ckpt.load_checkpoint(str(path))  # a .dcp directory reads whole, as a file would
+        assert (resumed["epoch"], resumed["step"], resumed["position"]) == (0, saved_at, saved["samples_in_epoch"])
+        _assert_equal_states(resumed, saved)
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_chains_end_on_the_same_weights(chains):
+    final = {
+        s: ckpt.load_checkpoint(str(next((chains[s] / "out" / "checkpoints").glob("ckpt_ep_001.*")))) for s in chains
+    }
+    assert final["fsdp"]["model"].keys() == final["ddp"]["model"].keys()
+    resumed_like = {
+        "model": final["fsdp"]["model"],
+        "ema": final["fsdp"]["ema"]["module"],
+        "optimizer": final["fsdp"]["optimizer"],
+    }
+    _assert_equal_states(resumed_like, final["ddp"], atol=DDP_FSDP_ATOL)
+    # Evaluation with uneven shards finished under fsdp (no hang) and saw every val image once.
+    val = {s: [r for r in read_metrics(chains[s] / "out") if r["split"] == "val"] for s in chains}
+    assert [(r["weights"], r["samples"]) for r in val["fsdp"]] == [("model", 361), ("ema", 361)]
+    for ddp, fsdp in zip(val["ddp"], val["fsdp"]):
+        assert fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-4), fsdp["weights"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
