@@ -13,6 +13,8 @@ REQUIREMENTS = [
 
 # torch.onnx's dynamo exporter needs onnxscript; onnxruntime checks the exported model.
 EXPORT = ["onnx", "onnxruntime", "onnxscript"]
+# Packed datasets: webdataset writes the shards, wids (webdataset's indexed reader) reads them.
+DATA = ["webdataset>=1.0", "wids>=0.1.11"]
 
 setup(
     name="distribuuuu",
@@ -25,10 +27,11 @@ setup(
     install_requires=REQUIREMENTS,
     extras_require={
         # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
-        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny"],
+        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny", *DATA],
         "plot": ["matplotlib"],
         "timm": ["timm"],
         "export": EXPORT,
+        "data": DATA,
         "wandb": ["wandb"],
         "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
         "dev": ["pytest", "matplotlib", "ruff"],
