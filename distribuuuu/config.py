@@ -65,7 +65,8 @@ _C.TRAIN.BATCH_SIZE = 32
 _C.TRAIN.IM_SIZE = 32
 # Dataset root: an ImageFolder root holding SPLIT/<class>/<image>, cifar10/cifar100 as
 # "cifar10:<root>" / "cifar100:<root>" with torchvision's extracted on-disk files, or a packed
-# dataset (tools/pack_dataset.py: SPLIT/index.json + WebDataset shards) as a folder or http(s) URL
+# dataset (tools/pack_dataset.py: SPLIT/index.json + WebDataset shards) as a folder or http(s) URL,
+# or a Hugging Face image dataset saved with save_to_disk (SPLIT/state.json; needs `datasets`)
 _C.TRAIN.DATASET = "data/digits"
 # Split folder under TRAIN.DATASET
 _C.TRAIN.SPLIT = "train"

@@ -589,6 +589,7 @@ def measure_packed(cfg_args, env: DistEnv, bench, report: Report) -> None:
                     rates[label, workers].append(loader_rate(cfg, env, bench.data_batches)[0])
         for (label, workers), values in rates.items():
             rate = statistics.median(values)
+            paired = [v / ref for v, ref in zip(values, rates["folder+pil", workers])]  # same repetition
             report.emit(
                 {
                     "what": "packed_pipeline",
@@ -600,6 +601,7 @@ def measure_packed(cfg_args, env: DistEnv, bench, report: Report) -> None:
                     "repeats": bench.repeats,
                     "images_per_s_per_proc": rate,
                     "images_per_s_per_core": rate / max(1, workers),  # workers do the work; 0: the process
+                    "over_folder_pil_paired_median": statistics.median(paired),
                     **spread(values, "images_per_s"),
                     **(cost if tag in label else {}),
                 }
@@ -646,7 +648,8 @@ def format_table(records: list[dict]) -> str:
         elif w == "packed_pipeline":
             lines.append(
                 f"packed    {r['path']:<26} workers={r['workers']} im=224  {r['images_per_s_per_proc']:8.1f} img/s "
-                f"({r['images_per_s_per_core']:.1f} per core; min {r['images_per_s_min']:.1f}, max {r['images_per_s_max']:.1f})"
+                f"({r['images_per_s_per_core']:.1f} per core; min {r['images_per_s_min']:.1f}, max "
+                f"{r['images_per_s_max']:.1f}; {r['over_folder_pil_paired_median']:.2f}x folder+pil, paired)"
             )
         elif w == "decode":
             lines.append(

@@ -29,12 +29,12 @@ from distribuuuu.data.datasets import (
     JPEG_SUFFIXES,
     BadImageError,
     CheckedImageFolder,
+    EncodedSamples,
     decode_image_bytes,
     readable,
     sample_seed,
     seeded_cpu_rng,
 )
-from distribuuuu.data.packed import PackedDataset
 
 
 class EncodedSample(NamedTuple):
@@ -54,7 +54,7 @@ class EncodedImageDataset(Dataset):
     unreadable file yields ``None``, which the collate function drops and counts.
     """
 
-    def __init__(self, base: CheckedImageFolder | PackedDataset, seed: int, skip_bad: bool = False):
+    def __init__(self, base: CheckedImageFolder | EncodedSamples, seed: int, skip_bad: bool = False):
         self.base, self.seed, self.skip_bad = base, seed, skip_bad
 
     def __len__(self) -> int:

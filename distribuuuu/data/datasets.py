@@ -91,6 +91,34 @@ class CheckedImageFolder(torchvision.datasets.ImageFolder):
             raise BadImageError(f"unreadable image {path}: {e}") from None
 
 
+class EncodedSamples(Dataset):
+    """A dataset of encoded images read by row (packed shards, a saved Hugging Face dataset), shaped
+    like ImageFolder: ``samples`` (name, target), ``targets``, ``classes``. Class remapping
+    (data/classes.py) rewrites ``samples``; each name keeps its row in ``rows``. Subclasses read a
+    row's bytes with ``read_row(row, name) -> (bytes, name for messages ending in the format)``."""
+
+    def __init__(self, samples: list[tuple[str, int]], classes: list[str], decoder: str):
+        self.samples, self.classes, self.decoder = samples, classes, decoder
+        self.targets = [t for _, t in samples]
+        self.rows = {name: i for i, (name, _) in enumerate(samples)}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read_row(self, row: int, name: str) -> tuple[bytes, str]:
+        raise NotImplementedError
+
+    def encoded(self, index: int) -> tuple[bytes, str, int]:
+        """Sample ``index``'s encoded bytes, a name for messages (ending in its format), its target."""
+        name, target = self.samples[index]
+        data, where = self.read_row(self.rows[name], name)
+        return data, where, target
+
+    def __getitem__(self, index: int):
+        data, name, target = self.encoded(index)
+        return decode_image_bytes(data, name, self.decoder), target
+
+
 def check_classes(root: str, dataset: CheckedImageFolder) -> None:
     """Raise DataError for class folders with no images."""
     counts = np.bincount(np.asarray(dataset.targets, dtype=np.int64), minlength=len(dataset.classes))
@@ -106,10 +134,13 @@ def build_base_dataset(root: str, split: str, decoder: str = "auto", cache_dir: 
     kind, _, path = root.partition(":")
     if kind in CIFAR_FILES:
         return _build_cifar(kind, path, split)
-    from distribuuuu.data import packed  # imports this module
+    from distribuuuu.data import hf, packed  # they import this module
 
     if packed.is_packed(root, split):
         dataset = packed.PackedDataset(root, split, decoder, cache_dir)
+        return dataset, dataset.classes
+    if hf.is_saved_hf(root, split):
+        dataset = hf.HFImageDataset(root, split, decoder)
         return dataset, dataset.classes
     folder = os.path.join(root, split)
     if not os.path.isdir(folder):

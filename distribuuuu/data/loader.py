@@ -15,12 +15,12 @@ from distribuuuu.data.batched import BatchDecoder, DecodedLoader, EncodedImageDa
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
     CheckedImageFolder,
+    EncodedSamples,
     SeededTransformDataset,
     SyntheticDataset,
     build_base_dataset,
     collate_skipping_bad,
 )
-from distribuuuu.data.packed import PackedDataset
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
     RepeatedAugmentationSampler,
@@ -59,7 +59,7 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, li
 def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform) -> tuple[Dataset, BatchDecoder | None]:
     """The sampled dataset, and the training-process decoder when JPEGs are decoded by the batch."""
     skip_bad = cfg.DATA.BAD_IMAGE == "skip"
-    if cfg.DATA.DECODER == "batched" and isinstance(base, (CheckedImageFolder, PackedDataset)):
+    if cfg.DATA.DECODER == "batched" and isinstance(base, (CheckedImageFolder, EncodedSamples)):
         return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad), BatchDecoder(transform, env.device, skip_bad)
     return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
 

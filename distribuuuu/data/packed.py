@@ -31,9 +31,8 @@ import urllib.error
 import urllib.request
 
 import numpy as np
-from torch.utils.data import Dataset
 
-from distribuuuu.data.datasets import BadImageError, DataError, decode_image_bytes
+from distribuuuu.data.datasets import BadImageError, DataError, EncodedSamples
 
 INDEX = "index.json"
 KIND = "wids-shard-index-v1"
@@ -144,7 +143,7 @@ def default_cache_dir(root: str) -> str:
     return os.path.join(tempfile.gettempdir(), "distribuuuu-shards", hashlib.sha256(root.encode()).hexdigest()[:16])
 
 
-class PackedDataset(Dataset):
+class PackedDataset(EncodedSamples):
     """A packed split as a map-style dataset of (image, target), like CheckedImageFolder.
 
     ``samples`` lists (name, target) with the original relative path as the name, and
@@ -157,11 +156,7 @@ class PackedDataset(Dataset):
 
         self.location = index_location(root, split)
         index = load_index(self.location)
-        self.classes = list(index["classes"])
-        self.samples = [(name, int(target)) for name, target in index["samples"]]
-        self.targets = [t for _, t in self.samples]
-        self.rows = {name: i for i, (name, _) in enumerate(self.samples)}
-        self.decoder = decoder
+        super().__init__([(name, int(t)) for name, t in index["samples"]], list(index["classes"]), decoder)
         base = self.location.rsplit("/", 1)[0] + "/"
         shards = [dict(s, url=_join(base, s["url"])) for s in index["shardlist"]]
         with contextlib.redirect_stderr(io.StringIO()):  # wids prints a summary line on every construction
@@ -172,13 +167,7 @@ class PackedDataset(Dataset):
                 lru_size=4,
             )
 
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def encoded(self, index: int) -> tuple[bytes, str, int]:
-        """Sample ``index``'s encoded image bytes, a name for messages (ending in its format), its target."""
-        name, target = self.samples[index]
-        row = self.rows[name]
+    def read_row(self, row: int, name: str) -> tuple[bytes, str]:
         try:
             sample = self.shards[row]
         except BadShardError:
@@ -190,14 +179,10 @@ class PackedDataset(Dataset):
             raise BadShardError(
                 f"shard {self._shard_url(row)}: row {row} is not sample {name} (no {key_of(row)}.<image>)"
             )
-        return sample["." + ext].getvalue(), f"{self._shard_url(row)}:{key_of(row)}.{ext} ({name})", target
+        return sample["." + ext].getvalue(), f"{self._shard_url(row)}:{key_of(row)}.{ext} ({name})"
 
     def _shard_url(self, row: int) -> str:
         return self.shards.shards[int(np.searchsorted(self.shards.cum_lengths, row, side="right"))]["url"]
-
-    def __getitem__(self, index: int):
-        data, name, target = self.encoded(index)
-        return decode_image_bytes(data, name, self.decoder), target
 
 
 def key_of(row: int) -> str:

@@ -65,6 +65,7 @@ def build_mosaic(data: list, out: str):
 
 def main() -> None:
     n, repeats = (int(a) for a in (sys.argv[1:] + ["1000", "3"])[:2])
+    torch.set_num_threads(1)  # one core: the figures are per core
     root = tempfile.mkdtemp(prefix="libcmp-")
     photos = make_photo_folder(os.path.join(root, "photos"), n, mixed=True)
     data = samples(photos)
