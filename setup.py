@@ -27,11 +27,12 @@ setup(
     install_requires=REQUIREMENTS,
     extras_require={
         # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
-        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny", *DATA],
+        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny", *DATA, "datasets"],
         "plot": ["matplotlib"],
         "timm": ["timm"],
         "export": EXPORT,
         "data": DATA,
+        "hf": ["datasets"],  # TRAIN/TEST.DATASET: an image dataset saved with datasets' save_to_disk
         "wandb": ["wandb"],
         "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
         "dev": ["pytest", "matplotlib", "ruff"],

@@ -232,3 +232,31 @@ def test_two_processes_read_the_shards_over_http_exactly_as_from_disk(packed, ht
 
 def _without_timings(record: dict) -> dict:
     return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
+
+
+@pytest.fixture(scope="module")
+def saved_hf(tmp_path_factory) -> Path:
+    """data/digits/val as a Hugging Face DatasetDict saved with save_to_disk (images embedded as bytes)."""
+    datasets = pytest.importorskip("datasets")
+    folder = CheckedImageFolder(str(DIGITS / "val"))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes)})
+    rows = {
+        "image": [{"bytes": open(p, "rb").read(), "path": None} for p, _ in folder.samples],
+        "label": folder.targets,
+    }
+    out = tmp_path_factory.mktemp("hf") / "digits"
+    datasets.DatasetDict({"val": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(out))
+    return out
+
+
+def test_saved_hugging_face_dataset_reads_and_evaluates_as_the_imagefolder(saved_hf):
+    folder = CheckedImageFolder(str(DIGITS / "val"), "pil")
+    hf, classes = build_base_dataset(str(saved_hf), "val", "pil")
+    assert classes == folder.classes and hf.targets == folder.targets
+    for i in range(0, len(folder), 5):
+        assert torch.equal(_pixels(hf[i][0]), _pixels(folder[i][0])), f"sample {i}"
+    cfg = get_cfg_defaults()
+    cfg.TEST.IM_SIZE, cfg.TRAIN.IM_SIZE, cfg.TEST.BATCH_SIZE, cfg.TRAIN.WORKERS = 16, 16, 50, 0
+    reference = _eval_predictions(cfg, 1)
+    cfg.TEST.DATASET = str(saved_hf)
+    assert _eval_predictions(cfg, 2) == reference
