@@ -120,7 +120,29 @@ def test_every_training_sample_once_per_epoch_in_an_order_independent_of_world_s
     for index in order[:n:7]:  # what the shards hold at those rows is the ImageFolder's sample
         _, name, target = pk.encoded(index)
         path, folder_target = folder.samples[index]
-        assert name.endswith(f"({os.path.relpath(path, DIGITS / 'train')})") and target == folder_target
+        assert name.startswith(f"{os.path.relpath(path, DIGITS / 'train')} from ") and target == folder_target
+
+
+def test_packed_jpegs_take_the_decoders_and_the_batched_path_of_the_folder(tmp_path):
+    """JPEGs keep their format through packing: "auto" decodes them with torchvision.io, "pil" with
+    PIL, and the batched decoder gets their bytes, as from the files."""
+    from PIL import Image
+    from torchvision import tv_tensors
+
+    from distribuuuu.data.batched import EncodedImageDataset
+
+    for i in range(4):
+        (tmp_path / "src" / "train" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (20 + i, 16), (40 * i, 90, 200)).save(tmp_path / "src" / "train" / f"c{i % 2}" / f"{i}.jpg")
+    pack_split(str(tmp_path / "src"), "train", str(tmp_path / "packed"), PackOptions(shard_size=3))
+    folder = CheckedImageFolder(str(tmp_path / "src" / "train"))
+    pk = PackedDataset(str(tmp_path / "packed"), "train")
+    encoded = EncodedImageDataset(pk, seed=0)
+    for i, (path, _) in enumerate(folder.samples):
+        assert isinstance(pk[i][0], tv_tensors.Image) and torch.equal(pk[i][0], folder[i][0])
+        sample = encoded[(0, i)]
+        assert sample.encoded and sample.data.numpy().tobytes() == Path(path).read_bytes()
+    assert not isinstance(PackedDataset(str(tmp_path / "packed"), "train", "pil")[0][0], torch.Tensor)
 
 
 def _eval_predictions(cfg, world: int) -> dict[int, tuple[int, int]]:

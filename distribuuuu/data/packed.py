@@ -179,7 +179,8 @@ class PackedDataset(EncodedSamples):
             raise BadShardError(
                 f"shard {self._shard_url(row)}: row {row} is not sample {name} (no {key_of(row)}.<image>)"
             )
-        return sample["." + ext].getvalue(), f"{self._shard_url(row)}:{key_of(row)}.{ext} ({name})"
+        # The name ends in the format: the decoders choose by suffix (torchvision.io for JPEG in "auto").
+        return sample["." + ext].getvalue(), f"{name} from {self._shard_url(row)}:{key_of(row)}.{ext}"
 
     def _shard_url(self, row: int) -> str:
         return self.shards.shards[int(np.searchsorted(self.shards.cum_lengths, row, side="right"))]["url"]
