@@ -16,7 +16,8 @@ downloads with ``curl`` through ``os.system`` with no timeout, writes the final 
 interrupted download leaves a truncated shard in its cache) and does not check the index's
 checksums. Here a download has a timeout, lands under a temporary name, is checked against the
 index's size and MD5, and only then takes its final name; a local shard is read in place, its
-size checked against the index (a truncated shard is named, not half-read).
+size checked against the index (a truncated shard is named, not half-read), through a symbolic
+link in the cache folder (wids writes its lock file beside the file it opens).
 """
 
 from __future__ import annotations
@@ -105,13 +106,20 @@ class _ShardFiles:
 
     def __call__(self, url: str) -> str:
         desc = self.by_url[url]
-        if not is_url(url):
-            self._check_size(url, desc)
-            return url
+        os.makedirs(self.cache_dir, exist_ok=True)
         local = os.path.join(
             self.cache_dir, hashlib.sha256(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url)
         )
-        if not os.path.isfile(local):
+        if not is_url(url):
+            # A symbolic link, not a copy: wids locks "<local>.lock" beside the file it opens, and
+            # the dataset's own folder may be read-only.
+            self._check_size(url, desc)
+            if not os.path.islink(local) or os.readlink(local) != os.path.abspath(url):
+                tmp = f"{local}.{os.getpid()}.link"
+                os.symlink(os.path.abspath(url), tmp)
+                os.replace(tmp, local)
+            return local
+        if not os.path.isfile(local) or os.path.getsize(local) != desc["filesize"]:  # absent, or another version
             self._download(url, desc, local)
         return local
 
@@ -125,7 +133,6 @@ class _ShardFiles:
             raise BadShardError(f"shard {path} is {size} bytes, the index says {desc['filesize']} (truncated?)")
 
     def _download(self, url: str, desc: dict, local: str) -> None:
-        os.makedirs(self.cache_dir, exist_ok=True)
         try:
             data = fetch(url)
         except DataError as e:
