@@ -285,3 +285,24 @@ def test_saved_hugging_face_dataset_reads_and_evaluates_as_the_imagefolder(saved
     reference = _eval_predictions(cfg, 1)
     cfg.TEST.DATASET = str(saved_hf)
     assert _eval_predictions(cfg, 2) == reference
+
+
+def test_cifar_arrays_pack_as_png_and_read_back_exactly(tmp_path, monkeypatch):
+    """CIFAR has no files: its uint8 arrays are packed as PNG (lossless). torchvision's CIFAR checks
+    its archives' MD5, so a stand-in with CIFAR's attributes (data, targets, classes) is packed here."""
+    import numpy as np
+
+    from distribuuuu.data import pack
+
+    class FakeCifar:
+        data = np.random.default_rng(0).integers(0, 256, (7, 32, 32, 3), dtype=np.uint8)
+        targets = [0, 1, 2, 0, 1, 2, 0]
+        classes = ["plane", "car", "bird"]
+
+    monkeypatch.setattr(pack, "build_base_dataset", lambda root, split, decoder: (FakeCifar, FakeCifar.classes))
+    report = pack_split("cifar10:/nowhere", "train", str(tmp_path), PackOptions(shard_size=3))
+    assert (report.shards, report.samples) == (3, 7)
+    pk = PackedDataset(str(tmp_path), "train", "pil", cache_dir=str(tmp_path / "cache"))
+    assert pk.classes == FakeCifar.classes and pk.targets == FakeCifar.targets
+    for i in range(7):
+        assert np.array_equal(np.asarray(pk[i][0]), FakeCifar.data[i])
