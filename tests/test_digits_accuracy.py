@@ -26,7 +26,7 @@ def test_default_config_under_torchrun_two_processes_reaches_95_percent_from_pac
     pytest.importorskip("wids")
     packed = tmp_path / "packed"
     assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
-    data = ["TRAIN.DATASET", str(packed), "TEST.DATASET", str(packed)]
+    data = ["TRAIN.DATASET", str(packed), "TEST.DATASET", str(packed), "DATA.SHARD_CACHE", str(tmp_path / "cache")]
     result = run(torchrun(2, TRAIN, "OUT_DIR", str(tmp_path / "out"), *data), timeout=600)
     assert_ok(result)
     assert "torchrun launch, 2 process(es)" in result.stdout

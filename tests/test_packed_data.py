@@ -36,6 +36,12 @@ SHARD_SIZE = 300
 TINY = ["MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.PRINT_FREQ", "5"]
 
 
+@pytest.fixture(autouse=True)
+def shard_cache_in_tmp(tmp_path, monkeypatch):
+    """Readers built in this process keep their shard links under the test's tmp_path, not in /tmp."""
+    monkeypatch.setattr("distribuuuu.data.packed.default_cache_dir", lambda root: str(tmp_path / "shard-cache"))
+
+
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("packed") / "digits"
@@ -199,6 +205,7 @@ def test_dead_url_is_one_error_naming_the_index():
 def test_training_on_a_truncated_shard_stops_naming_it_or_skips_and_counts_its_samples(packed, tmp_path):
     copy = _truncated_copy(packed, tmp_path, "shard-000002.tar")
     args = ["TRAIN.DATASET", str(copy), "TEST.DATASET", str(copy), *TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.WORKERS", "1"]
+    args += ["DATA.SHARD_CACHE", str(tmp_path / "cache")]
     failed = run(python(FAULT, "OUT_DIR", str(tmp_path / "error"), *args), timeout=300)
     assert failed.returncode == 1, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if line.startswith("distribuuuu: error:")]
@@ -221,6 +228,7 @@ def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
 
     common = [*TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.CKPT_PERIOD_ITERS", "10", "TRAIN.WORKERS", "2"]
     common += ["DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9"]  # global RNG and EMA state: both must resume
+    common += ["DATA.SHARD_CACHE", str(tmp_path / "cache")]
     on = {"folder": ["TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS)]}
     on["packed"] = ["TRAIN.DATASET", str(packed), "TEST.DATASET", str(packed)]
     for name, data in on.items():
