@@ -14,8 +14,6 @@ nor PIL offers a crop-aware reduced decode.
 
 from __future__ import annotations
 
-import math
-
 from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
@@ -35,7 +33,8 @@ def decode_reduced(img: Image.Image, min_side: float, target: int) -> tuple[Imag
     r = next((r for r in REDUCTIONS if min_side / r >= target), 1)
     try:
         if r > 1:
-            img.draft("RGB", (math.ceil(width / r), math.ceil(height / r)))
+            # PIL picks the scale from original // requested: floor division, so r itself is picked.
+            img.draft("RGB", (width // r, height // r))
         img.load()
         return img.convert("RGB"), width / img.size[0]
     except Exception as e:
