@@ -14,6 +14,8 @@ REQUIREMENTS = [
 # torch.onnx's dynamo exporter needs onnxscript; onnxruntime checks the exported model.
 EXPORT = ["onnx", "onnxruntime", "onnxscript"]
 RUFF = "ruff==0.17.6"
+# Packed datasets: webdataset writes the shards, wids (webdataset's indexed reader) reads them.
+DATA = ["webdataset>=1.0", "wids>=0.1.11"]
 
 setup(
     name="distribuuuu",
@@ -27,10 +29,12 @@ setup(
     extras_require={
         # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
         # ruff is pinned: CI checks the formatting, and another ruff version formats differently.
-        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny", RUFF],
+        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny", *DATA, "datasets", RUFF],
         "plot": ["matplotlib"],
         "timm": ["timm"],
         "export": EXPORT,
+        "data": DATA,
+        "hf": ["datasets"],  # TRAIN/TEST.DATASET: an image dataset saved with datasets' save_to_disk
         "wandb": ["wandb"],
         "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
         "dev": ["pytest", "matplotlib", RUFF],

@@ -63,8 +63,10 @@ _C.TRAIN = CN()
 _C.TRAIN.BATCH_SIZE = 32
 # Training crop size (RandomResizedCrop); also the val center-crop size
 _C.TRAIN.IM_SIZE = 32
-# Dataset root: an ImageFolder root holding SPLIT/<class>/<image>, or cifar10/cifar100 as
-# "cifar10:<root>" / "cifar100:<root>" with torchvision's extracted on-disk files
+# Dataset root: an ImageFolder root holding SPLIT/<class>/<image>, cifar10/cifar100 as
+# "cifar10:<root>" / "cifar100:<root>" with torchvision's extracted on-disk files, or a packed
+# dataset (tools/pack_dataset.py: SPLIT/index.json + WebDataset shards) as a folder or http(s) URL,
+# or a Hugging Face image dataset saved with save_to_disk (SPLIT/state.json; needs `datasets`)
 _C.TRAIN.DATASET = "data/digits"
 # Split folder under TRAIN.DATASET
 _C.TRAIN.SPLIT = "train"
@@ -186,8 +188,12 @@ _C.DATA.BAD_IMAGE = "error"
 # Image decoding: "auto" (torchvision.io for JPEG, measured faster; PIL for the rest), "pil",
 # "torchvision" (torchvision.io for JPEG and PNG), or "batched" (workers read JPEG bytes; the
 # training process decodes each batch's JPEGs in one decode_jpeg call on its device, nvJPEG on
-# GPU, and augments them there; other formats as "auto")
+# GPU, and augments them there; other formats as "auto"), or "draft" (PIL, decoding a JPEG at
+# 1/2, 1/4 or 1/8 scale, libjpeg's DCT scaling, when the sampled crop or the val resize is at least
+# that many times the output: fewer pixels decoded, slightly different ones; docs/packed-data.md)
 _C.DATA.DECODER = "auto"
+# Folder for shards of a packed dataset read from a URL ("": <temp dir>/distribuuuu-shards/<hash>)
+_C.DATA.SHARD_CACHE = ""
 # Number of synthetic samples per split when MODEL.DUMMY_INPUT is on
 _C.DATA.DUMMY_SIZE = 1024
 
@@ -325,7 +331,7 @@ AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 CKPT_FORMATS = ("", "sharded", "file")
-DECODERS = ("auto", "pil", "torchvision", "batched")
+DECODERS = ("auto", "pil", "torchvision", "batched", "draft")
 TRACKERS = ("wandb", "mlflow")
 
 
@@ -655,6 +661,8 @@ def check_dataset_paths(c: CN) -> None:
         ("TEST.DATASET", c.TEST.DATASET, c.TEST.SPLIT),
         *(("TEST.EXTRA_DATASETS", extra, c.TEST.SPLIT) for extra in c.TEST.EXTRA_DATASETS),
     ):
+        if root.startswith(("http://", "https://")):
+            continue  # a packed dataset's URL: its index is read (and named if it fails) when the data is built
         kind, _, path = root.partition(":") if root.split(":", 1)[0] in ("cifar10", "cifar100") else ("", "", root)
         if kind:
             if not os.path.isdir(path):

@@ -70,6 +70,22 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     assert "framework/plain" in result.stdout  # the table follows the JSON lines
 
 
+@pytest.mark.slow
+def test_benchmark_packed_measures_every_path_on_the_same_photos():
+    pytest.importorskip("wids")
+    cmd = python(BENCH, "--what", "packed", "--photos", "8", "--workers", "0", "--repeats", "1", "--data-batches", "1")
+    result = run([*cmd, "TRAIN.BATCH_SIZE", "2"], timeout=300)
+    assert_ok(result)
+    records = json_lines(result.stdout)
+    paths = {r["path"]: r for r in records}
+    assert [r["what"] for r in records] == ["packed_pipeline"] * 6 and len(paths) == 6
+    assert {p.split("+")[1] for p in paths} == {"pil", "torchvision", "draft"}
+    assert paths["folder+pil"]["over_folder_pil_paired_median"] == 1.0
+    small = [r for p, r in paths.items() if p.startswith("packed-")]
+    assert len(small) == 2 and all(0 < r["pixels_kept"] <= 1 and 0 < r["bytes_kept"] for r in small)
+    assert all(r["images_per_s_per_core"] > 0 and r["im_size"] == 224 for r in records)
+
+
 def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
     spec = importlib.util.spec_from_file_location("benchmark_tool", BENCH)
     tool = importlib.util.module_from_spec(spec)

@@ -50,9 +50,13 @@ from distribuuuu.optim import LAMB, LARS, freeze, optimizer_groups  # noqa: E402
 from distribuuuu.parallel import local_state_bytes  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
 
-WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory")
+WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet photo
+# --what packed: ImageNet-like mixed sizes (width, height), drawn with these weights.
+MIXED_SIZES = ((500, 375), (375, 500), (500, 333), (333, 500), (640, 480), (800, 600), (1024, 768), (400, 300))
+MIXED_WEIGHTS = (0.3, 0.15, 0.15, 0.1, 0.1, 0.08, 0.04, 0.08)
+REENCODE = (320, 90)  # --what packed's re-encoded variant: longer side <= 320 px, JPEG quality 90
 DECODE_BATCH = 32  # JPEGs per decode_jpeg call when timing DATA.DECODER "batched" alone
 
 
@@ -68,7 +72,7 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     p.add_argument("--what", default=DEFAULT_WHAT, help=f"comma-separated subset of {','.join(WHAT)}")
     p.add_argument("--workers", default="0,1,2", help="DataLoader worker counts for --what data")
     p.add_argument("--data-batches", type=int, default=20, help="batches timed per data-pipeline measurement")
-    p.add_argument("--photos", type=int, default=96, help="synthetic 500x375 JPEGs generated for --what decode")
+    p.add_argument("--photos", type=int, default=96, help="synthetic JPEGs generated for --what decode / packed")
     p.add_argument("--bf16-steps", type=int, default=3, help="timed steps of the bf16 variants (slow on CPUs)")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
     p.add_argument(
@@ -494,16 +498,17 @@ def measure_data(cfg_args, env: DistEnv, bench, report: Report, label: str = "da
         )
 
 
-def make_photo_folder(root: str, count: int, seed: int = 0) -> str:
-    """Write ``count`` synthetic 500x375 JPEG photos (smooth colour fields plus grain) as an ImageFolder."""
+def make_photo_folder(root: str, count: int, seed: int = 0, mixed: bool = False) -> str:
+    """Write ``count`` synthetic JPEG photos (smooth colour fields plus grain) as an ImageFolder:
+    500x375, or ImageNet-like mixed sizes (MIXED_SIZES) with ``mixed``."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    w, h = PHOTO_SIZE
     for split, n in (("train", count), ("val", max(2, count // 4))):
         for i in range(n):
             folder = os.path.join(root, split, f"class{i % 2}")
             os.makedirs(folder, exist_ok=True)
+            w, h = MIXED_SIZES[rng.choice(len(MIXED_SIZES), p=MIXED_WEIGHTS)] if mixed else PHOTO_SIZE
             # Low-frequency structure compresses like a photo; the grain keeps the file realistic (~60 KB).
             coarse = rng.uniform(0, 255, (h // 25 + 1, w // 25 + 1, 3)).astype(np.uint8)
             smooth = np.asarray(Image.fromarray(coarse).resize((w, h), Image.BICUBIC), dtype=np.float32)
@@ -569,6 +574,87 @@ def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def _pack_variants(root: str) -> tuple[str, str, dict]:
+    """Pack ``root`` as is and re-encoded (REENCODE); return both roots and what re-encoding costs."""
+    from PIL import Image
+
+    from distribuuuu.data.pack import PackOptions, pack_split
+
+    raw, small = os.path.join(root, "packed"), os.path.join(root, f"packed-{REENCODE[0]}q{REENCODE[1]}")
+    for split in ("train", "val"):
+        pack_split(os.path.join(root, "photos"), split, raw, PackOptions(shard_size=500))
+        pack_split(os.path.join(root, "photos"), split, small, PackOptions(500, *REENCODE))
+    photos = os.path.join(root, "photos", "train")
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(photos) for f in fs)
+    pixels = sum(w * h for w, h in (Image.open(f).size for f in files))
+    scale = [min(1.0, REENCODE[0] / max(Image.open(f).size)) for f in files]
+    cost = {
+        "reencode": f"longer side <= {REENCODE[0]} px, JPEG quality {REENCODE[1]}",
+        "pixels_kept": sum(s * s * w * h for s, (w, h) in zip(scale, (Image.open(f).size for f in files))) / pixels,
+        "bytes_kept": _tree_bytes(os.path.join(small, "train")) / _tree_bytes(os.path.join(raw, "train")),
+    }
+    return raw, small, cost
+
+
+def _tree_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".tar"))
+
+
+def measure_packed(cfg_args, env: DistEnv, bench, report: Report) -> None:
+    """The 224-pixel training pipeline on the same mixed-size JPEGs: ImageFolder (PIL, torchvision.io)
+    against packed shards (as is and re-encoded; torchvision.io and DATA.DECODER draft), for each
+    worker count. Paths are measured in turn within each repetition, so load drift hits all alike."""
+    root = tempfile.mkdtemp(prefix="distribuuuu-packed-") if env.is_main_process else None
+    try:
+        if env.is_main_process:
+            make_photo_folder(os.path.join(root, "photos"), bench.photos, mixed=True)
+            raw, small, cost = _pack_variants(root)
+        root = broadcast_object(root)
+        raw, small, cost = broadcast_object((raw, small, cost) if env.is_main_process else None)
+        photos, tag = os.path.join(root, "photos"), f"packed-{REENCODE[0]}q{REENCODE[1]}"
+        paths = {
+            "folder+pil": (photos, "pil"),
+            "folder+torchvision": (photos, "torchvision"),
+            "packed+torchvision": (raw, "torchvision"),
+            "packed+draft": (raw, "draft"),
+            f"{tag}+torchvision": (small, "torchvision"),
+            f"{tag}+draft": (small, "draft"),
+        }
+        rates = {(p, w): [] for p in paths for w in bench.workers}
+        for _ in range(bench.repeats):
+            for workers in bench.workers:
+                for label, (data, decoder) in paths.items():
+                    cfg = bench_cfg(
+                        cfg_args, "TRAIN.DATASET", data, "TEST.DATASET", data, "DATA.DECODER", decoder,
+                        "TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "256", "TRAIN.WORKERS", str(workers),
+                    )  # fmt: skip
+                    barrier()
+                    rates[label, workers].append(loader_rate(cfg, env, bench.data_batches)[0])
+        for (label, workers), values in rates.items():
+            rate = statistics.median(values)
+            paired = [v / ref for v, ref in zip(values, rates["folder+pil", workers])]  # same repetition
+            report.emit(
+                {
+                    "what": "packed_pipeline",
+                    "path": label,
+                    "workers": workers,
+                    "world_size": env.world_size,
+                    "im_size": 224,
+                    "photos": bench.photos,
+                    "repeats": bench.repeats,
+                    "images_per_s_per_proc": rate,
+                    "images_per_s_per_core": rate / max(1, workers),  # workers do the work; 0: the process
+                    "over_folder_pil_paired_median": statistics.median(paired),
+                    **spread(values, "images_per_s"),
+                    **(cost if tag in label else {}),
+                }
+            )
+        barrier()
+    finally:
+        if env.is_main_process and root:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Table and entry point
 # ------------------------------------------------------------------------------------------------
@@ -601,6 +687,12 @@ def format_table(records: list[dict]) -> str:
             lines.append(
                 f"{w:<15} {r['decoder']:<11} workers={r['workers']} np={r['world_size']} im={r['im_size']}  "
                 f"{r['images_per_s']:9.1f} img/s ({r['images_per_s_per_proc']:.1f} per process)"
+            )
+        elif w == "packed_pipeline":
+            lines.append(
+                f"packed    {r['path']:<26} workers={r['workers']} im=224  {r['images_per_s_per_proc']:8.1f} img/s "
+                f"({r['images_per_s_per_core']:.1f} per core; min {r['images_per_s_min']:.1f}, max "
+                f"{r['images_per_s_max']:.1f}; {r['over_folder_pil_paired_median']:.2f}x folder+pil, paired)"
             )
         elif w == "decode":
             lines.append(
@@ -647,6 +739,8 @@ def benchmark(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> list[d
             measure_data(cfg_args, env, bench, report)
         if "decode" in what:
             measure_decode(cfg_args, env, bench, report)
+        if "packed" in what:
+            measure_packed(cfg_args, env, bench, report)
         if env.is_main_process:
             print("\n" + format_table(report.records), flush=True)
         return report.records

@@ -29,7 +29,8 @@ from distribuuuu.data.datasets import (
     JPEG_SUFFIXES,
     BadImageError,
     CheckedImageFolder,
-    load_image,
+    EncodedSamples,
+    decode_image_bytes,
     readable,
     sample_seed,
     seeded_cpu_rng,
@@ -53,7 +54,7 @@ class EncodedImageDataset(Dataset):
     unreadable file yields ``None``, which the collate function drops and counts.
     """
 
-    def __init__(self, base: CheckedImageFolder, seed: int, skip_bad: bool = False):
+    def __init__(self, base: CheckedImageFolder | EncodedSamples, seed: int, skip_bad: bool = False):
         self.base, self.seed, self.skip_bad = base, seed, skip_bad
 
     def __len__(self) -> int:
@@ -61,20 +62,17 @@ class EncodedImageDataset(Dataset):
 
     def __getitem__(self, key) -> EncodedSample | None:
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        path, target = self.base.samples[index]
         try:
-            if path.lower().endswith(JPEG_SUFFIXES):
-                try:
-                    data, encoded = torchvision.io.read_file(path), True
-                except RuntimeError as e:
-                    raise BadImageError(f"unreadable image {path}: {e}") from None
+            raw, name, target = self.base.encoded(index)  # a file's or a packed sample's bytes
+            if name.lower().endswith(JPEG_SUFFIXES):
+                data, encoded = torch.frombuffer(bytearray(raw), dtype=torch.uint8), True
             else:
-                data, encoded = to_image(load_image(path, "auto")).as_subclass(torch.Tensor), False
+                data, encoded = to_image(decode_image_bytes(raw, name, "auto")).as_subclass(torch.Tensor), False
         except BadImageError:
             if self.skip_bad:
                 return None
             raise
-        return EncodedSample(data, encoded, target, sample_seed(self.seed, epoch, index), path)
+        return EncodedSample(data, encoded, target, sample_seed(self.seed, epoch, index), name)
 
 
 @dataclass

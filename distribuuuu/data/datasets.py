@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from typing import Callable
 
@@ -40,23 +41,37 @@ _TORCHVISION_SUFFIXES = {
     "auto": JPEG_SUFFIXES if _TORCHVISION_DECODES else (),
     "batched": JPEG_SUFFIXES,
     "torchvision": JPEG_SUFFIXES + (".png",),
+    "draft": (),
 }
 
 
 def load_image(path: str, decoder: str = "auto"):
     """Decode an image file to RGB: a PIL image, or a uint8 tv_tensors.Image via torchvision.io."""
     try:
-        if path.lower().endswith(_TORCHVISION_SUFFIXES[decoder]):
-            data = torchvision.io.read_file(path)
-            return tv_tensors.Image(torchvision.io.decode_image(data, mode=torchvision.io.ImageReadMode.RGB))
-        with Image.open(path) as img:
-            img.load()  # decode now, so a truncated file fails here with its path
-            if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-                # PIL's convert("RGB") clips 16-bit values at 255; rescale to 8 bits instead.
-                img = Image.fromarray((np.asarray(img, dtype=np.uint32) >> 8).astype(np.uint8))
-            return img.convert("RGB")
-    except Exception as e:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
         raise BadImageError(f"unreadable image {path}: {e}") from None
+    return decode_image_bytes(data, path, decoder)
+
+
+def decode_image_bytes(data: bytes, name: str, decoder: str = "auto"):
+    """Decode an encoded image (``name`` ends in its format and names it in errors) as load_image does."""
+    try:
+        if name.lower().endswith(_TORCHVISION_SUFFIXES[decoder]):
+            encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            return tv_tensors.Image(torchvision.io.decode_image(encoded, mode=torchvision.io.ImageReadMode.RGB))
+        img = Image.open(io.BytesIO(data))
+        if decoder == "draft" and img.format == "JPEG":
+            img.source_name = name  # for draft.py's error message
+            return img  # decoded later, at a reduced DCT scale where the crop allows (data/draft.py)
+        img.load()  # decode now, so a truncated file fails here with its name
+        if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+            # PIL's convert("RGB") clips 16-bit values at 255; rescale to 8 bits instead.
+            img = Image.fromarray((np.asarray(img, dtype=np.uint32) >> 8).astype(np.uint8))
+        return img.convert("RGB")
+    except Exception as e:
+        raise BadImageError(f"unreadable image {name}: {e}") from None
 
 
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
@@ -65,6 +80,43 @@ class CheckedImageFolder(torchvision.datasets.ImageFolder):
     def __init__(self, root: str, decoder: str = "auto"):
         # allow_empty: empty class folders are reported by check_classes with a clearer message
         super().__init__(root, loader=lambda p: load_image(p, decoder), allow_empty=True)
+
+    def encoded(self, index: int) -> tuple[bytes, str, int]:
+        """Sample ``index``'s file bytes, its path, its target (the batched decoder's input)."""
+        path, target = self.samples[index]
+        try:
+            with open(path, "rb") as f:
+                return f.read(), path, target
+        except OSError as e:
+            raise BadImageError(f"unreadable image {path}: {e}") from None
+
+
+class EncodedSamples(Dataset):
+    """A dataset of encoded images read by row (packed shards, a saved Hugging Face dataset), shaped
+    like ImageFolder: ``samples`` (name, target), ``targets``, ``classes``. Class remapping
+    (data/classes.py) rewrites ``samples``; each name keeps its row in ``rows``. Subclasses read a
+    row's bytes with ``read_row(row, name) -> (bytes, name for messages ending in the format)``."""
+
+    def __init__(self, samples: list[tuple[str, int]], classes: list[str], decoder: str):
+        self.samples, self.classes, self.decoder = samples, classes, decoder
+        self.targets = [t for _, t in samples]
+        self.rows = {name: i for i, (name, _) in enumerate(samples)}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read_row(self, row: int, name: str) -> tuple[bytes, str]:
+        raise NotImplementedError
+
+    def encoded(self, index: int) -> tuple[bytes, str, int]:
+        """Sample ``index``'s encoded bytes, a name for messages (ending in its format), its target."""
+        name, target = self.samples[index]
+        data, where = self.read_row(self.rows[name], name)
+        return data, where, target
+
+    def __getitem__(self, index: int):
+        data, name, target = self.encoded(index)
+        return decode_image_bytes(data, name, self.decoder), target
 
 
 def check_classes(root: str, dataset: CheckedImageFolder) -> None:
@@ -77,11 +129,19 @@ def check_classes(root: str, dataset: CheckedImageFolder) -> None:
         raise DataError(f"{root}: class folder(s) with no images ({', '.join(IMG_EXTENSIONS)}): {empty}")
 
 
-def build_base_dataset(root: str, split: str, decoder: str = "auto") -> tuple[Dataset, list[str]]:
+def build_base_dataset(root: str, split: str, decoder: str = "auto", cache_dir: str = "") -> tuple[Dataset, list[str]]:
     """Return an untransformed dataset of (image, target) and its class names."""
     kind, _, path = root.partition(":")
     if kind in CIFAR_FILES:
         return _build_cifar(kind, path, split)
+    from distribuuuu.data import hf, packed  # they import this module
+
+    if packed.is_packed(root, split):
+        dataset = packed.PackedDataset(root, split, decoder, cache_dir)
+        return dataset, dataset.classes
+    if hf.is_saved_hf(root, split):
+        dataset = hf.HFImageDataset(root, split, decoder)
+        return dataset, dataset.classes
     folder = os.path.join(root, split)
     if not os.path.isdir(folder):
         raise DataError(f"dataset folder not found: {folder}")

@@ -15,6 +15,7 @@ from distribuuuu.data.batched import BatchDecoder, DecodedLoader, EncodedImageDa
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
     CheckedImageFolder,
+    EncodedSamples,
     SeededTransformDataset,
     SyntheticDataset,
     build_base_dataset,
@@ -47,7 +48,7 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, li
         size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(cfg.MODEL.NUM_CLASSES)]
         seed = cfg.RNG_SEED + (0 if train else 1)
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
-    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER)
+    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE)
     if len(classes) > cfg.MODEL.NUM_CLASSES:
         raise ConfigError(
             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {root}/{split} has {len(classes)} class folders"
@@ -58,7 +59,7 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, li
 def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform) -> tuple[Dataset, BatchDecoder | None]:
     """The sampled dataset, and the training-process decoder when JPEGs are decoded by the batch."""
     skip_bad = cfg.DATA.BAD_IMAGE == "skip"
-    if cfg.DATA.DECODER == "batched" and isinstance(base, CheckedImageFolder):
+    if cfg.DATA.DECODER == "batched" and isinstance(base, (CheckedImageFolder, EncodedSamples)):
         return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad), BatchDecoder(transform, env.device, skip_bad)
     return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
 

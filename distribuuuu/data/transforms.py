@@ -11,15 +11,16 @@ from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.config import eval_crop_size, get_cfg_defaults
+from distribuuuu.data.draft import DraftDecode, DraftRandomResizedCrop
 
 
 def build_train_transform(cfg: CfgNode) -> Callable:
     """RandomResizedCrop(TRAIN.IM_SIZE) + flip [+ auto-augment] + normalise [+ random erasing]."""
     d = cfg.DATA
-    steps = [
-        v2.ToImage(),
-        v2.RandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True),
-    ]
+    if d.DECODER == "draft":  # JPEGs arrive undecoded: the crop decodes them at a reduced scale
+        steps = [DraftRandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
+    else:
+        steps = [v2.ToImage(), v2.RandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
     if d.HFLIP_PROB > 0:
         steps.append(v2.RandomHorizontalFlip(d.HFLIP_PROB))
     policy = {
@@ -80,7 +81,7 @@ def build_val_transform(cfg: CfgNode) -> Callable:
     p = eval_preprocessing(cfg)
     return v2.Compose(
         [
-            v2.ToImage(),
+            DraftDecode(p.resize) if cfg.DATA.DECODER == "draft" else v2.ToImage(),
             v2.Resize(p.resize, interpolation=v2.InterpolationMode[p.interpolation.upper()], antialias=True),
             v2.CenterCrop(p.crop),
             v2.ToDtype(torch.float32, scale=True),

@@ -1,0 +1,154 @@
+"""Pack an ImageFolder or CIFAR split into WebDataset shards with a wids index (tools/pack_dataset.py).
+
+A run is idempotent and resumable. Samples go to shards in the dataset's own order (ImageFolder's
+sorted order), ``shard_size`` per shard. Each finished shard is written under a temporary name,
+renamed, then recorded in ``.parts/shard-N.json`` with a fingerprint of what it holds (sample
+names, targets, encoding options). A second run skips every shard whose record matches and whose
+file has the recorded size, rewrites the others, and writes index.json last. Tar headers carry
+fixed times and owners (webdataset's TarWriter with mtime 0), so a shard's bytes depend on its
+samples alone: an interrupted run, run again, produces the same shards as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from PIL import Image
+
+from distribuuuu.data.datasets import build_base_dataset
+from distribuuuu.data.packed import INDEX, KIND, key_of, md5_of
+
+SHARD = "shard-{:06d}.tar"
+PARTS = ".parts"
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    shard_size: int = 1000  # samples per shard
+    max_side: int = 0  # re-encode as JPEG with the longer side at most this (0: keep the size)
+    quality: int = 0  # JPEG quality when re-encoding (0: store the original bytes unless max_side)
+
+
+@dataclass
+class PackReport:
+    shards: int
+    written: int  # shards (re)written by this run; the rest were already there
+    samples: int
+
+
+def _source(base, folder: str) -> tuple[list[tuple[str, int]], Callable[[int], tuple[bytes, str]]]:
+    """The split's (name, target) list and a reader of sample i's (encoded bytes, extension)."""
+    if hasattr(base, "samples"):  # ImageFolder: the files as they are
+        names = [(os.path.relpath(path, folder), t) for path, t in base.samples]
+
+        def read(i: int) -> tuple[bytes, str]:
+            path = base.samples[i][0]
+            with open(path, "rb") as f:
+                ext = os.path.splitext(path)[1].lower().lstrip(".")
+                return f.read(), "jpg" if ext == "jpeg" else ext
+
+        return names, read
+    targets = [int(t) for t in base.targets]  # CIFAR: uint8 arrays, stored as PNG
+
+    def read_array(i: int) -> tuple[bytes, str]:
+        buf = io.BytesIO()
+        Image.fromarray(np.asarray(base.data[i])).save(buf, "PNG")
+        return buf.getvalue(), "png"
+
+    return [(f"{i:06d}.png", t) for i, t in enumerate(targets)], read_array
+
+
+def reencode(data: bytes, opts: PackOptions) -> tuple[bytes, str]:
+    """JPEG at ``quality`` (90 if unset), the longer side shrunk to ``max_side`` (never enlarged)."""
+    with Image.open(io.BytesIO(data)) as img:
+        img = img.convert("RGB")
+        if opts.max_side and max(img.size) > opts.max_side:
+            scale = opts.max_side / max(img.size)
+            img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.BICUBIC)
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=opts.quality or 90)
+        return buf.getvalue(), "jpg"
+
+
+def pack_split(
+    root: str, split: str, out: str, opts: PackOptions, progress: Callable[[int, int], None] = lambda done, total: None
+) -> PackReport:
+    """Pack ``root``/``split`` (an ImageFolder root or "cifar10:<root>") into ``out``/``split``."""
+    import webdataset  # the data extra
+
+    base, classes = build_base_dataset(root, split, "pil")
+    names, read = _source(base, os.path.join(root, split))
+    folder = os.path.join(out, split)
+    os.makedirs(os.path.join(folder, PARTS), exist_ok=True)
+    starts = range(0, len(names), opts.shard_size)
+    shardlist, written = [], 0
+    for n, start in enumerate(starts):
+        rows = range(start, min(start + opts.shard_size, len(names)))
+        fingerprint = hashlib.sha256(json.dumps([asdict(opts), [names[r] for r in rows]]).encode()).hexdigest()
+        path, record_path = os.path.join(folder, SHARD.format(n)), os.path.join(folder, PARTS, f"{n:06d}.json")
+        record = _read_record(record_path)
+        if not (record and record["fingerprint"] == fingerprint and _size(path) == record["filesize"]):
+            with (
+                open(path + ".part", "wb") as f,
+                webdataset.TarWriter(f, user="", group="", mtime=0, encoder=False) as tar,
+            ):
+                for r in rows:
+                    data, ext = read(r)
+                    if opts.max_side or opts.quality:
+                        data, ext = reencode(data, opts)
+                    tar.write({"__key__": key_of(r), ext: data, "cls": str(names[r][1]).encode()})
+            os.replace(path + ".part", path)
+            record = {"fingerprint": fingerprint, "filesize": _size(path), "md5sum": md5_of(path)}
+            _write_json(record_path, record)
+            written += 1
+        shardlist.append(
+            {"url": SHARD.format(n), "nsamples": len(rows), **{k: record[k] for k in ("filesize", "md5sum")}}
+        )
+        progress(n + 1, len(starts))
+    index = {
+        "__kind__": KIND,
+        "wids_version": 1,
+        "name": f"{os.path.basename(os.path.normpath(root.split(':')[-1]))}/{split}",
+        "packing": asdict(opts),
+        "classes": list(classes),
+        "samples": [[name, target] for name, target in names],
+        "shardlist": shardlist,
+    }
+    _write_json(os.path.join(folder, INDEX), index)
+    return PackReport(len(starts), written, len(names))
+
+
+def _size(path: str) -> int:
+    return os.path.getsize(path) if os.path.isfile(path) else -1
+
+
+def _read_record(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None  # absent or half-written: the shard is packed again
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path + ".part", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".part", path)
+
+
+def verify_split(folder: str) -> list[str]:
+    """The shards of a packed split whose size or MD5 differs from its index (empty: all good)."""
+    with open(os.path.join(folder, INDEX)) as f:
+        index = json.load(f)
+    bad = []
+    for s in index["shardlist"]:
+        path = os.path.join(folder, s["url"])
+        if _size(path) != s["filesize"] or md5_of(path) != s["md5sum"]:
+            bad.append(path)
+    return bad

@@ -1,0 +1,202 @@
+"""Packed datasets: WebDataset tar shards with a ``wids`` index, read by sample index.
+
+Layout (what tools/pack_dataset.py writes), for each split::
+
+    ROOT/SPLIT/index.json          wids shard index (``wids-shard-index-v1``) plus our keys
+    ROOT/SPLIT/shard-000000.tar    WebDataset tar: <key>.jpg|png and <key>.cls per sample
+
+ROOT is a local folder or an http(s):// URL. ``wids.ShardListDataset`` (webdataset's indexed
+reader, chosen by measurement: docs/packed-data.md) maps a global index to a shard and reads the
+sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
+the samplers are unchanged: ResumableDistributedSampler still gives exactly-once, deterministic
+order, global-position resume, and ExactEvalSampler exact evaluation, whatever the world size.
+
+Shard fetching is ours (``_ShardFiles``), passed to wids as its ``localname`` hook: wids itself
+downloads with ``curl`` through ``os.system`` with no timeout, writes the final file in place (an
+interrupted download leaves a truncated shard in its cache) and does not check the index's
+checksums. Here a download has a timeout, lands under a temporary name, is checked against the
+index's size and MD5, and only then takes its final name; a local shard is read in place, its
+size checked against the index (a truncated shard is named, not half-read), through a symbolic
+link in the cache folder (wids writes its lock file beside the file it opens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import tempfile
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+from distribuuuu.data.datasets import BadImageError, DataError, EncodedSamples
+
+INDEX = "index.json"
+KIND = "wids-shard-index-v1"
+URL_PREFIXES = ("http://", "https://")
+IMAGE_EXTS = ("jpg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm", "pbm")
+TIMEOUT_S = 60  # per HTTP request: a dead server is an error, never a hang
+
+
+class BadShardError(BadImageError):
+    """A shard is missing, truncated or fails its checksum; the message names it."""
+
+
+def is_url(root: str) -> bool:
+    return root.startswith(URL_PREFIXES)
+
+
+def index_location(root: str, split: str) -> str:
+    """Where a packed split's index lives: ROOT/SPLIT/index.json (a path or a URL)."""
+    if is_url(root):
+        return f"{root.rstrip('/')}/{split}/{INDEX}"
+    return os.path.join(root, split, INDEX)
+
+
+def is_packed(root: str, split: str) -> bool:
+    """A URL, or a local folder whose split holds an index.json."""
+    return is_url(root) or os.path.isfile(index_location(root, split))
+
+
+def fetch(url: str, timeout: float = TIMEOUT_S) -> bytes:
+    """The body of an http(s) URL; DataError naming it on any failure."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.read()
+    except (urllib.error.URLError, OSError) as e:
+        raise DataError(f"cannot read {url}: {e}") from None
+
+
+def load_index(location: str) -> dict:
+    """Read and check a packed split's index.json (path or URL)."""
+    try:
+        if is_url(location):
+            index = json.loads(fetch(location))
+        else:
+            with open(location) as f:
+                index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"packed index {location} does not load: {e}") from None
+    if index.get("__kind__") != KIND or not isinstance(index.get("shardlist"), list):
+        raise DataError(f"{location} is not a packed index (expected __kind__ {KIND!r} and a shardlist)")
+    counted = sum(s["nsamples"] for s in index["shardlist"])
+    if counted != len(index.get("samples", ())):
+        raise DataError(f"{location}: shards hold {counted} samples, the index names {len(index.get('samples', ()))}")
+    return index
+
+
+def md5_of(path: str) -> str:
+    h = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class _ShardFiles:
+    """wids's ``localname`` hook: the local file of a shard URL, fetched and checked first."""
+
+    def __init__(self, shards: list[dict], cache_dir: str):
+        self.by_url = {s["url"]: s for s in shards}
+        self.cache_dir = cache_dir
+
+    def __call__(self, url: str) -> str:
+        desc = self.by_url[url]
+        os.makedirs(self.cache_dir, exist_ok=True)
+        local = os.path.join(
+            self.cache_dir, hashlib.sha256(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url)
+        )
+        if not is_url(url):
+            # A symbolic link, not a copy: wids locks "<local>.lock" beside the file it opens, and
+            # the dataset's own folder may be read-only.
+            self._check_size(url, desc)
+            if not os.path.islink(local) or os.readlink(local) != os.path.abspath(url):
+                tmp = f"{local}.{os.getpid()}.link"
+                os.symlink(os.path.abspath(url), tmp)
+                os.replace(tmp, local)
+            return local
+        if not os.path.isfile(local) or os.path.getsize(local) != desc["filesize"]:  # absent, or another version
+            self._download(url, desc, local)
+        return local
+
+    @staticmethod
+    def _check_size(path: str, desc: dict) -> None:
+        try:
+            size = os.path.getsize(path)
+        except OSError as e:
+            raise BadShardError(f"shard {path} cannot be read: {e}") from None
+        if size != desc["filesize"]:
+            raise BadShardError(f"shard {path} is {size} bytes, the index says {desc['filesize']} (truncated?)")
+
+    def _download(self, url: str, desc: dict, local: str) -> None:
+        try:
+            data = fetch(url)
+        except DataError as e:
+            raise BadShardError(f"shard {e}") from None
+        if len(data) != desc["filesize"] or hashlib.md5(data).hexdigest() != desc["md5sum"]:
+            raise BadShardError(f"shard {url}: {len(data)} bytes that fail the index's size/MD5 check")
+        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, suffix=".part")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, local)  # atomic: workers and ranks that fetch the same shard all end up right
+
+
+def default_cache_dir(root: str) -> str:
+    """Where shards read from a URL are kept: one folder per dataset URL, under the temp dir."""
+    return os.path.join(tempfile.gettempdir(), "distribuuuu-shards", hashlib.sha256(root.encode()).hexdigest()[:16])
+
+
+class PackedDataset(EncodedSamples):
+    """A packed split as a map-style dataset of (image, target), like CheckedImageFolder.
+
+    ``samples`` lists (name, target) with the original relative path as the name, and
+    ``targets`` / ``classes`` are ImageFolder's: class remapping (data/classes.py) and the weighted
+    sampler work unchanged. Sample i is read from the shards' global row ``rows[name]``.
+    """
+
+    def __init__(self, root: str, split: str, decoder: str = "auto", cache_dir: str = ""):
+        import wids  # the data extra: only needed when a packed dataset is read
+
+        self.location = index_location(root, split)
+        index = load_index(self.location)
+        super().__init__([(name, int(t)) for name, t in index["samples"]], list(index["classes"]), decoder)
+        base = self.location.rsplit("/", 1)[0] + "/"
+        shards = [dict(s, url=_join(base, s["url"])) for s in index["shardlist"]]
+        with contextlib.redirect_stderr(io.StringIO()):  # wids prints a summary line on every construction
+            self.shards = wids.ShardListDataset(
+                shards,
+                localname=_ShardFiles(shards, cache_dir or default_cache_dir(root)),
+                transformations=[],
+                lru_size=4,
+            )
+
+    def read_row(self, row: int, name: str) -> tuple[bytes, str]:
+        try:
+            sample = self.shards[row]
+        except BadShardError:
+            raise
+        except Exception as e:  # wids parses the tar lazily: a damaged one fails here
+            raise BadShardError(f"shard {self._shard_url(row)} (sample {row}, {name}) does not read: {e}") from None
+        ext = next((k for k in IMAGE_EXTS if "." + k in sample), None)
+        if ext is None or sample["__key__"] != key_of(row):
+            raise BadShardError(
+                f"shard {self._shard_url(row)}: row {row} is not sample {name} (no {key_of(row)}.<image>)"
+            )
+        # The name ends in the format: the decoders choose by suffix (torchvision.io for JPEG in "auto").
+        return sample["." + ext].getvalue(), f"{name} from {self._shard_url(row)}:{key_of(row)}.{ext}"
+
+    def _shard_url(self, row: int) -> str:
+        return self.shards.shards[int(np.searchsorted(self.shards.cum_lengths, row, side="right"))]["url"]
+
+
+def key_of(row: int) -> str:
+    """A sample's WebDataset key: its global row, zero-padded (no dots: WebDataset splits at the first)."""
+    return f"{row:09d}"
+
+
+def _join(base: str, url: str) -> str:
+    return url if is_url(url) or os.path.isabs(url) else base + url

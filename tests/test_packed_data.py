@@ -1,0 +1,316 @@
+"""Packed datasets (tools/pack_dataset.py + data/packed.py) against the ImageFolder they were packed from.
+
+The digits are packed once per module by the pack tool itself (5 train shards of 300, 2 val
+shards). Every check compares the packed path with an independent computation on the ImageFolder:
+its samples and pixels, the sampler's order, evaluation results, training metrics and weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
+from torch import nn
+
+from distribuuuu.config import get_cfg_defaults
+from distribuuuu.data import DataError, build_val_split
+from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
+from distribuuuu.data.pack import PackOptions, pack_split
+from distribuuuu.data.packed import BadShardError, PackedDataset
+from distribuuuu.data.samplers import ResumableDistributedSampler
+from distribuuuu.launch import DistEnv, find_free_port
+
+pytest.importorskip("wids")
+DIGITS = REPO / "data" / "digits"
+PACK = str(REPO / "tools" / "pack_dataset.py")
+FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
+SHARD_SIZE = 300
+TINY = ["MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.PRINT_FREQ", "5"]
+
+
+@pytest.fixture(autouse=True)
+def shard_cache_in_tmp(tmp_path, monkeypatch):
+    """Readers built in this process keep their shard links under the test's tmp_path, not in /tmp."""
+    monkeypatch.setattr("distribuuuu.data.packed.default_cache_dir", lambda root: str(tmp_path / "shard-cache"))
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("packed") / "digits"
+    result = run(python(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE)), timeout=120)
+    assert_ok(result)
+    assert "train: 1436 samples in 5 shards (5 written, 0 kept)" in result.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def http_url(packed):
+    """``packed`` served by a real HTTP server on 127.0.0.1 (a thread of this process, shut down after)."""
+    handler = functools.partial(QuietHandler, directory=str(packed))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=10)
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _pixels(image) -> torch.Tensor:
+    import numpy as np
+
+    return torch.as_tensor(np.array(image))
+
+
+def test_packed_split_holds_the_imagefolder_samples_pixels_and_classes(packed):
+    for split in ("train", "val"):
+        folder = CheckedImageFolder(str(DIGITS / split), "pil")
+        pk = PackedDataset(str(packed), split, "pil")
+        assert pk.classes == folder.classes and pk.targets == folder.targets
+        assert [name for name, _ in pk.samples] == [os.path.relpath(p, DIGITS / split) for p, _ in folder.samples]
+        for i in range(len(folder)):
+            (a, ta), (b, tb) = pk[i], folder[i]
+            assert ta == tb and torch.equal(_pixels(a), _pixels(b)), f"{split} sample {i} differs"
+
+
+def test_pack_interrupted_half_way_and_run_again_writes_the_same_shards(packed, tmp_path):
+    opts = PackOptions(shard_size=SHARD_SIZE)
+
+    def interrupt_after_two(done: int, total: int) -> None:
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pack_split(str(DIGITS), "train", str(tmp_path), opts, interrupt_after_two)
+    assert not (tmp_path / "train" / "index.json").exists(), "the index is written last"
+    (tmp_path / "train" / "shard-000002.tar.part").write_bytes(b"half a shard from a killed run")
+    again = pack_split(str(DIGITS), "train", str(tmp_path), opts)
+    assert (again.shards, again.written) == (5, 3), "the two finished shards are kept, the rest written"
+    names = sorted(p.name for p in (packed / "train").iterdir() if p.is_file())
+    assert names == sorted(p.name for p in (tmp_path / "train").iterdir() if p.is_file())
+    for name in names:
+        assert (tmp_path / "train" / name).read_bytes() == (packed / "train" / name).read_bytes(), name
+    assert pack_split(str(DIGITS), "train", str(tmp_path), opts).written == 0, "a finished pack is kept"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_training_sample_once_per_epoch_in_an_order_independent_of_world_size(packed, world):
+    pk = PackedDataset(str(packed), "train")
+    folder = CheckedImageFolder(str(DIGITS / "train"))
+    n, epoch = len(pk), 3
+    keys = []
+    for rank in range(world):
+        sampler = ResumableDistributedSampler(pk, world, rank, seed=7)
+        sampler.set_epoch(epoch)
+        keys.append(list(sampler))
+    # Global position p is rank p % W's (p // W)-th key: interleaving the ranks gives the epoch's order.
+    order = [keys[p % world][p // world][1] for p in range(sum(map(len, keys)))]
+    expected = torch.randperm(n, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+    assert order[:n] == expected and order[n:] == expected[: len(order) - n], "one permutation, any world size"
+    counts = Counter(order[:n])
+    assert len(counts) == n and set(counts.values()) == {1}, "each sample exactly once per epoch"
+    assert all(e == epoch for ks in keys for e, _ in ks)
+    for index in order[:n:7]:  # what the shards hold at those rows is the ImageFolder's sample
+        _, name, target = pk.encoded(index)
+        path, folder_target = folder.samples[index]
+        assert name.startswith(f"{os.path.relpath(path, DIGITS / 'train')} from ") and target == folder_target
+
+
+def test_packed_jpegs_take_the_decoders_and_the_batched_path_of_the_folder(tmp_path):
+    """JPEGs keep their format through packing: "auto" decodes them with torchvision.io, "pil" with
+    PIL, and the batched decoder gets their bytes, as from the files."""
+    from PIL import Image
+    from torchvision import tv_tensors
+
+    from distribuuuu.data.batched import EncodedImageDataset
+
+    for i in range(4):
+        (tmp_path / "src" / "train" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (20 + i, 16), (40 * i, 90, 200)).save(tmp_path / "src" / "train" / f"c{i % 2}" / f"{i}.jpg")
+    pack_split(str(tmp_path / "src"), "train", str(tmp_path / "packed"), PackOptions(shard_size=3))
+    folder = CheckedImageFolder(str(tmp_path / "src" / "train"))
+    pk = PackedDataset(str(tmp_path / "packed"), "train")
+    encoded = EncodedImageDataset(pk, seed=0)
+    for i, (path, _) in enumerate(folder.samples):
+        assert isinstance(pk[i][0], tv_tensors.Image) and torch.equal(pk[i][0], folder[i][0])
+        sample = encoded[(0, i)]
+        assert sample.encoded and sample.data.numpy().tobytes() == Path(path).read_bytes()
+    assert not isinstance(PackedDataset(str(tmp_path / "packed"), "train", "pil")[0][0], torch.Tensor)
+
+
+def _eval_predictions(cfg, world: int) -> dict[int, tuple[int, int]]:
+    """{sample index: (prediction, target)} of a seeded tiny model over every rank of ``world``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 10)).eval()
+    seen: dict[int, tuple[int, int]] = {}
+    for rank in range(world):
+        split = build_val_split(cfg, DistEnv(rank=rank, world_size=world))
+        indices = iter(split.sampler)
+        with torch.no_grad():
+            for images, targets, _ in split.loader:
+                for pred, target in zip(model(images).argmax(1).tolist(), targets.tolist()):
+                    index = next(indices)
+                    assert index not in seen, f"sample {index} evaluated twice"
+                    seen[index] = (pred, target)
+    return seen
+
+
+def test_exact_eval_is_the_imagefolders_for_world_size_1_2_3(packed):
+    cfg = get_cfg_defaults()
+    cfg.TEST.IM_SIZE, cfg.TRAIN.IM_SIZE, cfg.TEST.BATCH_SIZE, cfg.TRAIN.WORKERS = 16, 16, 50, 0
+    reference = _eval_predictions(cfg, 1)  # the ImageFolder data/digits/val
+    assert len(reference) == 361
+    cfg.TEST.DATASET = str(packed)
+    for world in (1, 2, 3):
+        assert _eval_predictions(cfg, world) == reference, f"world size {world}"
+
+
+def _truncated_copy(packed: Path, tmp_path: Path, shard: str) -> Path:
+    copy = tmp_path / "digits"
+    shutil.copytree(packed, copy)
+    path = copy / "train" / shard
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return copy
+
+
+def test_truncated_shard_is_named_or_skipped(packed, tmp_path):
+    copy = _truncated_copy(packed, tmp_path, "shard-000002.tar")
+    pk = PackedDataset(str(copy), "train")
+    pk[0]  # shard 0 is intact
+    with pytest.raises(BadShardError, match=r"shard .*shard-000002\.tar is \d+ bytes, the index says \d+ \(truncated"):
+        pk[2 * SHARD_SIZE + 5]
+    assert SeededTransformDataset(pk, None, seed=0, skip_bad=True)[(0, 2 * SHARD_SIZE)] is None
+
+
+def test_dead_url_is_one_error_naming_the_index():
+    url = f"http://127.0.0.1:{find_free_port()}/digits"
+    with pytest.raises(DataError, match=f"cannot read {url}/train/index.json"):
+        build_base_dataset(url, "train")
+
+
+@pytest.mark.slow  # two 1-epoch runs of the tiny CNN
+def test_training_on_a_truncated_shard_stops_naming_it_or_skips_and_counts_its_samples(packed, tmp_path):
+    copy = _truncated_copy(packed, tmp_path, "shard-000002.tar")
+    args = ["TRAIN.DATASET", str(copy), "TEST.DATASET", str(copy), *TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.WORKERS", "1"]
+    args += ["DATA.SHARD_CACHE", str(tmp_path / "cache")]
+    failed = run(python(FAULT, "OUT_DIR", str(tmp_path / "error"), *args), timeout=300)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("distribuuuu: error:")]
+    assert len(errors) == 1 and "shard-000002.tar" in errors[0] and "truncated" in errors[0], failed.stderr[-3000:]
+
+    skipped = run(python(FAULT, "OUT_DIR", str(tmp_path / "skip"), *args, "DATA.BAD_IMAGE", "skip"), timeout=300)
+    assert_ok(skipped)
+    # The samples of shard 2 (rows 600..899) among the epoch's 44 full batches of 32.
+    sampler = ResumableDistributedSampler(range(1436), 1, 0, seed=get_cfg_defaults().RNG_SEED)
+    sampler.set_epoch(0)
+    drawn = [i for _, i in list(sampler)[: 1436 // 32 * 32]]
+    expected = sum(2 * SHARD_SIZE <= i < 3 * SHARD_SIZE for i in drawn)
+    train = [r for r in read_metrics(tmp_path / "skip") if r["split"] == "train"]
+    assert [(r["skipped_images"], r["samples"]) for r in train] == [(expected, len(drawn) - expected)]
+
+
+@pytest.mark.slow
+def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
+    from test_faults import STEPS_ONE, _assert_same_weights, _final_state
+
+    common = [*TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.CKPT_PERIOD_ITERS", "10", "TRAIN.WORKERS", "2"]
+    common += ["DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9"]  # global RNG and EMA state: both must resume
+    common += ["DATA.SHARD_CACHE", str(tmp_path / "cache")]
+    on = {"folder": ["TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS)]}
+    on["packed"] = ["TRAIN.DATASET", str(packed), "TEST.DATASET", str(packed)]
+    for name, data in on.items():
+        assert_ok(run(python(FAULT, "OUT_DIR", str(tmp_path / name), *common, *data), timeout=300))
+    reference = _final_state(tmp_path / "packed")
+    _assert_same_weights(reference, _final_state(tmp_path / "folder"))  # the same pixels, the same run
+
+    out = ["OUT_DIR", str(tmp_path / "resumed"), *common, *on["packed"]]
+    env = clean_env(FAULT_SIGNAL_AT_STEP=str(STEPS_ONE + 13), FAULT_SIGNAL="SIGTERM")
+    preempted = run(python(FAULT, *out), timeout=300, env=env)
+    assert preempted.returncode == 75, preempted.stderr[-3000:]
+    resumed = run(python(FAULT, *out), timeout=300)
+    assert_ok(resumed)
+    assert "resumed from" in resumed.stdout and "_it_" in resumed.stdout
+    _assert_same_weights(_final_state(tmp_path / "resumed"), reference)
+
+
+@pytest.mark.slow
+def test_two_processes_read_the_shards_over_http_exactly_as_from_disk(packed, http_url, tmp_path):
+    metrics = {}
+    for name, root in (("disk", str(packed)), ("http", http_url)):
+        data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
+        cmd = torchrun(2, TRAIN, "OUT_DIR", str(tmp_path / name), *FAST, "OPTIM.MAX_EPOCH", "1", *data)
+        assert_ok(run(cmd, timeout=400, env=clean_env()))
+        metrics[name] = [_without_timings(r) for r in read_metrics(tmp_path / name)]
+    assert metrics["http"] == metrics["disk"] and len(metrics["disk"]) == 2
+    cached = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "cache_http").iterdir())
+    assert cached == sorted([f"shard-00000{i}.tar" for i in range(5)] + ["shard-000000.tar", "shard-000001.tar"])
+    links = list((tmp_path / "cache_disk").iterdir())
+    assert len(links) == 7 and all(p.is_symlink() and p.resolve().parent.parent == packed.resolve() for p in links), (
+        "local shards are read in place, not copied"
+    )
+
+
+def _without_timings(record: dict) -> dict:
+    return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
+
+
+@pytest.fixture(scope="module")
+def saved_hf(tmp_path_factory) -> Path:
+    """data/digits/val as a Hugging Face DatasetDict saved with save_to_disk (images embedded as bytes)."""
+    datasets = pytest.importorskip("datasets")
+    folder = CheckedImageFolder(str(DIGITS / "val"))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes)})
+    rows = {
+        "image": [{"bytes": open(p, "rb").read(), "path": None} for p, _ in folder.samples],
+        "label": folder.targets,
+    }
+    out = tmp_path_factory.mktemp("hf") / "digits"
+    datasets.DatasetDict({"val": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(out))
+    return out
+
+
+def test_saved_hugging_face_dataset_reads_and_evaluates_as_the_imagefolder(saved_hf):
+    folder = CheckedImageFolder(str(DIGITS / "val"), "pil")
+    hf, classes = build_base_dataset(str(saved_hf), "val", "pil")
+    assert classes == folder.classes and hf.targets == folder.targets
+    for i in range(0, len(folder), 5):
+        assert torch.equal(_pixels(hf[i][0]), _pixels(folder[i][0])), f"sample {i}"
+    cfg = get_cfg_defaults()
+    cfg.TEST.IM_SIZE, cfg.TRAIN.IM_SIZE, cfg.TEST.BATCH_SIZE, cfg.TRAIN.WORKERS = 16, 16, 50, 0
+    reference = _eval_predictions(cfg, 1)
+    cfg.TEST.DATASET = str(saved_hf)
+    assert _eval_predictions(cfg, 2) == reference
+
+
+def test_cifar_arrays_pack_as_png_and_read_back_exactly(tmp_path, monkeypatch):
+    """CIFAR has no files: its uint8 arrays are packed as PNG (lossless). torchvision's CIFAR checks
+    its archives' MD5, so a stand-in with CIFAR's attributes (data, targets, classes) is packed here."""
+    import numpy as np
+
+    from distribuuuu.data import pack
+
+    class FakeCifar:
+        data = np.random.default_rng(0).integers(0, 256, (7, 32, 32, 3), dtype=np.uint8)
+        targets = [0, 1, 2, 0, 1, 2, 0]
+        classes = ["plane", "car", "bird"]
+
+    monkeypatch.setattr(pack, "build_base_dataset", lambda root, split, decoder: (FakeCifar, FakeCifar.classes))
+    report = pack_split("cifar10:/nowhere", "train", str(tmp_path), PackOptions(shard_size=3))
+    assert (report.shards, report.samples) == (3, 7)
+    pk = PackedDataset(str(tmp_path), "train", "pil", cache_dir=str(tmp_path / "cache"))
+    assert pk.classes == FakeCifar.classes and pk.targets == FakeCifar.targets
+    for i in range(7):
+        assert np.array_equal(np.asarray(pk[i][0]), FakeCifar.data[i])

@@ -1,0 +1,73 @@
+"""Pack an ImageFolder (or CIFAR) dataset into WebDataset shards that distribuuuu reads as TRAIN.DATASET.
+
+    python tools/pack_dataset.py SRC OUT [--splits train,val] [--shard-size 1000]
+                                 [--max-side 0] [--quality 0] [--verify]
+
+SRC is an ImageFolder root (SRC/<split>/<class>/<image>) or "cifar10:<root>" / "cifar100:<root>".
+OUT/<split>/ receives shard-NNNNNN.tar and index.json; serve OUT over HTTP(S) and use its URL
+as TRAIN.DATASET to read it remotely. A run interrupted half-way resumes: run it again.
+--max-side / --quality re-encode every image as JPEG (the longer side at most --max-side):
+smaller shards and faster decoding, at a pixel cost (docs/packed-data.md). --verify checks
+every shard's size and MD5 against the index and packs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from distribuuuu.data import DataError  # noqa: E402
+from distribuuuu.data.pack import PackOptions, pack_split, verify_split  # noqa: E402
+
+
+def progress_printer(split: str) -> callable:
+    """A bar rewritten in place on a terminal; one line per 10% otherwise (logs stay short)."""
+    tty, tic = sys.stdout.isatty(), time.perf_counter()
+
+    def show(done: int, total: int) -> None:
+        bar = "#" * (24 * done // total)
+        line = f"{split}: [{bar:<24}] {done}/{total} shards  {time.perf_counter() - tic:.0f}s"
+        if tty:
+            print("\r" + line, end="\n" if done == total else "", flush=True)
+        elif done == total or done * 10 // total != (done - 1) * 10 // total:
+            print(line, flush=True)
+
+    return show
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("src", help="ImageFolder root, or cifar10:<root> / cifar100:<root>")
+    p.add_argument("out", help="output folder (OUT/<split>/index.json and shards)")
+    p.add_argument("--splits", default="train,val", help="comma-separated split folders")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
+    p.add_argument("--max-side", type=int, default=0, help="re-encode as JPEG, longer side at most this")
+    p.add_argument("--quality", type=int, default=0, help="JPEG quality when re-encoding (default 90)")
+    p.add_argument("--verify", action="store_true", help="check OUT's shards against their index; pack nothing")
+    a = p.parse_args(argv)
+    if a.shard_size < 1 or a.max_side < 0 or not 0 <= a.quality <= 100:
+        p.error("--shard-size must be >= 1, --max-side >= 0, --quality in 0..100")
+    splits = [s for s in a.splits.split(",") if s]
+    try:
+        if a.verify:
+            bad = [b for s in splits for b in verify_split(os.path.join(a.out, s))]
+            print("\n".join(f"bad shard: {b}" for b in bad) or "every shard matches its index")
+            return 1 if bad else 0
+        opts = PackOptions(a.shard_size, a.max_side, a.quality)
+        for split in splits:
+            r = pack_split(a.src, split, a.out, opts, progress_printer(split))
+            print(
+                f"{split}: {r.samples} samples in {r.shards} shards ({r.written} written, {r.shards - r.written} kept)"
+            )
+    except (DataError, OSError) as e:
+        print(f"pack_dataset: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
