@@ -84,14 +84,17 @@ FAULTS = dict(FAULT_NAN_CALLS="5,6", FAULT_INF_GRAD_CALLS="13")
 
 
 @pytest.mark.slow
-def test_two_ranks_count_each_skipped_non_finite_step_once(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_count_each_skipped_non_finite_step_once(tmp_path, strategy):
     """A NaN loss on both ranks' micro-batches of one step, and a step whose loss is finite but
-    whose gradients are not: two skipped optimizer steps (not 4 + 0, as per rank and micro-batch)."""
-    cmd = torchrun(2, FAULT, "OUT_DIR", str(tmp_path), *TWO_ACCUM, "TRAIN.NAN_POLICY", "skip")
-    assert_ok(run(cmd, timeout=300, env=clean_env(**FAULTS)))
+    whose gradients are not: two skipped optimizer steps (not 4 + 0, as per rank and micro-batch).
+    Under fsdp the norm that decides is the sharded gradients' global one."""
+    opts = [*TWO_ACCUM, "TRAIN.NAN_POLICY", "skip", "DIST.STRATEGY", strategy]
+    assert_ok(run(torchrun(2, FAULT, "OUT_DIR", str(tmp_path), *opts), timeout=300, env=clean_env(**FAULTS)))
     [record] = _train_records(tmp_path)
     assert record["nonfinite_steps"] == 2 and record["scaler_skips"] == 0
-    final = ckpt.load_checkpoint(str(tmp_path / "checkpoints" / ckpt.checkpoint_name(1)))
+    name = ckpt.checkpoint_name(1) if strategy == "ddp" else ckpt.checkpoint_name(1).replace(".pth.tar", ".dcp")
+    final = ckpt.load_checkpoint(str(tmp_path / "checkpoints" / name))
     assert all(torch.isfinite(t).all() for t in final["model"].values())
 
 
