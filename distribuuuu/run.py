@@ -28,7 +28,7 @@ from distribuuuu.losses import build_criterion, inverse_frequency_weights
 from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, has_batchnorm
 from distribuuuu.optim import build_optimizer, freeze, scaled_base_lr
-from distribuuuu.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
+from distribuuuu.parallel import broadcast_parameters, build_mesh, find_blocks, mixed_precision_policy, shard_model
 from distribuuuu.preemption import PreemptionHandler
 from distribuuuu.progress import show_progress_bar
 from distribuuuu.rng import seed_everything
@@ -212,7 +212,7 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
     )  # fmt: skip
     if shards(cfg, env):
         model, ema = shard_for_training(model, cfg, env)
-        forward_model = compiled_or_plain = torch.compile(model) if t.COMPILE else model
+        forward_model = compiled_or_plain = model  # under TRAIN.COMPILE its blocks are compiled
     else:
         forward_model = wrap_model(model, cfg, env)
         # After the DDP wrap, which broadcasts rank 0's initial weights: every rank's EMA starts from them.
@@ -259,6 +259,17 @@ def shard_for_training(model: nn.Module, cfg: CfgNode, env: DistEnv) -> tuple[nn
     except ValueError as e:
         raise ConfigError(str(e)) from None
     policy = mixed_precision_policy(cfg.TRAIN.PRECISION, model)
+    if cfg.TRAIN.COMPILE:
+        # Each block compiled in place before sharding (torchtitan's way), with static shapes: the
+        # blocks share one forward, and the recompile for another block's shapes would otherwise
+        # be dynamic, whose backward Inductor fails to build ("Cannot convert expression to float",
+        # torch 2.14 on the CPU; compiling the sharded root fails the same way).
+        blocks = find_blocks(model)
+        for block in blocks:
+            block.compile(dynamic=False)
+        logger.info("TRAIN.COMPILE under %s: %d block(s) compiled", cfg.DIST.STRATEGY, len(blocks))
+        if not blocks:
+            logger.warning("TRAIN.COMPILE: %s has no repeated blocks to compile: it runs eagerly", cfg.MODEL.ARCH)
     for module in (model, ema_copy):
         if module is not None:
             shard_model(module, mesh, policy, cfg.DIST.RESHARD_AFTER_FORWARD)

@@ -9,6 +9,7 @@ import torch
 import torchvision
 from torch import nn
 
+from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.parallel import build_mesh, find_blocks, mixed_precision_policy
 from tests.helpers import REPO, assert_ok, clean_env, run, torchrun
@@ -134,3 +135,16 @@ def test_combinations_fsdp_cannot_run_are_one_config_error_naming_the_keys(opts,
         load_cfg(None, opts)
     assert "\n" not in str(e.value) and all(n in str(e.value) for n in names), str(e.value)
     load_cfg(None, opts[:2] if len(opts) > 2 else [])  # each key alone is valid
+
+
+@pytest.mark.slow
+def test_compile_under_fsdp_compiles_each_block_and_trains_a_checkpoint_the_plain_model_loads(tmp_path):
+    opts = ["TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1"]
+    cmd = torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(tmp_path), *opts)
+    result = run([*cmd, "DIST.STRATEGY", "fsdp", "TRAIN.COMPILE", "True"], timeout=600, env=clean_env())
+    assert_ok(result)
+    assert "TRAIN.COMPILE under fsdp: 8 block(s) compiled" in result.stdout  # resnet18's BasicBlocks
+    state = load_checkpoint(str(tmp_path / "checkpoints" / "ckpt_ep_001.dcp"))
+    plain = torchvision.models.resnet18(num_classes=10)
+    plain.load_state_dict(state["model"])  # the names of the plain model: no compile or FSDP prefix
+    assert all(torch.isfinite(p).all() for p in plain.parameters())
