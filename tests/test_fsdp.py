@@ -138,12 +138,13 @@ def test_combinations_fsdp_cannot_run_are_one_config_error_naming_the_keys(opts,
 
 
 @pytest.mark.slow
-def test_compile_under_fsdp_compiles_each_block_and_trains_a_checkpoint_the_plain_model_loads(tmp_path):
+def test_compile_and_channels_last_under_fsdp_train_a_checkpoint_the_plain_model_loads(tmp_path):
     opts = ["TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1"]
-    cmd = torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(tmp_path), *opts)
-    result = run([*cmd, "DIST.STRATEGY", "fsdp", "TRAIN.COMPILE", "True"], timeout=600, env=clean_env())
+    opts += ["DIST.STRATEGY", "fsdp", "TRAIN.COMPILE", "True", "TRAIN.CHANNELS_LAST", "True"]
+    result = run(torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(tmp_path), *opts), timeout=600)
     assert_ok(result)
     assert "TRAIN.COMPILE under fsdp: 8 block(s) compiled" in result.stdout  # resnet18's BasicBlocks
+    assert "channels_last inputs, contiguous weights" in result.stdout + result.stderr
     state = load_checkpoint(str(tmp_path / "checkpoints" / "ckpt_ep_001.dcp"))
     plain = torchvision.models.resnet18(num_classes=10)
     plain.load_state_dict(state["model"])  # the names of the plain model: no compile or FSDP prefix
