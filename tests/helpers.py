@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,28 @@ def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
         f"--master_port={find_free_port()}", *extra, script, *args,
     ]  # fmt: skip
+
+
+def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: float = 400) -> list:
+    """Two torchrun agents acting as two nodes on this host (c10d rendezvous on 127.0.0.1), each
+    with ``nproc`` processes and its own arguments; both run at once: their finished processes."""
+    endpoint = f"127.0.0.1:{find_free_port()}"
+    results: dict = {}
+
+    def node(rank: int) -> None:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
+            f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
+            script, *node_args[rank],
+        ]  # fmt: skip
+        results[rank] = run(cmd, timeout=timeout)
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    return [results[0], results[1]]
 
 
 def python(script: str, *args: str) -> list[str]:

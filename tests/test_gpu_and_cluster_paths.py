@@ -11,14 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import sys
 import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
+from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
 from torch import nn
 
 from distribuuuu import checkpoint as ckpt
@@ -249,22 +248,9 @@ def test_the_steps_variables_win_over_the_jobs_when_they_disagree():
 def test_two_torchrun_agents_as_two_nodes_only_global_rank_0_writes(tmp_path):
     """Each "node" gets its own OUT_DIR on the command line: node 1's LOCAL_RANK 0 must write
     nothing there (no log, metrics or checkpoint), and node 0's rank 0 writes everything."""
-    endpoint = f"127.0.0.1:{find_free_port()}"
     outs = [tmp_path / "node0", tmp_path / "node1"]
     args = [*TINY, "TRAIN.PRINT_FREQ", "5", "TRAIN.CKPT_PERIOD_ITERS", "10"]
-    procs = []
-    for node, out in enumerate(outs):
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-            f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
-            FAULT, "OUT_DIR", str(out), *args,
-        ]  # fmt: skip
-        procs.append(threading.Thread(target=lambda c=cmd, i=node: results.__setitem__(i, run(c, timeout=300))))
-    results: dict = {}
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(330)
+    results = two_nodes(1, FAULT, [["OUT_DIR", str(out), *args] for out in outs], timeout=300)
     for node in (0, 1):
         assert_ok(results[node])
     log = (outs[0] / "log.txt").read_text()

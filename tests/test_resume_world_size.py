@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 import math
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, clean_env, read_metrics, run, torchrun
+from helpers import REPO, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu.config import get_cfg_defaults
-from distribuuuu.launch import find_free_port
 from distribuuuu.optim import lr_at
 
 FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
@@ -150,32 +148,13 @@ def test_ddp_and_fsdp_chains_end_on_the_same_weights(chains):
         assert fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-4), fsdp["weights"]
 
 
-def _two_nodes(out: Path, *opts: str) -> None:
-    """Two torchrun agents ("nodes") of 2 processes each, c10d rendezvous on 127.0.0.1, one OUT_DIR."""
-    endpoint = f"127.0.0.1:{find_free_port()}"
-    results: dict = {}
-
-    def node(rank: int) -> None:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", f"--node_rank={rank}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=hsdp", FAULT, "OUT_DIR", str(out), *opts,
-        ]  # fmt: skip
-        results[rank] = run(cmd, timeout=400)
-
-    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(430)
-    for rank in (0, 1):
-        assert_ok(results[rank])
-
-
 @pytest.mark.slow
 def test_hsdp_on_two_nodes_of_2_ranks_trains_the_weights_of_ddp_on_4_ranks(tmp_path):
     """hsdp through the trainer: a (2 nodes x 2 ranks) mesh, sharded within a node, replicated across."""
     opts = [*CHAIN, "TRAIN.CKPT_PERIOD_ITERS", "4"]
-    _two_nodes(tmp_path / "hsdp", *opts, "DIST.STRATEGY", "hsdp")
+    hsdp_opts = ["OUT_DIR", str(tmp_path / "hsdp"), *opts, "DIST.STRATEGY", "hsdp"]  # one OUT_DIR: a shared disk
+    for result in two_nodes(2, FAULT, [hsdp_opts, hsdp_opts]):
+        assert_ok(result)
     assert_ok(run(torchrun(4, FAULT, "OUT_DIR", str(tmp_path / "ddp"), *opts), timeout=400))
     assert "DIST.STRATEGY hsdp: mesh (2, 2)" in (tmp_path / "hsdp" / "log.txt").read_text()
     hsdp = ckpt.load_checkpoint(str(tmp_path / "hsdp" / "checkpoints" / "ckpt_ep_001.dcp"))
