@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import io
 import os
@@ -91,7 +92,7 @@ class CheckedImageFolder(torchvision.datasets.ImageFolder):
             raise BadImageError(f"unreadable image {path}: {e}") from None
 
 
-class EncodedSamples(Dataset):
+class EncodedSamples(Dataset, abc.ABC):
     """A dataset of encoded images read by row (packed shards, a saved Hugging Face dataset), shaped
     like ImageFolder: ``samples`` (name, target), ``targets``, ``classes``. Class remapping
     (data/classes.py) rewrites ``samples``; each name keeps its row in ``rows``. Subclasses read a
@@ -105,8 +106,9 @@ class EncodedSamples(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    @abc.abstractmethod
     def read_row(self, row: int, name: str) -> tuple[bytes, str]:
-        raise NotImplementedError
+        """Row ``row``'s encoded bytes and a name for messages that ends in the image format."""
 
     def encoded(self, index: int) -> tuple[bytes, str, int]:
         """Sample ``index``'s encoded bytes, a name for messages (ending in its format), its target."""
