@@ -69,7 +69,8 @@ def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list
 
 def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: float = 400) -> list:
     """Two torchrun agents acting as two nodes on this host (c10d rendezvous on 127.0.0.1), each
-    with ``nproc`` processes and its own arguments; both run at once: their finished processes."""
+    with ``nproc`` processes and its own arguments; both run at once: their finished processes.
+    c10d hands out node ranks in order of arrival, so either agent may hold global rank 0."""
     endpoint = f"127.0.0.1:{find_free_port()}"
     results: dict = {}
 
