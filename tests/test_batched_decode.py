@@ -16,7 +16,7 @@ from PIL import Image
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, build_train_split, build_val_split
-from distribuuuu.data.batched import DecodedLoader
+from distribuuuu.data.loader import DeviceLoader
 from distribuuuu.launch import DistEnv
 
 DIGITS = REPO / "data" / "digits"
@@ -82,7 +82,7 @@ def test_each_batch_is_one_decode_jpeg_call_over_its_jpegs(mixed_tree, monkeypat
 
     monkeypatch.setattr(torchvision.io, "decode_jpeg", counting)
     split = build_train_split(_cfg(mixed_tree, "batched", 0), DistEnv())
-    assert isinstance(split.loader, DecodedLoader)
+    assert isinstance(split.loader, DeviceLoader) and split.loader.decode is not None
     batches = list(split.loader)
     jpegs = [sum(1 for i in range(len(b)) if b.shapes[i] is None) for b in split.loader.loader]
     assert calls == jpegs and len(calls) == len(batches) and min(calls) > 1, (calls, jpegs)

@@ -40,6 +40,8 @@ from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
 
+DIGITS = REPO / "data" / "digits"
+
 # Filled by the worker's hooks, written out when the worker exits.
 STATS: dict = {"steps": 0, "allreduces": 0, "state_elements": [], "param_dtypes": [], "logits_dtypes": [], "ema": []}
 TINY = ["MODEL.ARCH", "recipe_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.BASE_LR", "0.1"]
@@ -313,13 +315,20 @@ def test_the_training_loss_accepts_mixed_soft_targets(tmp_path):
 def test_auto_augment_and_random_erasing_are_in_the_train_transform(policy):
     from torchvision.transforms import v2
 
-    from distribuuuu.data import build_train_transform
+    from distribuuuu.data import build_train_transform, load_image
 
-    cfg = load_cfg(None, ["DATA.AUTO_AUGMENT", policy, "DATA.RANDOM_ERASING", "0.5"])
-    kinds = [type(t) for t in build_train_transform(cfg).transforms]
+    cfg = load_cfg(None, ["DATA.AUTO_AUGMENT", policy, "DATA.RANDOM_ERASING", "1.0", "TRAIN.IM_SIZE", "32"])
     wanted = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide, "autoaugment": v2.AutoAugment}
-    assert wanted[policy] in kinds and kinds[-1] is v2.RandomErasing
-    assert kinds.index(wanted[policy]) < kinds.index(v2.ToDtype)  # on uint8 images, before normalising
+    assert wanted[policy] in [type(t) for t in build_train_transform(cfg).transforms]
+    image = load_image(str(next((DIGITS / "train" / "3").glob("*.png"))), "auto")
+    torch.manual_seed(0)
+    pixels = build_train_transform(cfg, normalize=False)(image)  # what the workers hand over
+    assert pixels.dtype == torch.uint8 and pixels.shape == (3, 32, 32)
+    torch.manual_seed(0)
+    normalised = build_train_transform(cfg)(image)
+    # Every image is erased (p=1): a rectangle of the mean colour, about 0 once normalised.
+    erased = (normalised.abs() < 0.01).all(dim=0)
+    assert erased.sum() >= 0.02 * 32 * 32, erased.sum()
 
 
 # ------------------------------------------------------------------------------------------------

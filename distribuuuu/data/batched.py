@@ -8,8 +8,8 @@ exactly as SeededTransformDataset does in the workers, so a batch is the same wh
 number of workers made it, and a mid-epoch resume stays exact.
 
 PyTorch's DataLoader has no batch-level decode step to plug into, hence this module: a dataset
-of encoded samples, a collate function that packs a batch of them into one buffer, and a loader
-wrapper that decodes each batch as it arrives.
+of encoded samples, a collate function that packs a batch of them into one buffer, and the
+decoder that loader.DeviceLoader calls on each batch as it arrives.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple
 
 import torch
 import torchvision
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.io import ImageReadMode
 from torchvision.transforms.v2.functional import to_image
@@ -171,25 +171,3 @@ class BatchDecoder:
             if self.skip_bad:
                 return None
             raise BadImageError(f"unreadable image {path}: {e}") from None
-
-
-class DecodedLoader:
-    """A DataLoader of EncodedBatch that yields decoded ``(images, targets, dropped)`` batches.
-
-    Everything else (``len``, ``pin_memory``, ``batch_size``, ...) is the wrapped loader's.
-    """
-
-    def __init__(self, loader: DataLoader, decode: BatchDecoder):
-        self.loader, self.decode = loader, decode
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield self.decode(batch)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str):
-        if name == "loader":  # not set yet (copy, pickle): do not recurse
-            raise AttributeError(name)
-        return getattr(self.loader, name)

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
-from distribuuuu.data.batched import BatchDecoder, DecodedLoader, EncodedImageDataset, collate_encoded
+from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
     CheckedImageFolder,
@@ -27,7 +27,7 @@ from distribuuuu.data.samplers import (
     ResumableDistributedSampler,
     WeightedDistributedSampler,
 )
-from distribuuuu.data.transforms import build_train_transform, build_val_transform
+from distribuuuu.data.transforms import build_normalize, build_train_transform, build_val_transform
 from distribuuuu.launch import DistEnv
 from distribuuuu.losses import inverse_frequency_weights
 from distribuuuu.preemption import ignore_preemption_signals
@@ -37,10 +37,36 @@ from distribuuuu.preemption import ignore_preemption_signals
 class Split:
     """A split's loader with its dataset, sampler and class names."""
 
-    loader: DataLoader | DecodedLoader
+    loader: DeviceLoader
     dataset: Dataset
     sampler: torch.utils.data.Sampler
     classes: list[str]
+
+
+class DeviceLoader:
+    """A DataLoader whose batches arrive on the training device as ``(images, targets, dropped)``
+    with normalised float images: uint8 pixels are copied (asynchronously from pinned memory) and
+    normalised there; DATA.DECODER batched decodes each batch's JPEGs there first. Float batches
+    (MODEL.DUMMY_INPUT) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
+    wrapped loader's. The timm PrefetchLoader's idea, without its side stream (DataLoader's
+    pinned memory and a non-blocking copy already overlap the copy with compute)."""
+
+    def __init__(self, loader: DataLoader, device: torch.device, normalize, decode: BatchDecoder | None = None):
+        self.loader, self.device, self.normalize, self.decode = loader, device, normalize, decode
+
+    def __iter__(self):
+        for batch in self.loader:
+            images, targets, dropped = batch if self.decode is None else self.decode(batch)
+            images = images.to(self.device, non_blocking=True)
+            yield self.normalize(images) if images.dtype == torch.uint8 else images, targets, dropped
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        if name == "loader":  # not set yet (copy, pickle): do not recurse
+            raise AttributeError(name)
+        return getattr(self.loader, name)
 
 
 def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, list[str]]:
@@ -83,13 +109,13 @@ def _loader(
         # otherwise a resumed run's random stream would drift from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.RNG_SEED),
     )
-    return loader if decoder is None else DecodedLoader(loader, decoder)
+    return DeviceLoader(loader, env.device, build_normalize(cfg), decoder)
 
 
 def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
-    transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg)
+    transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg, normalize=False)
     dataset, decoder = _dataset(cfg, env, base, transform)
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
@@ -142,7 +168,7 @@ def build_val_split(
         where = f"{root}/{cfg.TEST.SPLIT}"
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
         classes = list(model_classes)
-    transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg)
+    transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
     dataset, decoder = _dataset(cfg, env, base, transform)
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, False, decoder)

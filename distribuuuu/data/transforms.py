@@ -1,4 +1,10 @@
-"""Train/val transforms and batch-level mixup/cutmix, all from torchvision.transforms.v2."""
+"""Train/val transforms and batch-level mixup/cutmix, all from torchvision.transforms.v2.
+
+The per-sample transforms end in uint8 pixels: a batch travels from the workers and over to the
+device at a quarter of float32's bytes, and ``build_normalize`` turns it into normalised floats
+there, once per batch (on a GPU at no cost to the data-loading cores). ``normalize=True`` appends
+the same step for one image at a time (predict, export).
+"""
 
 from __future__ import annotations
 
@@ -14,8 +20,9 @@ from distribuuuu.config import eval_crop_size, get_cfg_defaults
 from distribuuuu.data.draft import DraftDecode, DraftRandomResizedCrop
 
 
-def build_train_transform(cfg: CfgNode) -> Callable:
-    """RandomResizedCrop(TRAIN.IM_SIZE) + flip [+ auto-augment] + normalise [+ random erasing]."""
+def build_train_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
+    """RandomResizedCrop(TRAIN.IM_SIZE) + flip [+ auto-augment] [+ random erasing], uint8 pixels
+    throughout [+ normalise]."""
     d = cfg.DATA
     if d.DECODER == "draft":  # JPEGs arrive undecoded: the crop decodes them at a reduced scale
         steps = [DraftRandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
@@ -31,10 +38,19 @@ def build_train_transform(cfg: CfgNode) -> Callable:
     if policy is not None:
         steps.append(policy())
     p = eval_preprocessing(cfg)  # the same normalisation as evaluation (a timm model's own)
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(p.mean, p.std)]
-    if d.RANDOM_ERASING > 0:
-        steps.append(v2.RandomErasing(p=d.RANDOM_ERASING, value=0))
+    if d.RANDOM_ERASING > 0:  # erased to the mean colour: about 0 once normalised
+        steps.append(v2.RandomErasing(p=d.RANDOM_ERASING, value=[round(255 * m) for m in p.mean]))
+    if normalize:
+        steps.append(build_normalize(cfg))
     return v2.Compose(steps)
+
+
+def build_normalize(cfg: CfgNode) -> v2.Compose:
+    """uint8 pixels (one image or a batch) to float32 normalised by DATA.MEAN / STD (or a
+    pretrained timm model's own); the same arithmetic either way, so predict.py's one image and
+    evaluation's batch see the same numbers."""
+    p = eval_preprocessing(cfg)
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(p.mean, p.std)])
 
 
 @dataclass(frozen=True)
@@ -76,18 +92,15 @@ def _timm_data_config(cfg: CfgNode) -> dict:
     return timm_pretrained_cfg(cfg.MODEL) or {}
 
 
-def build_val_transform(cfg: CfgNode) -> Callable:
-    """Resize (shorter side) + CenterCrop + normalise, as ``eval_preprocessing`` resolves them."""
+def build_val_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
+    """Resize (shorter side) + CenterCrop [+ normalise], as ``eval_preprocessing`` resolves them."""
     p = eval_preprocessing(cfg)
-    return v2.Compose(
-        [
-            DraftDecode(p.resize) if cfg.DATA.DECODER == "draft" else v2.ToImage(),
-            v2.Resize(p.resize, interpolation=v2.InterpolationMode[p.interpolation.upper()], antialias=True),
-            v2.CenterCrop(p.crop),
-            v2.ToDtype(torch.float32, scale=True),
-            v2.Normalize(p.mean, p.std),
-        ]
-    )
+    steps = [
+        DraftDecode(p.resize) if cfg.DATA.DECODER == "draft" else v2.ToImage(),
+        v2.Resize(p.resize, interpolation=v2.InterpolationMode[p.interpolation.upper()], antialias=True),
+        v2.CenterCrop(p.crop),
+    ]
+    return v2.Compose(steps + [build_normalize(cfg)] if normalize else steps)
 
 
 def build_batch_mixer(cfg: CfgNode) -> Callable | None:
