@@ -21,7 +21,7 @@ from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metric
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
-from distribuuuu.data import DataError, build_val_split
+from distribuuuu.data import DataError, build_train_split, build_val_split
 from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
 from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.packed import BadShardError, PackedDataset
@@ -269,16 +269,19 @@ def _without_timings(record: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def saved_hf(tmp_path_factory) -> Path:
-    """data/digits/val as a Hugging Face DatasetDict saved with save_to_disk (images embedded as bytes)."""
+    """data/digits as a Hugging Face DatasetDict saved with save_to_disk (images embedded as bytes)."""
     datasets = pytest.importorskip("datasets")
-    folder = CheckedImageFolder(str(DIGITS / "val"))
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes)})
-    rows = {
-        "image": [{"bytes": open(p, "rb").read(), "path": None} for p, _ in folder.samples],
-        "label": folder.targets,
-    }
+    splits = {}
+    for split in ("train", "val"):
+        folder = CheckedImageFolder(str(DIGITS / split))
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=folder.classes)})
+        rows = {
+            "image": [{"bytes": open(p, "rb").read(), "path": None} for p, _ in folder.samples],
+            "label": folder.targets,
+        }
+        splits[split] = datasets.Dataset.from_dict(rows, features=features)
     out = tmp_path_factory.mktemp("hf") / "digits"
-    datasets.DatasetDict({"val": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(out))
+    datasets.DatasetDict(splits).save_to_disk(str(out))
     return out
 
 
@@ -293,6 +296,24 @@ def test_saved_hugging_face_dataset_reads_and_evaluates_as_the_imagefolder(saved
     reference = _eval_predictions(cfg, 1)
     cfg.TEST.DATASET = str(saved_hf)
     assert _eval_predictions(cfg, 2) == reference
+
+
+def test_training_from_a_saved_hugging_face_dataset_gets_the_imagefolders_batches(saved_hf):
+    """The training loader of 2 ranks, resumed mid-epoch, hands over the very batches (pixels after
+    the seeded augmentation, targets) of the ImageFolder it was saved from, with 2 workers."""
+    cfg = get_cfg_defaults()
+    cfg.TRAIN.IM_SIZE, cfg.TRAIN.BATCH_SIZE, cfg.TRAIN.WORKERS, cfg.DATA.DECODER = 16, 32, 2, "pil"
+    batches = {}
+    for name, root in (("folder", str(DIGITS)), ("hf", str(saved_hf))):
+        cfg.TRAIN.DATASET = root
+        for rank in (0, 1):
+            split = build_train_split(cfg, DistEnv(rank=rank, world_size=2))
+            split.sampler.set_epoch(3)
+            split.sampler.set_position(131)  # a mid-epoch resume (from another world size)
+            batches[name, rank] = [b for _, b in zip(range(4), split.loader)]
+    for rank in (0, 1):
+        for (a, ta, _), (b, tb, _) in zip(batches["folder", rank], batches["hf", rank], strict=True):
+            assert torch.equal(a, b) and torch.equal(ta, tb)
 
 
 def test_cifar_arrays_pack_as_png_and_read_back_exactly(tmp_path, monkeypatch):
