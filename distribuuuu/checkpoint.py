@@ -104,6 +104,7 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
     A sharded checkpoint (a ``.dcp`` directory) is read whole into this process, as the state a
     single file would hold: every tool that takes a checkpoint file takes one.
     """
+    path = os.fspath(path)
     if os.path.isdir(path):
         from distribuuuu.sharded_checkpoint import read_full_state
 

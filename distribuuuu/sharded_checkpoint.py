@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -249,17 +250,17 @@ def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
 
     if verify:
         verify_sharded(dcp_dir)
-    tmp = f"{dcp_dir.rstrip(os.sep)}.read.{os.getpid()}"
-    try:
-        dcp_to_torch_save(dcp_dir, tmp)
-        tensors = torch.load(tmp, map_location="cpu", weights_only=True)
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"could not read sharded checkpoint {dcp_dir}: {type(e).__name__}: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    # DCP reads into a torch.save file (its own converter); written under TMPDIR, not beside the
+    # checkpoint, which may sit in a read-only folder of pretrained weights.
+    with tempfile.TemporaryDirectory(prefix="distribuuuu-dcp-") as tmp_dir:
+        tmp = os.path.join(tmp_dir, "state.pt")
+        try:
+            dcp_to_torch_save(dcp_dir, tmp)
+            tensors = torch.load(tmp, map_location="cpu", weights_only=True)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"could not read sharded checkpoint {dcp_dir}: {type(e).__name__}: {e}") from None
     extra = read_extra(dcp_dir)
     state = dict(extra, model=tensors["model"], ema=None)
     state["optimizer"] = _optimizer_by_index(tensors["optimizer"]) if "optimizer" in tensors else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -143,19 +142,10 @@ BAD_INPUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def bad_runs(tmp_path_factory) -> dict:
-    """Run every bad input once, a few at a time: each costs a Python + torch start-up (~5 s)."""
-
-    def one(case: str):
-        args, _ = BAD_INPUTS[case]
-        out_dir = tmp_path_factory.mktemp(case)
-        cfg_args = args[:2] if args[0] == "--cfg" else []  # --cfg must precede the KEY VALUE pairs
-        opts = args[2:] if cfg_args else args
-        return out_dir, run(python(TRAIN, *cfg_args, "OUT_DIR", str(out_dir), *opts), timeout=300)
-
-    with ThreadPoolExecutor(3) as pool:
-        return dict(zip(BAD_INPUTS, pool.map(one, BAD_INPUTS)))
+def _argv(case: str, out_dir: Path) -> list[str]:
+    args, _ = BAD_INPUTS[case]
+    cfg_args = args[:2] if args[0] == "--cfg" else []  # --cfg must precede the KEY VALUE pairs
+    return [*cfg_args, "OUT_DIR", str(out_dir), *(args[2:] if cfg_args else args)]
 
 
 def _assert_one_error_line(stderr: str, names: str) -> None:
@@ -165,14 +155,29 @@ def _assert_one_error_line(stderr: str, names: str) -> None:
     assert names in lines[0], f"the error line does not name {names!r}: {lines[0]}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_bad_input_exits_2_with_one_line_naming_it_and_trains_nothing(bad_runs, case):
-    out_dir, result = bad_runs[case]
-    assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr}"
-    _assert_one_error_line(result.stderr, BAD_INPUTS[case][1])
+def _assert_nothing_trained(out_dir: Path) -> None:
     assert not list(Path(out_dir).rglob("*.pth.tar")), "no checkpoint may be written"
     assert not (Path(out_dir) / "metrics.jsonl").exists()
+
+
+@pytest.mark.usefixtures("plain_logging")
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_with_one_line_naming_it_and_trains_nothing(case, tmp_path, capsys):
+    """train_net.py's entry point (cli.run_tool(train_model)) in this process: each case costs no
+    Python + torch start-up; the test below runs one case as the real command."""
+    from distribuuuu import cli, trainer
+
+    assert cli.run_tool(trainer.train_model, _argv(case, tmp_path)) == EXIT_BAD_INPUT
+    _assert_one_error_line(capsys.readouterr().err, BAD_INPUTS[case][1])
+    _assert_nothing_trained(tmp_path)
+
+
+@pytest.mark.slow
+def test_bad_input_to_the_train_net_command_exits_2_with_one_line(tmp_path):
+    result = run(python(TRAIN, *_argv("missing-dataset", tmp_path)), timeout=300)
+    assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr}"
+    _assert_one_error_line(result.stderr, BAD_INPUTS["missing-dataset"][1])
+    _assert_nothing_trained(tmp_path)
 
 
 @pytest.mark.slow

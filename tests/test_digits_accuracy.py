@@ -1,19 +1,18 @@
 """End to end: the default config trains resnet18 on the embedded digits to >= 95% val top-1.
 
-Two runs: the session's ``digits_run`` (ddp, the ImageFolder: the README's first command), and one
-with ``DIST.STRATEGY fsdp`` that reads a packed copy of the digits made here by
-tools/pack_dataset.py (WebDataset shards). tests/test_packed_data.py shows that a packed copy trains
-to the very same weights as the ImageFolder, and reads over HTTP exactly as from disk.
+One run, the session's ``digits_run``: ``DIST.STRATEGY fsdp`` under torchrun with 2 processes,
+reading a packed copy of the digits made by tools/pack_dataset.py (WebDataset shards).
+tests/test_packed_data.py shows that a packed copy trains to the very same weights as the
+ImageFolder and reads over HTTP exactly as from disk; tests/test_fsdp.py and
+tests/test_resume_world_size.py that fsdp trains ddp's weights.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from helpers import REPO, TEST, TRAIN, assert_ok, python, read_metrics, run, torchrun
+from helpers import TEST, assert_ok, python, read_metrics, run
 
-pytestmark = pytest.mark.slow  # two 10-epoch resnet18 runs: ddp (the session's digits_run), fsdp on packed shards
+pytestmark = pytest.mark.slow  # a 10-epoch resnet18 run (the session's digits_run)
 # 10 epochs reach 96-98% on the CPUs seen so far (README): far above this floor on any of them.
 TARGET_TOP1 = 95.0
 
@@ -27,29 +26,12 @@ def _final_val_top1(out_dir) -> float:
 
 # A plain process trains through the same trainer (test_launch, test_experiments and others train
 # that way), so a 10-epoch run in one process would only repeat this one.
-def test_default_config_under_torchrun_two_processes_reaches_95_percent(digits_run):
-    out, result = digits_run
+def test_default_config_with_fsdp_on_packed_shards_under_torchrun_reaches_95_percent_and_test_net_reads_its_dcp(
+    digits_run,
+):
+    out, result, data = digits_run
     assert_ok(result)
     assert "torchrun launch, 2 process(es)" in result.stdout
-    assert _final_val_top1(out) >= TARGET_TOP1
-
-
-def _packed_digits(tmp_path) -> list[str]:
-    """TRAIN/TEST.DATASET keys for a packed copy of data/digits (the ImageFolder without the data extra)."""
-    if importlib.util.find_spec("wids") is None:
-        return []
-    packed = tmp_path / "packed"
-    assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
-    return ["TRAIN.DATASET", str(packed), "TEST.DATASET", str(packed), "DATA.SHARD_CACHE", str(tmp_path / "cache")]
-
-
-def test_default_config_with_fsdp_on_packed_shards_under_torchrun_reaches_95_percent_and_test_net_reads_its_dcp(
-    tmp_path,
-):
-    out = tmp_path / "out"
-    data = _packed_digits(tmp_path)
-    result = run(torchrun(2, TRAIN, "OUT_DIR", str(out), "DIST.STRATEGY", "fsdp", *data), timeout=900)
-    assert_ok(result)
     assert "DIST.STRATEGY fsdp: mesh (2,)" in result.stdout
     assert _final_val_top1(out) >= TARGET_TOP1
     # The best weights are a sharded checkpoint; test_net.py evaluates it in one plain process.
