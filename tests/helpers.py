@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +92,27 @@ def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: floa
     for t in threads:
         t.join(timeout + 30)
     return [results[0], results[1]]
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve_folder(folder: Path | str) -> Iterator[str]:
+    """``folder`` served by a real HTTP server on 127.0.0.1 (a thread of this process, shut down
+    after): its URL."""
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 def python(script: str, *args: str) -> list[str]:

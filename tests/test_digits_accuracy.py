@@ -1,13 +1,16 @@
 """End to end: the default config trains resnet18 on the embedded digits to >= 95% val top-1.
 
 One run, the session's ``digits_run``: ``DIST.STRATEGY fsdp`` under torchrun with 2 processes,
-reading a packed copy of the digits made by tools/pack_dataset.py (WebDataset shards).
+reading a packed copy of the digits made by tools/pack_dataset.py (WebDataset shards) from a real
+HTTP server on 127.0.0.1.
 tests/test_packed_data.py shows that a packed copy trains to the very same weights as the
 ImageFolder and reads over HTTP exactly as from disk; tests/test_fsdp.py and
 tests/test_resume_world_size.py that fsdp trains ddp's weights.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from helpers import TEST, assert_ok, python, read_metrics, run
@@ -34,6 +37,9 @@ def test_default_config_with_fsdp_on_packed_shards_under_torchrun_reaches_95_per
     assert "torchrun launch, 2 process(es)" in result.stdout
     assert "DIST.STRATEGY fsdp: mesh (2,)" in result.stdout
     assert _final_val_top1(out) >= TARGET_TOP1
+    cache = Path(data[data.index("DATA.SHARD_CACHE") + 1])
+    fetched = list(cache.iterdir())
+    assert fetched and not any(p.is_symlink() for p in fetched), "the shards came over HTTP into the cache"
     # The best weights are a sharded checkpoint; test_net.py evaluates it in one plain process.
     best = max((r for r in read_metrics(out) if r["split"] == "val"), key=lambda r: r["top1"])
     tested = run(python(TEST, "OUT_DIR", str(out / "test"), "MODEL.WEIGHTS", str(out / "best.dcp"), *data))

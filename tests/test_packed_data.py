@@ -7,17 +7,14 @@ its samples and pixels, the sampler's order, evaluation results, training metric
 
 from __future__ import annotations
 
-import functools
-import http.server
 import os
 import shutil
-import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
+from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, serve_folder, torchrun
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
@@ -54,19 +51,8 @@ def packed(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def http_url(packed):
     """``packed`` served by a real HTTP server on 127.0.0.1 (a thread of this process, shut down after)."""
-    handler = functools.partial(QuietHandler, directory=str(packed))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
-
-
-class QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
+    with serve_folder(packed) as url:
+        yield url
 
 
 def _pixels(image) -> torch.Tensor:
