@@ -44,6 +44,7 @@ from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
 from distribuuuu.data import build_train_split, build_val_split  # noqa: E402
+from distribuuuu.data.transforms import build_normalize  # noqa: E402
 from distribuuuu.distributed import (  # noqa: E402
     all_gather_object,
     all_reduce_sum,
@@ -303,17 +304,21 @@ def check_compile(ctx: Context) -> str:
 
 
 def check_pinned_copy(ctx: Context) -> str:
-    """The training loader pins its batches; a non_blocking copy to the GPU has the same values."""
+    """The training loader pins its uint8 batches; DeviceLoader copies them to the GPU without
+    blocking and normalises them there, as build_normalize does on the CPU."""
     device = needs_cuda(ctx)
     cfg = make_cfg(ctx, "pinned", "TRAIN.PIN_MEMORY", "True", "TRAIN.WORKERS", "2")
-    loader = build_train_split(cfg, ctx.env).loader
-    expect(loader.pin_memory, "the training loader does not pin memory on CUDA")
-    images, targets, _ = next(iter(loader))
+    split = build_train_split(cfg, ctx.env)
+    expect(split.loader.pin_memory, "the training loader does not pin memory on CUDA")
+    images, targets, _ = next(iter(split.loader.loader))  # the DataLoader's own batch, before the copy
+    expect(images.dtype == torch.uint8, f"the workers hand over {images.dtype}, not uint8")
     expect(images.is_pinned() and targets.is_pinned(), "the batch is not in pinned memory")
-    on_gpu, targets_gpu = trainer.to_device(images, targets, ctx.env, channels_last=False)
-    expect(on_gpu.device == device, f"the copy went to {on_gpu.device}")
-    expect(torch.equal(on_gpu.cpu(), images) and torch.equal(targets_gpu.cpu(), targets), "copied values differ")
-    return f"batch {tuple(images.shape)} pinned; non_blocking copy identical"
+    on_gpu, targets_again, _ = next(iter(split.loader))  # the same first batch: seeded per sample
+    expect(on_gpu.device == device and on_gpu.dtype == torch.float32, f"the batch is {on_gpu.dtype} on {on_gpu.device}")
+    on_cpu = build_normalize(cfg)(images)
+    expect(torch.allclose(on_gpu.cpu(), on_cpu, atol=1e-5), "normalised on the GPU, the batch differs from the CPU's")
+    expect(torch.equal(targets_again.cpu(), targets), "targets differ")
+    return f"uint8 batch {tuple(images.shape)} pinned; copied and normalised on the GPU as on the CPU"
 
 
 def jpeg_tree(root: str, per_class: int = 12) -> str:
