@@ -19,10 +19,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import REPO, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
+from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from distribuuuu import checkpoint as ckpt
-from distribuuuu.config import get_cfg_defaults
+from distribuuuu import run as run_setup
+from distribuuuu import state
+from distribuuuu.config import get_cfg_defaults, load_cfg
+from distribuuuu.launch import DistEnv
+from distribuuuu.logger import NullWriter
+from distribuuuu.models import register_model
 from distribuuuu.optim import lr_at
 
 FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
@@ -165,3 +173,52 @@ def test_hsdp_on_two_nodes_of_2_ranks_trains_the_weights_of_ddp_on_4_ranks(tmp_p
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process: the edges of a resume that need no second process
+# ------------------------------------------------------------------------------------------------
+@register_model("resume_edge_cnn")
+def resume_edge_cnn(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes)
+    )
+
+
+def _edge_run(tmp_path: Path, *opts: str) -> run_setup.Run:
+    edge = ["MODEL.ARCH", "resume_edge_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.WORKERS", "0"]
+    cfg = load_cfg(None, [*edge, "TRAIN.BATCH_SIZE", str(BATCH), "OUT_DIR", str(tmp_path), *opts])
+    return run_setup.build_run(cfg, DistEnv(), NullWriter())
+
+
+def test_a_checkpoint_without_a_sample_position_resumes_at_its_steps_times_its_global_batch(tmp_path, caplog):
+    """Checkpoints written before they recorded ``samples_in_epoch`` and ``global_batch`` (by 2
+    ranks of batch 16 x accumulation 2 here) resume at step x the global batch their config and
+    world size give, and a run of another global batch says what that changes."""
+    run = _edge_run(tmp_path)
+    saved = state.training_state(run)
+    saved_cfg = load_cfg(None, ["TRAIN.BATCH_SIZE", str(BATCH), "TRAIN.ACCUM_STEPS", str(ACCUM)])
+    saved.update(step_in_epoch=7, epoch=1, world_size=2, cfg=saved_cfg.dump(), steps_per_epoch=22)
+    del saved["samples_in_epoch"], saved["global_batch"]
+    with caplog.at_level("WARNING", logger="distribuuuu"):
+        state.restore_progress(run, saved)
+    assert (run.state.epoch, run.state.step_in_epoch) == (1, 7)
+    assert run.state.samples_in_epoch == 7 * BATCH * ACCUM * 2
+    assert f"global batch changed from {BATCH * ACCUM * 2} (2 rank(s)) to {BATCH}" in caplog.text
+    assert f"continues at sample {7 * BATCH * ACCUM * 2}" in caplog.text
+
+
+def test_a_single_file_checkpoint_is_refused_by_a_sharded_run_with_the_conversion_to_run(tmp_path):
+    path = state.save_training_checkpoint(_edge_run(tmp_path))  # a ddp run's single file
+    assert path.endswith(".pth.tar") and ckpt.list_checkpoints(str(tmp_path / ckpt.CKPT_DIR)) == [path]
+    sharded = _edge_run(tmp_path, "DIST.STRATEGY", "fsdp")  # one process trains its plain model...
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(sharded.model)  # ...so shard it here, as shard_for_training does with several ranks
+        with pytest.raises(ckpt.CheckpointError) as refused:
+            state.restore_training_state(sharded, ckpt.load_checkpoint(path), path)
+    finally:
+        dist.destroy_process_group()
+    message = str(refused.value)
+    assert "DIST.STRATEGY fsdp shards the model" in message
+    assert f"tools/convert_checkpoint.py {path} {path.replace('.pth.tar', '.dcp')}" in message
