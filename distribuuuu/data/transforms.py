@@ -45,12 +45,31 @@ def build_train_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
     return v2.Compose(steps)
 
 
-def build_normalize(cfg: CfgNode) -> v2.Compose:
+def build_normalize(cfg: CfgNode) -> Normalize:
     """uint8 pixels (one image or a batch) to float32 normalised by DATA.MEAN / STD (or a
     pretrained timm model's own); the same arithmetic either way, so predict.py's one image and
     evaluation's batch see the same numbers."""
     p = eval_preprocessing(cfg)
-    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(p.mean, p.std)])
+    return Normalize(p.mean, p.std)
+
+
+class Normalize:
+    """``(pixels / 255 - mean) / std`` in float32 for uint8 ``[..., C, H, W]`` on any device.
+
+    Written out rather than torchvision's ToDtype + Normalize: those rebuild the mean and std
+    tensors and test std for zeros on every call, two host-device syncs per batch on a GPU (config
+    validation already refuses a zero DATA.STD). Here the constants move to a device once.
+    """
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        self.mean, self.std = torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1)
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.device not in self._on:
+            self._on[pixels.device] = (self.mean.to(pixels.device), self.std.to(pixels.device))
+        mean, std = self._on[pixels.device]
+        return pixels.to(torch.float32).div_(255).sub_(mean).div_(std).as_subclass(torch.Tensor)
 
 
 @dataclass(frozen=True)
