@@ -52,11 +52,14 @@ def run(
     imported already (tests/zygote.py), unless ``fresh``: the same process, without ~5 s of start-up.
     """
     env = env or clean_env()
+    if zygote.ENABLED:
+        env = {**env, zygote.ADDRESS_VAR: zygote.address()}  # torchrun's workers reach the server too
     if zygote.forkable(cmd) and not fresh:
         return _run_forked(cmd, timeout, env, cwd)
     proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+        cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -67,30 +70,30 @@ def run(
 
 
 def _run_forked(cmd: list[str], timeout: float, env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryDirectory(prefix="distribuuuu-run-") as tmp:
-        out_path, err_path = Path(tmp, "stdout"), Path(tmp, "stderr")
-        proc = zygote.start(cmd, env, cwd, out_path, err_path)
-        proc.join(timeout)
-        timed_out = proc.exitcode is None
-        if timed_out:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
+        launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), out.fileno(), err.fileno()))
+        code = launch.wait(timeout)
+        if code is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.join()
-        out, err = (p.read_text(errors="backslashreplace") if p.exists() else "" for p in (out_path, err_path))
-    if timed_out:
-        raise _timed_out(cmd, timeout, out, err)
-    return subprocess.CompletedProcess(cmd, proc.exitcode, out, err)
+                os.killpg(launch.pid, signal.SIGKILL)
+            launch.wait()
+        out_text, err_text = (f.seek(0) or f.read().decode(errors="replace") for f in (out, err))
+    if code is None:
+        raise _timed_out(cmd, timeout, out_text, err_text)
+    return subprocess.CompletedProcess(cmd, code, out_text, err_text)
 
 
 def _timed_out(cmd: list[str], timeout: float, out: str, err: str) -> AssertionError:
     return AssertionError(f"{cmd} did not finish in {timeout}s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
 
 
-def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list[str]:
-    """A torchrun command line on 127.0.0.1 with a free port."""
+def torchrun(nproc: int, script: str, *args: str, extra: list[str] = (), fork: bool = True) -> list[str]:
+    """A torchrun command line on 127.0.0.1 with a free port. Its workers are forked from the
+    zygote server (run by ``run``) unless not ``fork``: fresh interpreters, whose pids are theirs."""
+    worker = [*zygote.torchrun_options(), *extra, *zygote.torchrun_worker(script)] if fork else [*extra, script]
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={find_free_port()}", *extra, script, *args,
+        f"--master_port={find_free_port()}", *worker, *args,
     ]  # fmt: skip
 
 
@@ -105,7 +108,7 @@ def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: floa
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
             f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
-            script, *node_args[rank],
+            *zygote.torchrun_options(), *zygote.torchrun_worker(script), *node_args[rank],
         ]  # fmt: skip
         results[rank] = run(cmd, timeout=timeout)
 

@@ -121,11 +121,6 @@ class Job:
         return f"stdout:\n{self.out.read_text()[-3000:]}\nstderr:\n{self.err.read_text()[-3000:]}"
 
 
-def _job(cmd: list[str], log_dir: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    with Job(cmd, log_dir) as job:
-        return job.finish(timeout)
-
-
 def _mid_epoch_checkpoints(out: Path) -> list[str]:
     """Finished mid-epoch checkpoints (files or sharded directories; not a temporary being written)."""
     names = os.listdir(out / "checkpoints") if (out / "checkpoints").is_dir() else []
@@ -185,7 +180,7 @@ def stopped_after_epoch_1(tmp_path_factory) -> Path:
 def reference_two(tmp_path_factory) -> dict:
     """Final state of an uninterrupted 2-process torchrun run."""
     out = tmp_path_factory.mktemp("reference_two")
-    assert_ok(_job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), out / "logs"))
+    assert_ok(run(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), timeout=400))
     return _final_state(out, epochs=1)
 
 
@@ -233,7 +228,7 @@ def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights
 @pytest.mark.slow
 def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "preempted") as job:
+    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, fork=False), tmp_path / "preempted") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         # Signal the workers as Slurm does (every process of the step): torchrun then reports
         # their exit codes. (Signalling torchrun works too: it forwards SIGTERM to the workers.)
@@ -253,7 +248,7 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same
     state = load_checkpoint(str(path))
     assert (state["epoch"], state["step_in_epoch"], len(state["rng"])) == (epoch - 1, step, 2)
 
-    resumed = _job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "resumed")
+    resumed = run(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), timeout=400)
     assert_ok(resumed)
     assert RESUMED.search(resumed.stdout)[1] == str(path)
     assert _train_epochs(out) == [1]
@@ -297,7 +292,9 @@ def test_a_preempted_process_still_exits_75_when_signalled_again_while_exiting()
 def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_path):
     timeout_s = 15
     out = tmp_path / "run"
-    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "OPTIM.MAX_EPOCH", "20", "DIST.TIMEOUT_S", str(timeout_s))
+    cmd = torchrun(
+        2, FAULT, "OUT_DIR", str(out), *TWO, "OPTIM.MAX_EPOCH", "20", "DIST.TIMEOUT_S", str(timeout_s), fork=False
+    )
     with Job(cmd, tmp_path / "logs") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         workers = job.workers()

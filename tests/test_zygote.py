@@ -1,0 +1,69 @@
+"""tests/zygote.py: a launch forked from the preloaded server is the process a fresh interpreter is."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import zygote
+from helpers import clean_env, python, run, torchrun
+
+# What a process can see of how it was started, then an ending chosen by its first argument.
+PROBE = """
+import atexit, os, signal, sys, threading, time
+import numpy as np
+import torch
+
+atexit.register(lambda: print("atexit ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined")), daemon=False).start()
+print("argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
+print("cwd", os.getcwd(), "env", os.environ.get("PROBE_VAR"), "threads", torch.get_num_threads())
+print("main", __name__, "stdin", sys.stdin.read(), "sigpipe", signal.getsignal(signal.SIGPIPE))
+print("to stderr", file=sys.stderr)
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("boom")
+if how == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+sys.exit(int(how) if how.isdigit() else how)
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("probe") / "probe.py"
+    path.write_text(PROBE)
+    return str(path)
+
+
+@pytest.mark.parametrize("how", ["0", "3", "a message", "raise", "sigterm"])
+def test_a_forked_launch_sees_and_ends_as_a_fresh_interpreter(probe, tmp_path, how):
+    env = clean_env(PROBE_VAR="seen", OMP_NUM_THREADS="1")
+    forked, fresh = (run(python(probe, how, "x y"), env=env, cwd=tmp_path, fresh=f) for f in (False, True))
+    assert forked.returncode == fresh.returncode == {"0": 0, "3": 3, "sigterm": -15}.get(how, 1)
+    assert forked.stdout == fresh.stdout, (forked.stdout, fresh.stdout)
+    assert f"cwd {tmp_path} env seen threads 1" in forked.stdout
+    if how == "raise":
+        assert forked.stderr.splitlines()[-1] == fresh.stderr.splitlines()[-1] == "ValueError: boom"
+    else:
+        assert forked.stderr == fresh.stderr
+
+
+def test_torchrun_workers_forked_through_the_client_exit_and_are_signalled_as_fresh_ones(probe, tmp_path):
+    assert zygote.ENABLED, "run with DISTRIBUUUU_TEST_FORK unset"
+    forked = run(torchrun(2, probe, "sigterm"), cwd=tmp_path)
+    fresh = run(torchrun(2, probe, "sigterm", fork=False), cwd=tmp_path)
+    assert forked.returncode == fresh.returncode == 1
+    for result in (forked, fresh):
+        assert result.stdout.count("atexit ran") == 0 and "exitcode  : -15 (pid:" in result.stderr
+        assert "Signal 15 (SIGTERM) received by PID" in result.stderr
+    ok = run(torchrun(2, probe, "0"), cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout.count("atexit ran") == 2 and ok.stdout.count("thread joined") == 2
+
+
+def test_forkable_takes_only_this_interpreter_running_a_script_or_a_module():
+    assert zygote.forkable([sys.executable, "tools/train_net.py", "--cfg", "x.yaml"]) == zygote.ENABLED
+    assert zygote.forkable([sys.executable, "-m", "torch.distributed.run", "x.py"]) == zygote.ENABLED
+    assert not zygote.forkable([sys.executable, "-c", "print(1)"])
+    assert not zygote.forkable(["bash", "x.sh"])
