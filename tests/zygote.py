@@ -160,13 +160,20 @@ def _serve(path: str) -> None:
         for key, _ in selector.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                pid = _fork(conn, [selector, listener, wake_r, wake_w, *clients.values()])
-                conn.sendall(_HEADER.pack(pid))
+                try:
+                    pid = _fork(conn, [selector, listener, wake_r, wake_w, *clients.values()])
+                except (OSError, ValueError, struct.error):  # a client gone before its request was whole
+                    conn.close()
+                    continue
                 clients[pid] = conn
-                selector.register(conn, selectors.EVENT_READ, pid)
+                selector.register(conn, selectors.EVENT_READ, pid)  # readable: the client hung up
+                with contextlib.suppress(OSError):
+                    conn.sendall(_HEADER.pack(pid))
             elif key.fileobj is sys.stdin:
                 for pid in clients:
                     _kill_group(pid)
+                os.unlink(path)
+                os.rmdir(os.path.dirname(path))
                 return
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
