@@ -11,7 +11,6 @@ from helpers import clean_env, python, run, torchrun
 # What a process can see of how it was started, then an ending chosen by its first argument.
 PROBE = """
 import atexit, os, signal, sys, threading, time
-import numpy as np
 import torch
 
 atexit.register(lambda: print("atexit ran", flush=True))
@@ -37,6 +36,10 @@ def probe(tmp_path_factory):
     return str(path)
 
 
+needs_fork = pytest.mark.skipif(not zygote.ENABLED, reason="DISTRIBUUUU_TEST_FORK=0: every launch is fresh")
+
+
+@needs_fork
 @pytest.mark.parametrize("how", ["0", "3", "a message", "raise", "sigterm"])
 def test_a_forked_launch_sees_and_ends_as_a_fresh_interpreter(probe, tmp_path, how):
     env = clean_env(PROBE_VAR="seen", OMP_NUM_THREADS="1")
@@ -50,8 +53,8 @@ def test_a_forked_launch_sees_and_ends_as_a_fresh_interpreter(probe, tmp_path, h
         assert forked.stderr == fresh.stderr
 
 
+@needs_fork
 def test_torchrun_workers_forked_through_the_client_exit_and_are_signalled_as_fresh_ones(probe, tmp_path):
-    assert zygote.ENABLED, "run with DISTRIBUUUU_TEST_FORK unset"
     forked = run(torchrun(2, probe, "sigterm"), cwd=tmp_path)
     fresh = run(torchrun(2, probe, "sigterm", fork=False), cwd=tmp_path)
     assert forked.returncode == fresh.returncode == 1
