@@ -136,8 +136,8 @@ def test_numeric_val_folders_evaluate_like_the_training_names_and_predict_names_
         shutil.copytree(named / "val" / name, numbered / "val" / str(i))
     data = ["TRAIN.DATASET", str(named), "TEST.DATASET", str(named), "MODEL.NUM_CLASSES", "12"]
     out = tmp_path / "out"
-    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *FAST, *data, "OPTIM.MAX_EPOCH", "3"), timeout=600))
-    weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(3))
+    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *FAST, *data), timeout=600))  # FAST: 2 epochs: 93% here
+    weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))
 
     def evaluate(root: Path, *extra: str) -> dict:
         ev_out = tmp_path / f"eval_{root.name}"
