@@ -194,7 +194,7 @@ def _reap(clients: dict[int, socket.socket], selector: selectors.BaseSelector) -
         conn = clients.pop(pid, None)
         if conn is None:
             continue
-        if conn in {key.fileobj for key in selector.get_map().values()}:
+        with contextlib.suppress(KeyError):  # unregistered already if its client hung up
             selector.unregister(conn)
         with contextlib.suppress(OSError):  # a client that hung up gets no status
             conn.sendall(_HEADER.pack(status))
@@ -208,7 +208,12 @@ def _kill_group(pid: int) -> None:
 
 def _fork(conn: socket.socket, server_fds: list) -> int:
     header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
-    request = json.loads(_recv_exactly(conn, _HEADER.unpack(header)[0]))
+    try:
+        request = json.loads(_recv_exactly(conn, _HEADER.unpack(header)[0]))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     pid = os.fork()
     if pid:
         for fd in fds:
