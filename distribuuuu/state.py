@@ -297,12 +297,15 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, optimize
         ) from None
 
 
-def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool = True) -> dict:
-    """Load MODEL.WEIGHTS into ``model``; with strict=False, tensors of another shape are skipped."""
+def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool = True, arch: str = "") -> dict:
+    """Load MODEL.WEIGHTS into ``model`` (built for MODEL.ARCH ``arch``); with strict=False,
+    tensors of another shape are skipped. Strict weights that do not fit raise CheckpointError."""
     state = ckpt.load_checkpoint(path)
     weights = ckpt.model_state_from(state, kind)
-    if not strict:
-        own = model.state_dict()  # under FSDP2 DTensors: their shape is the full one
+    own = model.state_dict()  # under FSDP2 DTensors: their shape is the full one
+    if strict:
+        check_weights_fit(own, weights, path, state.get("arch"), arch)
+    else:
         skipped = [k for k, v in weights.items() if k in own and own[k].shape != v.shape]
         weights = {k: v for k, v in weights.items() if k not in skipped}
         if skipped:
@@ -314,6 +317,23 @@ def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool 
         )
     logger.info("loaded %s weights from %s", kind, path)
     return state
+
+
+def check_weights_fit(own: dict, weights: dict, path: str, saved_arch: str | None, arch: str) -> None:
+    """One line instead of load_state_dict's page of key names: which model the file holds, or
+    how many tensors are missing, unexpected or of another shape."""
+    if saved_arch and arch and saved_arch.split(":")[0] != arch.split(":")[0]:
+        raise ckpt.CheckpointError(
+            f"{path} holds {saved_arch} weights but MODEL.ARCH is {arch}: set MODEL.ARCH {saved_arch} to load it"
+        )
+    missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
+    shapes = [k for k in own.keys() & weights.keys() if own[k].shape != weights[k].shape]
+    if missing or unexpected or shapes:
+        example = f"{shapes[0]}: {list(weights[shapes[0]].shape)} in the file" if shapes else ""
+        raise ckpt.CheckpointError(
+            f"{path} does not fit MODEL.ARCH {arch or '?'}: {len(missing)} tensor(s) missing {missing[:2]}, "
+            f"{len(unexpected)} unexpected {unexpected[:2]}, {len(shapes)} of another shape {example}".rstrip()
+        )
 
 
 def load_full_weights(model: nn.Module, weights: dict, strict: bool = True):

@@ -397,7 +397,7 @@ def test_model(cfg: CfgNode) -> dict:
     env, writer = setup_environment(cfg, training=False)
     try:
         model = build_model_for(cfg, env)
-        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND)
+        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH)
         if not state.get("classes"):
             logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
         val = build_val_split(cfg, env, state.get("classes"))

@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "tools" / "train_net.py")
 TEST = str(REPO / "tools" / "test_net.py")
 
-# Small, fast settings for runs that test behaviour rather than accuracy.
-FAST = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
+# Small, fast settings for runs that test behaviour rather than accuracy: a light torchvision model
+# (one training step at 16 px, batch 32, one thread: 61 ms against resnet18's 240 ms here).
+FAST_ARCH = "shufflenet_v2_x0_5"
+FAST = [
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 

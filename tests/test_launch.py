@@ -19,7 +19,7 @@ from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.launch import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
-IM_SIZE_16 = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]  # evaluate at the size it was trained at
+EVAL_AS_TRAINED = FAST[:6]  # evaluate the model it trained at the size it was trained at
 # Counted on disk, not copied from a run: 361, divisible by neither 2 nor 3.
 VAL_IMAGES = sum(1 for p in (REPO / "data" / "digits" / "val").rglob("*") if p.is_file())
 UTILS_JOB = str(REPO / "tests" / "scripts" / "utils_job.py")
@@ -108,7 +108,7 @@ def test_test_net_gives_the_training_runs_val_numbers_for_world_size_1_2_3(slurm
 
     def evaluate(world: int) -> dict:
         out_dir = tmp_path / f"ws{world}"
-        args = ("OUT_DIR", str(out_dir), "MODEL.WEIGHTS", weights, *IM_SIZE_16)
+        args = ("OUT_DIR", str(out_dir), "MODEL.WEIGHTS", weights, *EVAL_AS_TRAINED)
         assert_ok(run(python(TEST, *args) if world == 1 else torchrun(world, TEST, *args), timeout=400))
         [record] = _split(read_metrics(out_dir), "test")
         return record
