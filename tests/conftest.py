@@ -1,5 +1,6 @@
 """Shared fixtures; the repository is importable when the tests run from a checkout without ``pip install -e``."""
 
+import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -24,8 +25,63 @@ def plain_logging():
     log.setLevel(saved[1])
 
 
+# ------------------------------------------------------------------------------------------------
+# The accuracy runs: started with the session at idle CPU priority, waited for by the tests last
+# ------------------------------------------------------------------------------------------------
+# A background job's rank may wait long for its peer while the foreground holds the CPU.
+PATIENT = ["DIST.TIMEOUT_S", "3600", "DIST.INIT_CHECK_TIMEOUT_S", "3600"]
+WAIT_S = 900  # once a test waits for a run: the CPU is then its own
+
+
+@contextlib.contextmanager
+def _digits_run(tmp_path_factory):
+    from helpers import REPO, TRAIN, Background, assert_ok, python, run, serve_folder, torchrun
+
+    root = tmp_path_factory.mktemp("digits_fsdp_packed")
+    packed, out = root / "packed", root / "out"
+    assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
+    with serve_folder(packed) as url:
+        data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
+        job = Background(torchrun(2, TRAIN, "OUT_DIR", str(out), "DIST.STRATEGY", "fsdp", *data, *PATIENT))
+        try:
+            yield lambda: (out, job.result(WAIT_S), data)
+        finally:
+            job.close()
+
+
+@contextlib.contextmanager
+def _recipe_run(tmp_path_factory):
+    from helpers import REPO, TRAIN, Background, torchrun
+
+    out = tmp_path_factory.mktemp("digits_recipe")
+    job = Background(
+        torchrun(2, TRAIN, "--cfg", str(REPO / "config" / "digits_recipe.yaml"), "OUT_DIR", str(out), *PATIENT)
+    )
+    try:
+        yield lambda: (out, job.result(WAIT_S))
+    finally:
+        job.close()
+
+
+BACKGROUND_RUNS = {"digits_run": _digits_run, "recipe_run": _recipe_run}
+
+
+def pytest_collection_modifyitems(items):
+    """The tests of the background runs go last (in their order): their runs have had the whole
+    session to finish by then."""
+    items.sort(key=lambda item: not BACKGROUND_RUNS.keys().isdisjoint(item.fixturenames))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_runs(request, tmp_path_factory):
+    """Start, with the session, each accuracy run that a selected test needs (none in the quick tier)."""
+    needed = sorted({name for item in request.session.items for name in item.fixturenames} & BACKGROUND_RUNS.keys())
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(BACKGROUND_RUNS[name](tmp_path_factory)) for name in needed}
+
+
 @pytest.fixture(scope="session")
-def digits_run(tmp_path_factory):
+def digits_run(background_runs):
     """The default config (10 epochs) under torchrun with 2 processes, sharded with
     ``DIST.STRATEGY fsdp``, reading a packed copy of data/digits (made by tools/pack_dataset.py)
     from a real HTTP server on 127.0.0.1, up for the session.
@@ -37,11 +93,10 @@ def digits_run(tmp_path_factory):
     weights (test_fsdp, test_resume_world_size). Returns (OUT_DIR, the finished process, the
     data keys).
     """
-    from helpers import REPO, TRAIN, assert_ok, python, run, serve_folder, torchrun
+    return background_runs["digits_run"]()
 
-    root = tmp_path_factory.mktemp("digits_fsdp_packed")
-    packed, out = root / "packed", root / "out"
-    assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
-    with serve_folder(packed) as url:
-        data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
-        yield out, run(torchrun(2, TRAIN, "OUT_DIR", str(out), "DIST.STRATEGY", "fsdp", *data), timeout=900), data
+
+@pytest.fixture(scope="session")
+def recipe_run(background_runs):
+    """config/digits_recipe.yaml (12 epochs) under torchrun with 2 processes: (OUT_DIR, the finished process)."""
+    return background_runs["recipe_run"]()

@@ -29,6 +29,17 @@ TEST = str(REPO / "tools" / "test_net.py")
 # (one training step at 16 px, batch 32, one thread: 61 ms against resnet18's 240 ms here).
 FAST_ARCH = "shufflenet_v2_x0_5"
 FAST = [
+    "MODEL.ARCH",
+    FAST_ARCH,
+    "TRAIN.IM_SIZE",
+    "16",
+    "TEST.IM_SIZE",
+    "16",
+    "OPTIM.MAX_EPOCH",
+    "2",
+    "TRAIN.PRINT_FREQ",
+    "10",
+]
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -83,6 +94,72 @@ def _run_forked(cmd: list[str], timeout: float, env: dict, cwd: Path) -> subproc
     if code is None:
         raise _timed_out(cmd, timeout, out_text, err_text)
     return subprocess.CompletedProcess(cmd, code, out_text, err_text)
+
+
+class Background:
+    """A command started now at idle CPU priority, waited for later: a long run (an accuracy run)
+    that fills the cores the other tests leave idle (~30% of the suite: single-process runs,
+    waits on timeouts and rendezvous) instead of holding both of them for minutes of its own.
+
+    Idle priority is Linux's ``SCHED_IDLE``: the job gets a core only when nothing else wants it
+    (a weight of 3 against a normal process's 1024); its processes inherit it (forked by the
+    zygote: set again in each child). The foreground keeps priority but still runs slower while
+    the job shares the machine (caches, the host's cores): the gain is the idle time filled, less
+    that. A rank may wait long for its peer while the foreground is busy: give such a job generous
+    timeouts.
+    """
+
+    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO):
+        env = {**(env or clean_env()), zygote.IDLE_VAR: "1"}
+        self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
+        self._result: subprocess.CompletedProcess | None = None
+        self._code: int | None = None
+        if zygote.ENABLED:
+            env[zygote.ADDRESS_VAR] = zygote.address()  # torchrun's workers reach the server too
+        if zygote.forkable(cmd):
+            with open(os.devnull) as null:
+                self._launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), *(f.fileno() for f in self._files)))
+            self.pid, self._proc = self._launch.pid, None
+        else:
+            self._proc = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],
+                start_new_session=True, preexec_fn=zygote.become_idle,
+            )  # fmt: skip
+            self.pid = self._proc.pid
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait for the job (at most ``timeout`` seconds from now: it has the CPU to itself once the
+        other tests are done) and return it as ``run`` would; kill it if it does not end in time."""
+        if self._result is None:
+            code = self._wait(timeout)
+            if code is None:
+                self._kill()
+            out, err = (f.seek(0) or f.read().decode(errors="replace") for f in self._files)
+            if code is None:
+                raise _timed_out(self.cmd, timeout, out, err)
+            self._result = subprocess.CompletedProcess(self.cmd, code, out, err)
+        return self._result
+
+    def close(self) -> None:
+        """Kill the job if it is still running (the session ended before a test waited for it)."""
+        if self._code is None:
+            self._kill()
+        for f in self._files:
+            f.close()
+
+    def _wait(self, timeout: float | None) -> int | None:
+        if self._code is None and self._proc is None:
+            self._code = self._launch.wait(timeout)
+        elif self._code is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._code = self._proc.wait(timeout)
+        return self._code
+
+    def _kill(self) -> None:
+        # Its process group: a forked torchrun's workers die with their clients (zygote.py).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self._wait(None)
 
 
 def _timed_out(cmd: list[str], timeout: float, out: str, err: str) -> AssertionError:

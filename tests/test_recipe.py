@@ -28,7 +28,7 @@ from torch import nn
 if __name__ == "__main__":  # run as the worker script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun  # noqa: E402
+from helpers import REPO, TEST, assert_ok, clean_env, python, read_metrics, run, torchrun  # noqa: E402
 
 from distribuuuu import checkpoint, cli, trainer  # noqa: E402
 from distribuuuu import run as run_setup  # noqa: E402
@@ -606,21 +606,21 @@ RECIPE = str(REPO / "config" / "digits_recipe.yaml")
 
 
 @pytest.mark.slow
-def test_the_digits_recipe_reaches_98_percent_under_torchrun_two_processes(tmp_path):
-    result = run(torchrun(2, TRAIN, "--cfg", RECIPE, "OUT_DIR", str(tmp_path)), timeout=900)
+def test_the_digits_recipe_reaches_98_percent_under_torchrun_two_processes(recipe_run, tmp_path):
+    out, result = recipe_run  # conftest: run in the background since the session started
     assert_ok(result)
     epochs = load_cfg(RECIPE).OPTIM.MAX_EPOCH
-    val = [r for r in read_metrics(tmp_path) if r["split"] == "val"]
+    val = [r for r in read_metrics(out) if r["split"] == "val"]
     # The raw and the EMA weights are evaluated every epoch, each on every val image exactly once.
     assert [(r["epoch"], r["weights"]) for r in val] == [(e, w) for e in range(1, epochs + 1) for w in ("model", "ema")]
     assert {r["samples"] for r in val} == {361}
-    assert _final_val_top1(tmp_path, "model") >= 98.0
-    assert _final_val_top1(tmp_path, "ema") >= 98.0
-    best = checkpoint.load_checkpoint(str(tmp_path / checkpoint.BEST_NAME))
+    assert _final_val_top1(out, "model") >= 98.0
+    assert _final_val_top1(out, "ema") >= 98.0
+    best = checkpoint.load_checkpoint(str(out / checkpoint.BEST_NAME))
     first_best = max(val, key=lambda r: r["top1"])  # max() keeps the first of equals, as the trainer
     assert (best["best_acc1"], best["best_weights"]) == (first_best["top1"], first_best["weights"])
     # test_net.py evaluates the EMA weights of the last checkpoint (MODEL.WEIGHTS_KIND ema).
-    last = checkpoint.list_checkpoints(str(tmp_path / checkpoint.CKPT_DIR))[-1]
+    last = checkpoint.list_checkpoints(str(out / checkpoint.CKPT_DIR))[-1]
     test_out = tmp_path / "test_ema"
     result = run(
         python(TEST, "--cfg", RECIPE, "OUT_DIR", str(test_out), "MODEL.WEIGHTS", last, "MODEL.WEIGHTS_KIND", "ema")
@@ -628,7 +628,7 @@ def test_the_digits_recipe_reaches_98_percent_under_torchrun_two_processes(tmp_p
     assert_ok(result)
     (test,) = [r for r in read_metrics(test_out) if r["split"] == "test"]
     assert test["weights"] == "ema"
-    assert abs(test["top1"] - _final_val_top1(tmp_path, "ema")) <= 100 / 361 + 1e-9  # 1 image: batch-size rounding
+    assert abs(test["top1"] - _final_val_top1(out, "ema")) <= 100 / 361 + 1e-9  # 1 image: batch-size rounding
 
 
 if __name__ == "__main__":

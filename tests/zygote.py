@@ -45,6 +45,7 @@ import threading
 PRELOAD = ["torch", "torchvision", "torch.distributed.run", "distribuuuu.utils", "distribuuuu.trainer"]
 ENABLED = os.environ.get("DISTRIBUUUU_TEST_FORK", "1") != "0"
 ADDRESS_VAR = "DISTRIBUUUU_ZYGOTE"
+IDLE_VAR = "DISTRIBUUUU_TEST_IDLE"  # set: the child runs at idle CPU priority (helpers.Background)
 _HEADER = struct.Struct("!Q")  # request length / child pid / wait status
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -109,6 +110,11 @@ class Launch:
             return None
         self.sock.close()
         return os.waitstatus_to_exitcode(status)
+
+
+def become_idle() -> None:
+    """Run at idle CPU priority (SCHED_IDLE): only on a core that nothing else wants."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -237,6 +243,8 @@ def _run(cmd: list[str], env: dict[str, str], cwd: str) -> None:
     handlers = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}  # as Python sets
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, handlers.get(sig, signal.SIG_DFL))
+    if env.get(IDLE_VAR):
+        become_idle()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
