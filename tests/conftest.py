@@ -35,14 +35,14 @@ WAIT_S = 900  # once a test waits for a run: the CPU is then its own
 
 @contextlib.contextmanager
 def _digits_run(tmp_path_factory):
-    from helpers import REPO, TRAIN, Background, assert_ok, python, run, serve_folder, torchrun
+    from helpers import REPO, TRAIN, assert_ok, background, python, run, serve_folder, torchrun
 
     root = tmp_path_factory.mktemp("digits_fsdp_packed")
     packed, out = root / "packed", root / "out"
     assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
     with serve_folder(packed) as url:
         data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
-        job = Background(torchrun(2, TRAIN, "OUT_DIR", str(out), "DIST.STRATEGY", "fsdp", *data, *PATIENT))
+        job = background(torchrun(2, TRAIN, "OUT_DIR", str(out), "DIST.STRATEGY", "fsdp", *data, *PATIENT))
         try:
             yield lambda: (out, job.result(WAIT_S), data)
         finally:
@@ -51,10 +51,10 @@ def _digits_run(tmp_path_factory):
 
 @contextlib.contextmanager
 def _recipe_run(tmp_path_factory):
-    from helpers import REPO, TRAIN, Background, torchrun
+    from helpers import REPO, TRAIN, background, torchrun
 
     out = tmp_path_factory.mktemp("digits_recipe")
-    job = Background(
+    job = background(
         torchrun(2, TRAIN, "--cfg", str(REPO / "config" / "digits_recipe.yaml"), "OUT_DIR", str(out), *PATIENT)
     )
     try:

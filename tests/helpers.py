@@ -64,42 +64,14 @@ def run(
     ``python script.py``/``python -m module`` launches are forked from a server that has torch
     imported already (tests/zygote.py), unless ``fresh``: the same process, without ~5 s of start-up.
     """
-    env = env or clean_env()
-    if zygote.ENABLED:
-        env = {**env, zygote.ADDRESS_VAR: zygote.address()}  # torchrun's workers reach the server too
-    if zygote.forkable(cmd) and not fresh:
-        return _run_forked(cmd, timeout, env, cwd)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise _timed_out(cmd, timeout, out, err) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    with Started(cmd, env, cwd, fresh) as started:
+        return started.result(timeout)
 
 
-def _run_forked(cmd: list[str], timeout: float, env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, open(os.devnull) as null:
-        launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), out.fileno(), err.fileno()))
-        code = launch.wait(timeout)
-        if code is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launch.pid, signal.SIGKILL)
-            launch.wait()
-        out_text, err_text = (f.seek(0) or f.read().decode(errors="replace") for f in (out, err))
-    if code is None:
-        raise _timed_out(cmd, timeout, out_text, err_text)
-    return subprocess.CompletedProcess(cmd, code, out_text, err_text)
-
-
-class Background:
-    """A command started now at idle CPU priority, waited for later: a long run (an accuracy run)
-    that fills the cores the other tests leave idle (~30% of the suite: single-process runs,
-    waits on timeouts and rendezvous) instead of holding both of them for minutes of its own.
+def background(cmd: list[str], env: dict | None = None) -> Started:
+    """Start ``cmd`` now at idle CPU priority, to be waited for later (``result``): a long run (an
+    accuracy run) that fills the cores the other tests leave idle (~30% of the suite: single-process
+    runs, waits on timeouts and rendezvous) instead of holding both of them for minutes of its own.
 
     Idle priority is Linux's ``SCHED_IDLE``: the job gets a core only when nothing else wants it
     (a weight of 3 against a normal process's 1024); its processes inherit it (forked by the
@@ -108,28 +80,42 @@ class Background:
     that. A rank may wait long for its peer while the foreground is busy: give such a job generous
     timeouts.
     """
+    return Started(cmd, env, idle=True)
 
-    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO):
-        env = {**(env or clean_env()), zygote.IDLE_VAR: "1"}
+
+class Started:
+    """``cmd`` started in its own process group (forked by the zygote unless ``fresh``, see ``run``),
+    its output kept in temporary files; ``result`` waits for it, ``close`` kills it if still running."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, fresh=False, idle=False):
+        env = dict(env or clean_env())
+        if idle:
+            env[zygote.IDLE_VAR] = "1"
+        if zygote.ENABLED:
+            env[zygote.ADDRESS_VAR] = zygote.address()  # torchrun's workers reach the server too
         self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
         self._result: subprocess.CompletedProcess | None = None
         self._code: int | None = None
-        if zygote.ENABLED:
-            env[zygote.ADDRESS_VAR] = zygote.address()  # torchrun's workers reach the server too
-        if zygote.forkable(cmd):
+        if zygote.forkable(cmd) and not fresh:
             with open(os.devnull) as null:
                 self._launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), *(f.fileno() for f in self._files)))
             self.pid, self._proc = self._launch.pid, None
         else:
             self._proc = subprocess.Popen(
                 cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],
-                start_new_session=True, preexec_fn=zygote.become_idle,
+                start_new_session=True, preexec_fn=zygote.become_idle if idle else None,
             )  # fmt: skip
             self.pid = self._proc.pid
 
+    def __enter__(self) -> Started:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def result(self, timeout: float) -> subprocess.CompletedProcess:
-        """Wait for the job (at most ``timeout`` seconds from now: it has the CPU to itself once the
-        other tests are done) and return it as ``run`` would; kill it if it does not end in time."""
+        """Wait at most ``timeout`` seconds from now; the finished process, or AssertionError (with
+        its output) after killing it."""
         if self._result is None:
             code = self._wait(timeout)
             if code is None:
@@ -141,7 +127,7 @@ class Background:
         return self._result
 
     def close(self) -> None:
-        """Kill the job if it is still running (the session ended before a test waited for it)."""
+        """Kill the process if it is still running (e.g. the session ended before a test waited for it)."""
         if self._code is None:
             self._kill()
         for f in self._files:

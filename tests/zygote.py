@@ -45,7 +45,7 @@ import threading
 PRELOAD = ["torch", "torchvision", "torch.distributed.run", "distribuuuu.utils", "distribuuuu.trainer"]
 ENABLED = os.environ.get("DISTRIBUUUU_TEST_FORK", "1") != "0"
 ADDRESS_VAR = "DISTRIBUUUU_ZYGOTE"
-IDLE_VAR = "DISTRIBUUUU_TEST_IDLE"  # set: the child runs at idle CPU priority (helpers.Background)
+IDLE_VAR = "DISTRIBUUUU_TEST_IDLE"  # set: the child runs at idle CPU priority (helpers.background)
 _HEADER = struct.Struct("!Q")  # request length / child pid / wait status
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
