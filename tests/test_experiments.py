@@ -153,16 +153,8 @@ def test_numeric_val_folders_evaluate_like_the_training_names_and_predict_names_
     for i, name in enumerate(names):  # ImageNet-V2's layout: folder i holds the model's class i
         shutil.copytree(named / "val" / name, numbered / "val" / str(i))
     # resnet18: 93% after FAST's 2 epochs here (FAST's light model: 40-60%, too close to the floor).
-    data = [
-        "TRAIN.DATASET",
-        str(named),
-        "TEST.DATASET",
-        str(named),
-        "MODEL.NUM_CLASSES",
-        "12",
-        "MODEL.ARCH",
-        "resnet18",
-    ]
+    data = ["TRAIN.DATASET", str(named), "TEST.DATASET", str(named), "MODEL.NUM_CLASSES", "12"]
+    data += ["MODEL.ARCH", "resnet18"]
     out = tmp_path / "out"
     assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *FAST, *data), timeout=600))
     weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))

@@ -13,13 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import FAST, REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
+from helpers import EVAL_FAST, FAST, REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.launch import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
-EVAL_AS_TRAINED = FAST[:6]  # evaluate the model it trained at the size it was trained at
 # Counted on disk, not copied from a run: 361, divisible by neither 2 nor 3.
 VAL_IMAGES = sum(1 for p in (REPO / "data" / "digits" / "val").rglob("*") if p.is_file())
 UTILS_JOB = str(REPO / "tests" / "scripts" / "utils_job.py")
@@ -108,7 +107,7 @@ def test_test_net_gives_the_training_runs_val_numbers_for_world_size_1_2_3(slurm
 
     def evaluate(world: int) -> dict:
         out_dir = tmp_path / f"ws{world}"
-        args = ("OUT_DIR", str(out_dir), "MODEL.WEIGHTS", weights, *EVAL_AS_TRAINED)
+        args = ("OUT_DIR", str(out_dir), "MODEL.WEIGHTS", weights, *EVAL_FAST)
         assert_ok(run(python(TEST, *args) if world == 1 else torchrun(world, TEST, *args), timeout=400))
         [record] = _split(read_metrics(out_dir), "test")
         return record
