@@ -9,6 +9,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from processes import pytest_configure, pytest_sessionfinish  # noqa: E402, F401  (hooks: no process outlives the tests)
+
 
 @pytest.fixture
 def plain_logging():
@@ -100,3 +102,21 @@ def digits_run(background_runs):
 def recipe_run(background_runs):
     """config/digits_recipe.yaml (12 epochs) under torchrun with 2 processes: (OUT_DIR, the finished process)."""
     return background_runs["recipe_run"]()
+
+
+def pytest_report_header(config):
+    """The versions and the CPU a run's results come from (CI's log shows them)."""
+    import platform
+
+    import torch
+    import torchvision
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
+    return f"torch {torch.__version__}, torchvision {torchvision.__version__}, Python {platform.python_version()}, CPU: {cpu}"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []

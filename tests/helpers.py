@@ -7,7 +7,6 @@ import functools
 import http.server
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -16,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import zygote
+import processes
 from PIL import Image
 
 from distribuuuu.launch import find_free_port
@@ -46,15 +45,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(
-    cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO, fresh: bool = False
-) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; kill the whole group if it outlives ``timeout``.
-
-    ``python script.py``/``python -m module`` launches are forked from a server that has torch
-    imported already (tests/zygote.py), unless ``fresh``: the same process, without ~5 s of start-up.
-    """
-    with Started(cmd, env, cwd, fresh) as started:
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own; kill it and every process it started if it outlives ``timeout``."""
+    with Started(cmd, env, cwd) as started:
         return started.result(timeout)
 
 
@@ -64,8 +57,7 @@ def background(cmd: list[str], env: dict | None = None) -> Started:
     runs, waits on timeouts and rendezvous) instead of holding both of them for minutes of its own.
 
     Idle priority is Linux's ``SCHED_IDLE``: the job gets a core only when nothing else wants it
-    (a weight of 3 against a normal process's 1024); its processes inherit it (forked by the
-    zygote: set again in each child). The foreground keeps priority but still runs slower while
+    (a weight of 3 against a normal process's 1024); its processes inherit it. The foreground keeps priority but still runs slower while
     the job shares the machine (caches, the host's cores): the gain is the idle time filled, less
     that. A rank may wait long for its peer while the foreground is busy: give such a job generous
     timeouts.
@@ -74,28 +66,20 @@ def background(cmd: list[str], env: dict | None = None) -> Started:
 
 
 class Started:
-    """``cmd`` started in its own process group (forked by the zygote unless ``fresh``, see ``run``),
-    its output kept in temporary files; ``result`` waits for it, ``close`` kills it if still running."""
+    """``cmd`` started in a session of its own, its output kept in temporary files; ``result`` waits
+    for it, ``close`` kills it if still running. Every process it starts, in whatever session
+    (torchrun's workers lead their own), carries its tag (tests/processes.py) and dies with it."""
 
-    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, fresh=False, idle=False):
-        env = dict(env or clean_env())
-        if idle:
-            env[zygote.IDLE_VAR] = "1"
-        if zygote.ENABLED:
-            env[zygote.ADDRESS_VAR] = zygote.address()  # torchrun's workers reach the server too
+    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, idle: bool = False):
+        self.tag = processes.new_launch_tag()
+        env = {**(env or clean_env()), processes.LAUNCH_VAR: self.tag}
         self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
         self._result: subprocess.CompletedProcess | None = None
-        self._code: int | None = None
-        if zygote.forkable(cmd) and not fresh:
-            with open(os.devnull) as null:
-                self._launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), *(f.fileno() for f in self._files)))
-            self.pid, self._proc = self._launch.pid, None
-        else:
-            self._proc = subprocess.Popen(
-                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],
-                start_new_session=True, preexec_fn=zygote.become_idle if idle else None,
-            )  # fmt: skip
-            self.pid = self._proc.pid
+        self._proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],
+            start_new_session=True, preexec_fn=_become_idle if idle else None,
+        )  # fmt: skip
+        self.pid = self._proc.pid
 
     def __enter__(self) -> Started:
         return self
@@ -105,50 +89,50 @@ class Started:
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
         """Wait at most ``timeout`` seconds from now; the finished process, or AssertionError (with
-        its output) after killing it."""
+        its output and the processes it left) after killing it and them."""
         if self._result is None:
-            code = self._wait(timeout)
-            if code is None:
-                self._kill()
-            out, err = (f.seek(0) or f.read().decode(errors="replace") for f in self._files)
-            if code is None:
-                raise _timed_out(self.cmd, timeout, out, err)
-            self._result = subprocess.CompletedProcess(self.cmd, code, out, err)
+            try:
+                code = self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                left = self._kill()
+                out, err = self._output()
+                raise _timed_out(self.cmd, timeout, out, err, left) from None
+            self._result = subprocess.CompletedProcess(self.cmd, code, *self._output())
         return self._result
 
     def close(self) -> None:
-        """Kill the process if it is still running (e.g. the session ended before a test waited for it)."""
-        if self._code is None:
-            self._kill()
+        """Kill what is still running of it (e.g. the session ended before a test waited for it)."""
+        self._kill()
         for f in self._files:
             f.close()
 
-    def _wait(self, timeout: float | None) -> int | None:
-        if self._code is None and self._proc is None:
-            self._code = self._launch.wait(timeout)
-        elif self._code is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._code = self._proc.wait(timeout)
-        return self._code
+    def _output(self) -> tuple[str, str]:
+        return tuple(f.seek(0) or f.read().decode(errors="replace") for f in self._files)
 
-    def _kill(self) -> None:
-        # Its process group: a forked torchrun's workers die with their clients (zygote.py).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self._wait(None)
+    def _kill(self) -> list[processes.Process]:
+        left = processes.kill_tagged(processes.LAUNCH_VAR, self.tag)
+        self._proc.wait()
+        return left
 
 
-def _timed_out(cmd: list[str], timeout: float, out: str, err: str) -> AssertionError:
-    return AssertionError(f"{cmd} did not finish in {timeout}s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}")
+def _become_idle() -> None:
+    """Run at idle CPU priority (SCHED_IDLE): only on a core that nothing else wants."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def torchrun(nproc: int, script: str, *args: str, extra: list[str] = (), fork: bool = True) -> list[str]:
-    """A torchrun command line on 127.0.0.1 with a free port. Its workers are forked from the
-    zygote server (run by ``run``) unless not ``fork``: fresh interpreters, whose pids are theirs."""
-    worker = [*zygote.torchrun_options(), *extra, *zygote.torchrun_worker(script)] if fork else [*extra, script]
+def _timed_out(cmd: list[str], timeout: float, out: str, err: str, killed: list) -> AssertionError:
+    killed_lines = "".join(f"\n  {process}" for process in killed)
+    return AssertionError(
+        f"{cmd} did not finish in {timeout}s; killed {len(killed)} process(es):{killed_lines}"
+        f"\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    )
+
+
+def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list[str]:
+    """A torchrun command line on 127.0.0.1 with a free port (``extra``: torchrun options)."""
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={find_free_port()}", *worker, *args,
+        f"--master_port={find_free_port()}", *extra, script, *args,
     ]  # fmt: skip
 
 
@@ -163,7 +147,7 @@ def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: floa
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
             f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
-            *zygote.torchrun_options(), *zygote.torchrun_worker(script), *node_args[rank],
+            script, *node_args[rank],
         ]  # fmt: skip
         results[rank] = run(cmd, timeout=timeout)
 

@@ -228,7 +228,7 @@ def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights
 @pytest.mark.slow
 def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, fork=False), tmp_path / "preempted") as job:
+    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "preempted") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         # Signal the workers as Slurm does (every process of the step): torchrun then reports
         # their exit codes. (Signalling torchrun works too: it forwards SIGTERM to the workers.)
@@ -294,9 +294,7 @@ def test_a_preempted_process_still_exits_75_when_signalled_again_while_exiting()
 def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_path):
     timeout_s = 15
     out = tmp_path / "run"
-    cmd = torchrun(
-        2, FAULT, "OUT_DIR", str(out), *TWO, "OPTIM.MAX_EPOCH", "20", "DIST.TIMEOUT_S", str(timeout_s), fork=False
-    )
+    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "OPTIM.MAX_EPOCH", "20", "DIST.TIMEOUT_S", str(timeout_s))
     with Job(cmd, tmp_path / "logs") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         workers = job.workers()

@@ -1,0 +1,89 @@
+"""Nothing a test starts outlives it: every process the test session starts is tagged, and found by its tag.
+
+A process inherits its parent's environment, so a variable set in the session's environment marks
+every process the tests start and every process those start in turn, whatever session or process
+group they move to (torchrun's workers lead sessions of their own, so killing a launch's process
+group misses them). Each launch (``helpers.Started``) adds a tag of its own, which kills it whole on
+a timeout; the session's tag finds what is left when the session ends, and fails the run.
+
+Used as a pytest plugin (``tests/conftest.py`` imports its hooks; ``pytest -p processes`` elsewhere).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+SESSION_VAR = "DISTRIBUUUU_TEST_SESSION"  # every process of the test session
+LAUNCH_VAR = "DISTRIBUUUU_TEST_LAUNCH"  # every process of one launch (helpers.Started)
+_launches = itertools.count()
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    cmdline: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid}: {self.cmdline[:300]}"
+
+
+def new_launch_tag() -> str:
+    return f"{os.environ.get(SESSION_VAR, os.getpid())}-{next(_launches)}"
+
+
+def tagged(var: str, value: str) -> list[Process]:
+    """The live processes (not zombies) whose environment has ``var=value``, this one excepted."""
+    entry, found = f"{var}={value}".encode(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if entry not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        found.append(Process(int(name), cmdline))
+    return found
+
+
+def kill_tagged(var: str, value: str, wait_s: float = 10) -> list[Process]:
+    """SIGKILL every process tagged ``var=value`` until none is left: the ones found alive."""
+    first = tagged(var, value)
+    found, deadline = first, time.monotonic() + wait_s
+    while found and time.monotonic() < deadline:
+        for process in found:
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+        found = tagged(var, value)
+    return first
+
+
+# ------------------------------------------------------------------------------------------------
+# The pytest hooks
+# ------------------------------------------------------------------------------------------------
+def pytest_configure(config) -> None:
+    # A session started by another session's test tags its own processes, not the outer one's.
+    os.environ[SESSION_VAR] = uuid.uuid4().hex
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    left = kill_tagged(SESSION_VAR, os.environ[SESSION_VAR])
+    if left:
+        lines = [f"{len(left)} process(es) started by the tests outlived them (killed now):", *map(str, left)]
+        print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
+        session.exitstatus = 1
