@@ -79,6 +79,14 @@ def kill_tagged(var: str, value: str, wait_s: float = 10) -> list[Process]:
 def pytest_configure(config) -> None:
     # A session started by another session's test tags its own processes, not the outer one's.
     os.environ[SESSION_VAR] = uuid.uuid4().hex
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        # A session stopped from outside (a CI timeout) ends as on Ctrl-C: fixtures torn down, the
+        # processes found and killed below, instead of dying at once and leaving them running.
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -4,6 +4,7 @@ when anything it started is still running at its end (tests/processes.py)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,4 +77,34 @@ def test_a_session_that_leaves_a_process_running_fails_and_names_it(tmp_path):
     assert "1 passed" in inner.stdout
     assert "1 process(es) started by the tests outlived them (killed now):" in inner.stderr
     assert f"pid {left}: " in inner.stderr and "time.sleep(300)" in inner.stderr
+    assert _wait_gone(left), f"pid {left} is still running"
+
+
+HANGS = """
+import subprocess, sys, time
+
+def test_starts_a_process_and_hangs():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    print("LEFT", child.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_session_stopped_by_sigterm_still_kills_and_names_what_its_tests_started(tmp_path):
+    (tmp_path / "test_hangs.py").write_text(HANGS)
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "processes", "-p", "no:cacheprovider", "test_hangs.py"]
+    inner = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "LEFT" not in line:
+            line = inner.stdout.readline()
+            assert line, "the inner session ended before its test started a process"
+        left = int(line.split("LEFT ", 1)[1].split()[0])
+        inner.send_signal(signal.SIGTERM)
+        out, err = inner.communicate(timeout=60)
+    finally:
+        inner.kill()
+    assert inner.returncode != 0
+    assert f"pid {left}: " in err and "outlived them (killed now)" in err, out + err
     assert _wait_gone(left), f"pid {left} is still running"
