@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, python, read_metrics, run
+from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, read_metrics
 from PIL import Image
 from yacs.config import CfgNode
 
@@ -38,7 +38,7 @@ def _fingerprint(folder: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def one_epoch_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("first") / "out"
-    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *ONE_EPOCH), timeout=300))
+    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *ONE_EPOCH))
     return out
 
 
@@ -48,7 +48,7 @@ def one_epoch_run(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_another_architecture_in_the_same_out_dir_stops_naming_the_keys_and_touches_nothing(one_epoch_run):
     before = _fingerprint(one_epoch_run)
-    result = run(python(TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34"), timeout=300)
+    result = in_process(TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34")
     assert result.returncode == 2, result.stderr[-2000:]
     [error] = _errors(result)
     assert "holds another experiment" in error and f"MODEL.ARCH: '{FAST_ARCH}' -> 'resnet34'" in error
@@ -67,7 +67,7 @@ def test_another_architecture_in_the_same_out_dir_stops_naming_the_keys_and_touc
 )  # fmt: skip
 def test_weights_that_do_not_fit_the_model_stop_test_net_in_one_line(one_epoch_run, tmp_path, keys, message):
     weights = str(one_epoch_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
-    result = run(python(TEST, "OUT_DIR", str(tmp_path), *FAST, "MODEL.WEIGHTS", weights, *keys), timeout=300)
+    result = in_process(TEST, "OUT_DIR", str(tmp_path), *FAST, "MODEL.WEIGHTS", weights, *keys)
     assert result.returncode != 0, result.stderr[-2000:]
     [error] = _errors(result)
     assert weights in error and message in error, error
@@ -78,7 +78,7 @@ def test_weights_that_do_not_fit_the_model_stop_test_net_in_one_line(one_epoch_r
 def test_more_epochs_continue_the_run_log_the_change_and_keep_every_starts_config(one_epoch_run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(one_epoch_run, out)
-    result = run(python(TRAIN, "OUT_DIR", str(out), *FAST, "OPTIM.MAX_EPOCH", "2"), timeout=300)
+    result = in_process(TRAIN, "OUT_DIR", str(out), *FAST, "OPTIM.MAX_EPOCH", "2")
     assert_ok(result)
     assert "changed runtime keys: OPTIM.MAX_EPOCH: 1 -> 2" in result.stdout
     assert "OUT_DIR:" in result.stdout  # the copy's OUT_DIR differs from the checkpoint's: a runtime key
@@ -156,13 +156,13 @@ def test_numeric_val_folders_evaluate_like_the_training_names_and_predict_names_
     data = ["TRAIN.DATASET", str(named), "TEST.DATASET", str(named), "MODEL.NUM_CLASSES", "12"]
     data += ["MODEL.ARCH", "resnet18"]
     out = tmp_path / "out"
-    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *FAST, *data), timeout=600))
+    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *FAST, *data))
     weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))
 
     def evaluate(root: Path, *extra: str) -> dict:
         ev_out = tmp_path / f"eval_{root.name}"
         args = ["OUT_DIR", str(ev_out), *FAST, *data, "TEST.DATASET", str(root)]
-        assert_ok(run(python(TEST, *args, "MODEL.WEIGHTS", weights, *extra), timeout=300))
+        assert_ok(in_process(TEST, *args, "MODEL.WEIGHTS", weights, *extra))
         [record] = [r for r in read_metrics(ev_out) if r["split"] == "test"]
         return record
 
@@ -170,7 +170,7 @@ def test_numeric_val_folders_evaluate_like_the_training_names_and_predict_names_
     assert by_name["top1"] > 50, "trained well above the 8% of chance, so scrambled labels would show"
     assert [by_number[k] for k in ("top1", "topk", "samples")] == [by_name[k] for k in ("top1", "topk", "samples")]
     images = sorted((named / "val" / "c10").glob("*.png"))[:3]
-    result = run(python(PREDICT, "--weights", weights, *map(str, images)), timeout=300)
+    result = in_process(PREDICT, "--weights", weights, *map(str, images))
     assert_ok(result)
     predicted = [line.split(": ", 1)[1].split(" ")[0] for line in result.stdout.splitlines() if ": " in line]
     assert len(predicted) == 3 and set(predicted) <= set(names), result.stdout
@@ -184,10 +184,10 @@ def test_a_val_folder_with_a_class_the_model_does_not_know_stops_or_evaluates_th
     shutil.copytree(DIGITS / "val" / "3", val / "x")
     weights = str(one_epoch_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
     args = ["OUT_DIR", str(tmp_path / "eval"), *FAST, "TEST.DATASET", str(tmp_path / "odd"), "MODEL.WEIGHTS", weights]
-    refused = run(python(TEST, *args), timeout=300)
+    refused = in_process(TEST, *args)
     assert refused.returncode == 2
     [error] = _errors(refused)
     assert "not among the model's ['x']" in error and "TEST.CLASS_OVERLAP" in error
-    assert_ok(run(python(TEST, *args, "TEST.CLASS_OVERLAP", "True"), timeout=300))
+    assert_ok(in_process(TEST, *args, "TEST.CLASS_OVERLAP", "True"))
     [record] = [r for r in read_metrics(tmp_path / "eval") if r["split"] == "test"]
     assert record["samples"] == sum(len(list((val / n).glob("*.png"))) for n in ["0", "1", "2"])

@@ -13,7 +13,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import EVAL_FAST, FAST, REPO, TEST, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
+from helpers import (
+    EVAL_FAST,
+    FAST,
+    REPO,
+    TEST,
+    TRAIN,
+    assert_ok,
+    clean_env,
+    in_process,
+    python,
+    read_metrics,
+    run,
+    torchrun,
+)
 
 from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.launch import find_free_port
@@ -127,7 +140,7 @@ def test_test_net_gives_the_training_runs_val_numbers_for_world_size_1_2_3(slurm
 
 
 def test_test_net_without_weights_exits_2_naming_model_weights(tmp_path):
-    result = run(python(TEST, "OUT_DIR", str(tmp_path)), timeout=300)
+    result = in_process(TEST, "OUT_DIR", str(tmp_path))
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
