@@ -154,7 +154,7 @@ def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp
     from distribuuuu.config import get_cfg_defaults
     from distribuuuu.models import build_model
     from distribuuuu.optim import build_optimizer
-    from tests.helpers import python
+    from tests.helpers import in_process
 
     cfg = get_cfg_defaults()
     cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES = "resnet18", 10
@@ -167,13 +167,13 @@ def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp
                      "epoch": 1, "cfg": cfg.dump()}, single)  # fmt: skip
     tool = str(REPO / "tools" / "convert_checkpoint.py")
     sharded, back = str(tmp_path / "ckpt_ep_001.dcp"), str(tmp_path / "back.pth.tar")
-    assert_ok(run(python(tool, single, sharded), timeout=120))
-    assert_ok(run(python(tool, sharded, back), timeout=120))
+    assert_ok(in_process(tool, single, sharded))
+    assert_ok(in_process(tool, sharded, back))
     original, round_trip = load_checkpoint(single), load_checkpoint(back)
     for key in ("model", "optimizer", "epoch", "cfg"):
         _assert_same(round_trip[key], original[key])
     os.truncate(os.path.join(sharded, "__0_0.distcp"), 10)
-    bad = run(python(tool, sharded, str(tmp_path / "x.pth.tar")), timeout=120)
+    bad = in_process(tool, sharded, str(tmp_path / "x.pth.tar"))
     assert bad.returncode == 2 and "__0_0.distcp" in bad.stderr and "Traceback" not in bad.stderr
 
 
