@@ -483,8 +483,10 @@ def _between(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False)
     return test, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
 
-# torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them).
-_NO_DECODE_JPEG = "'batched' needs torchvision.io.decode_jpeg, gone from this torchvision"
+# torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them): data/jpeg.py takes either.
+_NO_DECODE_JPEG = (
+    "'batched' needs TorchCodec (pip install torchcodec) or torchvision.io.decode_jpeg, gone from this torchvision"
+)
 
 
 _POSITIVE = (lambda v, c: v > 0), "must be > 0"
@@ -647,9 +649,11 @@ def _nesterov_ok(o: CN) -> bool:
 
 
 def _has_decode_jpeg() -> bool:
+    import importlib.util
+
     import torchvision.io  # only here: the config module stays light for tools that only read it
 
-    return hasattr(torchvision.io, "decode_jpeg")
+    return importlib.util.find_spec("torchcodec") is not None or hasattr(torchvision.io, "decode_jpeg")
 
 
 def check_dataset_paths(c: CN) -> None:
