@@ -82,7 +82,7 @@ def decode_image_bytes(data: bytes, name: str, decoder: str = "auto"):
 
 
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder that names the file that fails to decode and can decode with torchvision.io."""
+    """ImageFolder that names the file that fails to decode and decodes as DATA.DECODER says."""
 
     def __init__(self, root: str, decoder: str = "auto"):
         # allow_empty: empty class folders are reported by check_classes with a clearer message
