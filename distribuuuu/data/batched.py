@@ -1,11 +1,12 @@
 """DATA.DECODER "batched": JPEGs decoded a batch at a time, on the training device.
 
 DataLoader workers only read each JPEG's bytes (other formats they decode as "auto" does). The
-training process then decodes the whole batch's JPEGs with one ``torchvision.io.decode_jpeg``
-call on its own device (nvJPEG's batched decoder on CUDA, libjpeg-turbo on CPU) and applies the
-per-sample transforms there. Each sample's augmentation is seeded from (RNG_SEED, epoch, index),
-exactly as SeededTransformDataset does in the workers, so a batch is the same whichever path or
-number of workers made it, and a mid-epoch resume stays exact.
+training process then decodes the whole batch's JPEGs with one ``decode_jpeg`` call (TorchCodec's,
+else torchvision's: data/jpeg.py) on its own device (nvJPEG's batched decoder on CUDA, after a
+stream sync; libjpeg-turbo on CPU) and applies the per-sample transforms there. Each sample's
+augmentation is seeded from (RNG_SEED, epoch, index), exactly as SeededTransformDataset does in
+the workers, so a batch is the same whichever path or number of workers made it, and a mid-epoch
+resume stays exact.
 
 PyTorch's DataLoader has no batch-level decode step to plug into, hence this module: a dataset
 of encoded samples, a collate function that packs a batch of them into one buffer, and the
