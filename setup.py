@@ -35,6 +35,8 @@ setup(
         "export": EXPORT,
         "data": DATA,
         "hf": ["datasets"],  # TRAIN/TEST.DATASET: an image dataset saved with datasets' save_to_disk
+        # JPEG decoding by TorchCodec, the successor of torchvision's deprecated decoders (images need no FFmpeg)
+        "codec": ["torchcodec"],
         "wandb": ["wandb"],
         "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
         "dev": ["pytest", "matplotlib", RUFF],

@@ -185,10 +185,11 @@ _C.DATA.MIX_PROB = 1.0
 _C.DATA.MIX_SWITCH_PROB = 0.5
 # Unreadable or truncated image: "error" (stop naming its path) or "skip" (skip, count, warn)
 _C.DATA.BAD_IMAGE = "error"
-# Image decoding: "auto" (torchvision.io for JPEG, measured faster; PIL for the rest), "pil",
-# "torchvision" (torchvision.io for JPEG and PNG), or "batched" (workers read JPEG bytes; the
-# training process decodes each batch's JPEGs in one decode_jpeg call on its device, nvJPEG on
-# GPU, and augments them there; other formats as "auto"), or "draft" (PIL, decoding a JPEG at
+# Image decoding: "auto" (JPEG with TorchCodec if installed, else torchvision.io while it has its
+# deprecated decoders, else PIL; PIL for the rest), "pil", "torchvision" (torchvision.io for JPEG
+# and PNG), or "batched" (workers read JPEG bytes; the training process decodes each batch's JPEGs
+# in one call on its device, nvJPEG on GPU, and augments them there; other formats as "auto"; a
+# failing GPU decoder falls back to the CPU with one warning), or "draft" (PIL, decoding a JPEG at
 # 1/2, 1/4 or 1/8 scale, libjpeg's DCT scaling, when the sampled crop or the val resize is at least
 # that many times the output: fewer pixels decoded, slightly different ones; docs/packed-data.md)
 _C.DATA.DECODER = "auto"
@@ -483,8 +484,10 @@ def _between(lo: float, hi: float, lo_open: bool = False, hi_open: bool = False)
     return test, f"must be in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 
 
-# torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them).
-_NO_DECODE_JPEG = "'batched' needs torchvision.io.decode_jpeg, gone from this torchvision"
+# torchvision 0.29 deprecated its image decoders (TorchCodec succeeds them): data/jpeg.py takes either.
+_NO_DECODE_JPEG = (
+    "'batched' needs TorchCodec (pip install torchcodec) or torchvision.io.decode_jpeg, gone from this torchvision"
+)
 
 
 _POSITIVE = (lambda v, c: v > 0), "must be > 0"
@@ -647,9 +650,11 @@ def _nesterov_ok(o: CN) -> bool:
 
 
 def _has_decode_jpeg() -> bool:
+    import importlib.util
+
     import torchvision.io  # only here: the config module stays light for tools that only read it
 
-    return hasattr(torchvision.io, "decode_jpeg")
+    return importlib.util.find_spec("torchcodec") is not None or hasattr(torchvision.io, "decode_jpeg")
 
 
 def check_dataset_paths(c: CN) -> None:

@@ -32,7 +32,10 @@ class ConfusionMatrix:
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
         """Count a batch: ``logits`` (N, C), or predicted classes (N,); ``target`` hard labels (N,)."""
         pred = logits.argmax(dim=1) if logits.ndim == 2 else logits
-        self.counts += torch.bincount(target.long() * self.num_classes + pred.long(), minlength=self.counts.numel())
+        cells = target.long() * self.num_classes + pred.long()
+        # index_add_, not bincount: CUDA's bincount reads its input's min and max on the host (two
+        # syncs per batch); index_add_ of integer ones stays on the device and is exact in any order.
+        self.counts.index_add_(0, cells, torch.ones_like(cells))
 
     def reduce(self) -> torch.Tensor:
         """Return the (C, C) matrix summed over ranks, on the CPU (a collective: every rank calls it)."""

@@ -3,10 +3,14 @@ batches of per-sample decoding in the workers, names or skips a bad JPEG, and tr
 
 from __future__ import annotations
 
+import io
+import logging
 import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -15,7 +19,9 @@ from PIL import Image
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.data import BadImageError, build_train_split, build_val_split
+from distribuuuu.data import BadImageError, batched, build_train_split, build_val_split, jpeg
+from distribuuuu.data.batched import BatchDecoder, EncodedSample, collate_encoded, decode_stats
+from distribuuuu.data.datasets import decode_image_bytes
 from distribuuuu.data.loader import DeviceLoader
 from distribuuuu.launch import DistEnv
 
@@ -66,21 +72,21 @@ def test_batched_gives_the_per_sample_batches_exactly_from_any_start(mixed_tree)
     # augments there; "batched" decodes the JPEGs in the training process: same pixels, same seeds.
     for epoch, start in ((0, 0), (3, 48)):  # a fresh epoch, and one resumed after 3 batches
         per_sample = _train_batches(mixed_tree, "auto", 0, epoch, start)
-        batched = _train_batches(mixed_tree, "batched", 2, epoch, start)
-        _assert_same_batches(per_sample, batched)
+        batched_batches = _train_batches(mixed_tree, "batched", 2, epoch, start)
+        _assert_same_batches(per_sample, batched_batches)
     val = [list(build_val_split(_cfg(mixed_tree, d, w), DistEnv()).loader) for d, w in (("auto", 2), ("batched", 0))]
     _assert_same_batches(*val)
 
 
 def test_each_batch_is_one_decode_jpeg_call_over_its_jpegs(mixed_tree, monkeypatch):
     calls = []
-    decode_jpeg = torchvision.io.decode_jpeg
+    decode_jpegs = jpeg.decode_jpegs
 
-    def counting(data, *args, **kwargs):
-        calls.append(len(data) if isinstance(data, list) else 1)
-        return decode_jpeg(data, *args, **kwargs)
+    def counting(data, device):
+        calls.append(len(data))
+        return decode_jpegs(data, device)
 
-    monkeypatch.setattr(torchvision.io, "decode_jpeg", counting)
+    monkeypatch.setattr(jpeg, "decode_jpegs", counting)
     split = build_train_split(_cfg(mixed_tree, "batched", 0), DistEnv())
     assert isinstance(split.loader, DeviceLoader) and split.loader.decode is not None
     batches = list(split.loader)
@@ -107,10 +113,10 @@ def test_a_bad_jpeg_in_a_batch_is_named(bad_tree):
 
 def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree):
     root, _, _ = bad_tree
-    batched = list(build_train_split(_cfg(root, "batched", 2, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
+    by_batch = list(build_train_split(_cfg(root, "batched", 2, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
     per_sample = list(build_train_split(_cfg(root, "auto", 0, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
-    assert sum(d for _, _, d in batched) == sum(d for _, _, d in per_sample) == 1
-    for (images_a, targets_a, _), (images_b, targets_b, _) in zip(batched, per_sample):
+    assert sum(d for _, _, d in by_batch) == sum(d for _, _, d in per_sample) == 1
+    for (images_a, targets_a, _), (images_b, targets_b, _) in zip(by_batch, per_sample):
         assert torch.equal(images_a, images_b) and torch.equal(targets_a, targets_b)
 
 
@@ -151,9 +157,100 @@ def test_the_per_sample_transforms_leave_the_cuda_generator_alone(mixed_tree, mo
     assert reseeded == []
 
 
+def _without_torchcodec(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchcodec", None)  # import torchcodec now raises ImportError
+    monkeypatch.setattr(jpeg, "_torchcodec_decoders", lambda: None)
+
+
 def test_batched_without_decode_jpeg_is_a_config_error_naming_the_key(monkeypatch):
-    # torchvision deprecated its image decoders in 0.29: once a release drops them, say so up front.
+    # torchvision deprecated its image decoders in 0.29: once a release drops them and TorchCodec
+    # is not installed, say so up front.
+    _without_torchcodec(monkeypatch)
     monkeypatch.delattr(torchvision.io, "decode_jpeg")
     with pytest.raises(ConfigError, match="DATA.DECODER.*decode_jpeg"):
         load_cfg(None, ["DATA.DECODER", "batched"])
     assert load_cfg(None, ["DATA.DECODER", "auto"]).DATA.DECODER == "auto"
+
+
+def _jpeg_batch(*extra: tuple[str, bytes]):
+    """Four digits as JPEG bytes (and ``extra`` (name, bytes) samples), collated as the workers do."""
+    pngs = sorted((DIGITS / "train" / "5").glob("*.png"))[:4]
+    files = []
+    for png in pngs:
+        out = io.BytesIO()
+        Image.open(png).convert("RGB").resize((40, 30)).save(out, "JPEG", quality=90)
+        files.append((f"{png.stem}.jpg", out.getvalue()))
+    files += extra
+    samples = [EncodedSample(torch.frombuffer(bytearray(d), dtype=torch.uint8), True, 5, 0, n) for n, d in files]
+    return collate_encoded(samples), files
+
+
+def _pil_pixels(data: bytes) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
+
+
+@pytest.fixture
+def fresh_stats(monkeypatch):
+    """decode_stats at zero and no fallback warned about yet in this process."""
+    monkeypatch.setattr(batched, "_warned", set())
+    decode_stats.reset()
+    yield decode_stats
+    decode_stats.reset()
+
+
+def test_a_cuda_decode_first_waits_for_the_kernels_queued_on_the_stream(fresh_stats, monkeypatch):
+    # nvJPEG's hardware decoder does not wait for the caller's stream: without a sync it may write
+    # into blocks that queued kernels still read. A recording stream and decoder stand in for CUDA.
+    events = []
+
+    class Stream:
+        def synchronize(self):
+            events.append("sync")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+    def decode(data, device):
+        events.append("decode")
+        return [decode_image_bytes(d.numpy().tobytes(), "x.jpg", "auto") for d in data]
+
+    batch, _ = _jpeg_batch()
+    decoder = BatchDecoder(lambda image: image, torch.device("cuda"), decode_jpegs=decode)
+    decoder.decode(batch)
+    decoder.decode(batch)
+    assert events == ["sync", "decode"] * 2
+    assert fresh_stats.gpu_images == 8 and fresh_stats.cpu_fallback_images == 0
+
+
+def test_a_missing_device_decoder_falls_back_to_the_cpu_once_with_one_warning(fresh_stats, caplog):
+    calls = []
+
+    def no_nvjpeg(data, device):
+        calls.append(len(data))
+        raise RuntimeError("decode_jpegs_cuda: torchvision not compiled with nvJPEG support")
+
+    batch, files = _jpeg_batch()
+    decoder = BatchDecoder(lambda image: image, torch.device("cpu"), decode_jpegs=no_nvjpeg)
+    with caplog.at_level(logging.WARNING, logger="distribuuuu.data"):
+        first, second = decoder.decode(batch), decoder.decode(batch)
+        BatchDecoder(lambda image: image, torch.device("cpu"), decode_jpegs=no_nvjpeg).decode(batch)
+    # The batched call, then each image alone (to tell a broken decoder from one bad file), then
+    # no more device calls on that decoder; the second decoder (the val split's) tries once more.
+    assert calls == [4, 1, 1, 1, 1, 4, 1, 1, 1, 1]
+    warnings = [r.getMessage() for r in caplog.records if "batched JPEG decoder" in r.getMessage()]
+    assert len(warnings) == 1 and "not compiled with nvJPEG" in warnings[0], caplog.text
+    assert fresh_stats.gpu_images == 0 and fresh_stats.cpu_fallback_images == 12
+    for pixels in (first, second):
+        for image, (_, data) in zip(pixels, files):
+            assert torch.equal(image, _pil_pixels(data))  # the same libjpeg-turbo decode
+
+
+def test_a_corrupt_jpeg_among_good_ones_is_skipped_and_the_device_decoder_kept(fresh_stats, tmp_path, caplog):
+    bad = truncated_jpeg(tmp_path / "broken.jpg")
+    batch, files = _jpeg_batch((str(bad), bad.read_bytes()))
+    decoder = BatchDecoder(lambda image: image, torch.device("cpu"), skip_bad=True)
+    with caplog.at_level(logging.WARNING, logger="distribuuuu.data"):
+        pixels = decoder.decode(batch)
+    assert pixels[4] is None and decoder.device_decoder_works
+    assert all(torch.equal(image, _pil_pixels(data)) for image, (_, data) in zip(pixels[:4], files))
+    assert fresh_stats.gpu_images == 4 and fresh_stats.cpu_fallback_images == 0
+    assert "batched JPEG decoder" not in caplog.text

@@ -62,6 +62,25 @@ def test_per_class_accuracy_is_the_diagonal_over_row_sums_and_nan_without_sample
     }
 
 
+def test_counting_matches_a_double_loop_without_bincount(monkeypatch):
+    # CUDA's bincount reads its input's min and max on the host: two syncs per evaluation batch.
+    # On the CPU, the stand-in for torch.cuda.set_sync_debug_mode is that bincount is never called.
+    def no_bincount(*args, **kwargs):
+        raise AssertionError("torch.bincount syncs the host on CUDA")
+
+    monkeypatch.setattr(torch, "bincount", no_bincount)
+    generator = torch.Generator().manual_seed(0)
+    num_classes, matrix = 7, ConfusionMatrix(7)
+    batches = [
+        (torch.randn(n, num_classes, generator=generator), torch.randint(0, num_classes, (n,), generator=generator))
+        for n in (1, 33, 64)
+    ]
+    for logits, targets in batches:
+        matrix.update(logits, targets)
+    logits, targets = (torch.cat(parts) for parts in zip(*batches))
+    assert matrix.reduce().tolist() == _count_by_hand(logits, targets, num_classes)
+
+
 def test_without_matplotlib_the_picture_is_skipped_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with caplog.at_level(logging.WARNING, logger="distribuuuu.evaluation"):

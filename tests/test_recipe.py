@@ -331,6 +331,38 @@ def test_auto_augment_and_random_erasing_are_in_the_train_transform(policy):
     assert erased.sum() >= 0.02 * 32 * 32, erased.sum()
 
 
+def test_random_erasing_makes_its_fill_once_and_erases_as_torchvision_does(monkeypatch):
+    # torchvision builds the fill value on the CPU for each erased sample: on a GPU, a pageable copy
+    # per sample that waits for the training stream. Ours is made once (per device).
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+
+    from distribuuuu.data import build_train_transform
+
+    cfg = load_cfg(None, ["DATA.RANDOM_ERASING", "1.0", "TRAIN.IM_SIZE", "32"])
+    [erasing] = [t for t in build_train_transform(cfg, normalize=False).transforms if isinstance(t, v2.RandomErasing)]
+    reference = v2.RandomErasing(p=1.0, value=erasing.value)  # torchvision's own, same settings
+    generator = torch.Generator().manual_seed(0)
+    images = [
+        tv_tensors.Image(torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8, generator=generator)) for _ in range(4)
+    ]
+    expected = []
+    for seed, image in enumerate(images):
+        torch.manual_seed(seed)
+        expected.append(reference(image))
+    fills, transform = [], v2.RandomErasing.transform
+
+    def recording(self, inpt, params):
+        fills.append(params["v"])
+        return transform(self, inpt, params)
+
+    monkeypatch.setattr(v2.RandomErasing, "transform", recording)
+    for seed, (image, want) in enumerate(zip(images, expected)):
+        torch.manual_seed(seed)
+        assert torch.equal(erasing(image), want)
+    assert len(fills) == 4 and all(fill is fills[0] for fill in fills)
+
+
 # ------------------------------------------------------------------------------------------------
 # Optimizer groups, LARS, AdamW, linear scaling, LR schedule
 # ------------------------------------------------------------------------------------------------

@@ -26,12 +26,12 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torchvision  # noqa: E402
 from torch import nn  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
@@ -39,7 +39,7 @@ from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
 from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
-from distribuuuu.data import DataError, build_train_split, load_image  # noqa: E402
+from distribuuuu.data import DataError, build_train_split, jpeg, load_image  # noqa: E402
 from distribuuuu.distributed import all_reduce_sum, barrier, broadcast_object, cleanup_distributed, setup_distributed  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.launch import DistEnv, LaunchError  # noqa: E402
@@ -518,14 +518,17 @@ def make_photo_folder(root: str, count: int, seed: int = 0, mixed: bool = False)
 
 
 def decode_files(files: list[str], decoder: str, device: torch.device, batch: int) -> None:
-    """Decode every file as DATA.DECODER would: one at a time, or ``batch`` JPEGs per decode_jpeg call."""
+    """Decode every file as DATA.DECODER would: one at a time, or ``batch`` JPEGs per decode_jpegs call
+    (TorchCodec's or torchvision's, as data/jpeg.py picks)."""
     if decoder != "batched":
         for path in files:
             load_image(path, decoder)
         return
     for i in range(0, len(files), batch):
-        data = [torchvision.io.read_file(path) for path in files[i : i + batch]]
-        torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device=device)
+        data = [
+            torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8) for path in files[i : i + batch]
+        ]
+        jpeg.decode_jpegs(data, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

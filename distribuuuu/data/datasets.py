@@ -16,6 +16,8 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from distribuuuu.data.jpeg import decode_jpeg, jpeg_library
+
 CIFAR_FILES = {
     "cifar10": ("cifar-10-batches-py", ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]),
     "cifar100": ("cifar-100-python", ["meta", "train", "test"]),
@@ -30,16 +32,16 @@ class BadImageError(RuntimeError):
     """An image file could not be decoded; the message names its path."""
 
 
-# Which files each DATA.DECODER sends to torchvision.io (the rest go through PIL). "auto" takes
-# torchvision.io for JPEG only, where tools/benchmark.py measured it faster than PIL (README,
-# "Performance"); PIL keeps PNGs, whose 16-bit variants it rescales below. torchvision 0.29
-# deprecated its image decoders in favour of TorchCodec: once a release drops them, "auto" is PIL.
-# "batched" decodes JPEGs a batch at a time (data/batched.py); a single image it decodes as "auto".
-_TORCHVISION_DECODES = hasattr(torchvision.io, "decode_image")
+# Which files each DATA.DECODER decodes with a tensor decoder (the rest go through PIL). "auto" and
+# "batched" take JPEGs there (data/jpeg.py: TorchCodec where installed, else torchvision.io while
+# it has decoders; measured faster than PIL, docs/performance.md); once neither is there, "auto"
+# is PIL. PIL keeps PNGs, whose 16-bit variants it rescales below; "torchvision" sends JPEG and
+# PNG to torchvision.io. "batched" decodes JPEGs a batch at a time (data/batched.py); a single
+# image it decodes as "auto".
 JPEG_SUFFIXES = (".jpg", ".jpeg")
-_TORCHVISION_SUFFIXES = {
+_TENSOR_SUFFIXES = {
     "pil": (),
-    "auto": JPEG_SUFFIXES if _TORCHVISION_DECODES else (),
+    "auto": JPEG_SUFFIXES,
     "batched": JPEG_SUFFIXES,
     "torchvision": JPEG_SUFFIXES + (".png",),
     "draft": (),
@@ -59,9 +61,13 @@ def load_image(path: str, decoder: str = "auto"):
 def decode_image_bytes(data: bytes, name: str, decoder: str = "auto"):
     """Decode an encoded image (``name`` ends in its format and names it in errors) as load_image does."""
     try:
-        if name.lower().endswith(_TORCHVISION_SUFFIXES[decoder]):
+        tensor_decoded = name.lower().endswith(_TENSOR_SUFFIXES[decoder])
+        if tensor_decoded and decoder == "torchvision":
             encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             return tv_tensors.Image(torchvision.io.decode_image(encoded, mode=torchvision.io.ImageReadMode.RGB))
+        if tensor_decoded and jpeg_library():
+            with contextlib.suppress(RuntimeError):  # not a JPEG after all (a PNG named .jpg): PIL, by content
+                return tv_tensors.Image(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
         img = Image.open(io.BytesIO(data))
         if decoder == "draft" and img.format == "JPEG":
             img.source_name = name  # for draft.py's error message
@@ -76,7 +82,7 @@ def decode_image_bytes(data: bytes, name: str, decoder: str = "auto"):
 
 
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder that names the file that fails to decode and can decode with torchvision.io."""
+    """ImageFolder that names the file that fails to decode and decodes as DATA.DECODER says."""
 
     def __init__(self, root: str, decoder: str = "auto"):
         # allow_empty: empty class folders are reported by check_classes with a clearer message

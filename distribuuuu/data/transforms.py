@@ -39,10 +39,30 @@ def build_train_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
         steps.append(policy())
     p = eval_preprocessing(cfg)  # the same normalisation as evaluation (a timm model's own)
     if d.RANDOM_ERASING > 0:  # erased to the mean colour: about 0 once normalised
-        steps.append(v2.RandomErasing(p=d.RANDOM_ERASING, value=[round(255 * m) for m in p.mean]))
+        steps.append(RandomErasing(p=d.RANDOM_ERASING, value=[round(255 * m) for m in p.mean]))
     if normalize:
         steps.append(build_normalize(cfg))
     return v2.Compose(steps)
+
+
+class RandomErasing(v2.RandomErasing):
+    """v2.RandomErasing with its fill value moved to each device once.
+
+    torchvision builds the fill on the CPU for every erased sample; writing it into an image on a
+    GPU (DATA.DECODER batched augments there) is then a pageable host-to-device copy, which waits
+    for everything queued on the training stream. Same draws, same pixels, no sync.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fill: dict[torch.device, torch.Tensor] = {}
+
+    def transform(self, inpt, params: dict):
+        if params["v"] is not None and self.value is not None and isinstance(inpt, torch.Tensor):
+            if inpt.device not in self._fill:  # a constant: torch.tensor(self.value) in make_params
+                self._fill[inpt.device] = params["v"].to(inpt.device)
+            params = {**params, "v": self._fill[inpt.device]}
+        return super().transform(inpt, params)
 
 
 def build_normalize(cfg: CfgNode) -> Normalize:
