@@ -29,7 +29,18 @@ setup(
     extras_require={
         # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
         # ruff is pinned: CI checks the formatting, and another ruff version formats differently.
-        "test": ["pytest", "matplotlib", "timm", *EXPORT, "wandb", "mlflow-skinny", *DATA, "datasets", RUFF],
+        "test": [
+            "pytest",
+            "matplotlib",
+            "timm",
+            *EXPORT,
+            "wandb",
+            "mlflow-skinny",
+            *DATA,
+            "datasets",
+            "torchcodec",
+            RUFF,
+        ],
         "plot": ["matplotlib"],
         "timm": ["timm"],
         "export": EXPORT,
