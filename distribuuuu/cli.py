@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import Callable
 
+from torch.distributed.elastic.multiprocessing.errors import record
 from yacs.config import CfgNode
 
 from distribuuuu.checkpoint import CheckpointError
@@ -66,7 +69,8 @@ def run_tool(main: Callable[[CfgNode], object], argv: Sequence[str] | None = Non
 def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
     """Run ``main(cfg)`` and turn the known errors into one printed line and an exit code."""
     try:
-        main(cfg)
+        # Under torchrun, an unexpected exception's traceback goes to torchrun's failure summary too.
+        (record(main) if "TORCHELASTIC_ERROR_FILE" in os.environ else main)(cfg)
     except Preempted as e:
         if detect_env_rank() == 0:  # every rank stops at the same step: one line says it
             print(
@@ -74,16 +78,38 @@ def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
             )
         return EXIT_PREEMPTED
     except _KNOWN as e:
-        if detect_env_rank() == 0 or isinstance(e, RankLaunchError) or not isinstance(e, _SAME_ON_EVERY_RANK):
-            print(f"distribuuuu: error: {_one_line(e)}", file=sys.stderr, flush=True)
+        everywhere = isinstance(e, RankLaunchError) or not isinstance(e, _SAME_ON_EVERY_RANK)
+        _print_error(_one_line(e), every_rank=everywhere)
         return EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError)) else EXIT_FAILED
     return 0
 
 
-def _print_error(message: str) -> None:
+def _print_error(message: str, every_rank: bool = False) -> None:
+    """Print ``distribuuuu: error: message`` (on rank 0 alone unless ``every_rank``) and hand it to torchrun."""
+    line = f"distribuuuu: error: {message}"
+    _write_elastic_error_file(line)
     # Under a launcher every rank hits the same error: rank 0 alone reports it.
-    if detect_env_rank() == 0:
-        print(f"distribuuuu: error: {message}", file=sys.stderr, flush=True)
+    if every_rank or detect_env_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _write_elastic_error_file(line: str) -> None:
+    """Write ``line`` where torchrun reads this worker's error (TORCHELASTIC_ERROR_FILE), if it set one.
+
+    torchrun's failure summary shows the error file of the first rank to fail, or, without one,
+    "Signal 15 (SIGTERM)" or a link to its docs. Every rank writes the line, so whichever rank
+    torchrun sees fail first (or stops with SIGTERM) names the real error. The format is the one
+    torchrun's own ``record`` writes (``ErrorHandler.record_exception``), our line as the traceback.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": info}}, f)
+    except OSError:
+        pass  # the line is still printed; a missing error file costs only torchrun's summary
 
 
 def _one_line(e: Exception) -> str:

@@ -366,7 +366,7 @@ def _read_yaml(path: str) -> dict:
         with open(path) as f:
             data = yaml.safe_load(f)
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"config file not found: {path}{_configs_that_exist()}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -379,6 +379,16 @@ def _read_yaml(path: str) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys, got a {type(data).__name__}")
     return data
+
+
+def _configs_that_exist() -> str:
+    """Name the YAML files under this checkout's config/ (as paths to type from here), for a file not found."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
+    found = sorted(
+        os.path.join(root, name) for root, _, names in os.walk(folder) for name in names if name.endswith(".yaml")
+    )
+    shown = [p if os.path.relpath(p).startswith("..") else os.path.relpath(p) for p in found]
+    return f"; the configs in this checkout: {', '.join(shown)}" if shown else ""
 
 
 def _merge(config: CN, data: dict, source: str) -> None:

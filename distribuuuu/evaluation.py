@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from distribuuuu.distributed import all_gather_object, all_reduce_sum, is_main_process
+from distribuuuu.plots import PLOT_INSTALL
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ def confusion_png(matrix: torch.Tensor, class_names: list[str]) -> bytes | None:
         matplotlib.use("Agg")  # no display on cluster nodes
         import matplotlib.pyplot as plt
     except ImportError:
-        logger.warning("matplotlib is not installed (pip install matplotlib): no confusion-matrix picture")
+        logger.warning("matplotlib is not installed (%s): no confusion-matrix picture", PLOT_INSTALL)
         return None
     rows = matrix.double() / matrix.sum(dim=1, keepdim=True).clamp(min=1)
     size = min(4 + 0.25 * len(class_names), 40)

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+# How to get matplotlib: the "plot" extra, as the README installs it (every message says the same).
+PLOT_INSTALL = 'pip install -e ".[plot]"'
+
 METRICS_FILE = "metrics.jsonl"
 Record = dict[str, Any]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -124,14 +125,22 @@ RUNTIME_KEYS = (
 )  # fmt: skip
 
 
-def find_checkpoint_to_resume(cfg: CfgNode) -> tuple[str | None, list[str]]:
+class ResumePoint(NamedTuple):
+    """The checkpoint AUTO_RESUME continues from (None: a new run), what changed since it, its epochs done."""
+
+    path: str | None = None
+    changes: list[str] = []
+    epochs_done: int = 0
+
+
+def find_checkpoint_to_resume(cfg: CfgNode) -> ResumePoint:
     """The checkpoint AUTO_RESUME continues from, and what changed since it (rank 0, before any write).
 
     A checkpoint of another experiment (EXPERIMENT_KEYS differ) is a ConfigError naming the keys
     and the way out, so a second experiment never continues the first one's weights.
     """
     if not cfg.TRAIN.AUTO_RESUME:
-        return None, []
+        return ResumePoint()
     loaded: dict[str, dict] = {}  # the verifying load's state: its config is compared, not read again
 
     def verify(candidate: str) -> None:
@@ -143,7 +152,7 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> tuple[str | None, list[str]]:
 
     path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR), listing=shards.list_any, verify=verify)
     if path is None:
-        return None, []
+        return ResumePoint()
     saved = loaded[path].get("cfg")
     changes = config_changes(CfgNode.load_cfg(saved), cfg) if saved else []
     # Without LOAD_OPT the optimizer state is not restored: a new optimizer on the old weights is a
@@ -157,7 +166,7 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> tuple[str | None, list[str]]:
             "its own OUT_DIR, or set TRAIN.RESUME_ANYWAY True to continue that run with these values"
             + (" (TRAIN.LOAD_OPT False continues from its weights with the new optimizer)" if new_optimizer else "")
         )
-    return path, changes
+    return ResumePoint(path, changes, loaded[path]["epoch"])
 
 
 def config_changes(saved: CfgNode, current: CfgNode, prefix: str = "") -> list[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from distribuuuu.config import get_cfg_defaults
-from distribuuuu.plots import METRICS_FILE, dedupe, load_run, read_records, save_plot
+from distribuuuu.plots import METRICS_FILE, PLOT_INSTALL, dedupe, load_run, read_records, save_plot
 
 SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
 
@@ -78,7 +78,7 @@ def format_summary(s: Summary) -> str:
         )
     lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
     lines.append(f"- training throughput: {s.images_per_s:.0f} images/s")
-    lines.append(f"- plot: {s.plot}" if s.plot else "- plot: none (pip install matplotlib)")
+    lines.append(f"- plot: {s.plot}" if s.plot else f"- plot: none ({PLOT_INSTALL})")
     lines += ["", "## Config changes from the defaults", ""]
     lines += [f"- `{k}`: {v!r} (default {d!r})" for k, d, v in s.config_changes] or ["- none"]
     return "\n".join(lines) + "\n"

@@ -20,7 +20,7 @@ from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank
 from distribuuuu.evaluation import EvalOutputs
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
 from distribuuuu.launch import DistEnv
-from distribuuuu.logger import get_logger
+from distribuuuu.logger import get_logger, setup_logging
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
 from distribuuuu.optim import lr_at, set_lr
@@ -307,9 +307,14 @@ def train_model(cfg: CfgNode) -> dict:
     model_source(cfg.MODEL.ARCH)  # an unknown architecture fails before any set-up
     env, table = start_process_group(cfg)
     # Before anything is written to OUT_DIR: a checkpoint of another experiment stops the run here.
-    resume_from, changes = rank0_decides(lambda: find_checkpoint_to_resume(cfg))
+    resume = rank0_decides(lambda: find_checkpoint_to_resume(cfg))
+    if resume.epochs_done >= cfg.OPTIM.MAX_EPOCH:
+        report_finished_run(cfg, env, resume.epochs_done)  # a finished run is read, not written
+        cleanup_distributed()
+        return {}
+    resume_from = resume.path
     writer = prepare_outputs(cfg, env, table, resumed_from=resume_from)
-    log_config_changes(resume_from, changes)
+    log_config_changes(resume_from, resume.changes)
     run: Run | None = None
     try:
         with naming_failed_collectives(env, cfg.DIST.TIMEOUT_S, lambda: run.state if run else TrainState()):
@@ -324,14 +329,20 @@ def train_model(cfg: CfgNode) -> dict:
         cleanup_distributed()
 
 
+def report_finished_run(cfg: CfgNode, env: DistEnv, epochs_done: int) -> None:
+    """Say that OUT_DIR's run is finished, on the console only: its log, config and summary stay as they are."""
+    setup_logging(None, env.rank)
+    if env.is_main_process:
+        logger.warning(
+            "%s already holds a finished run (%d epochs trained, OPTIM.MAX_EPOCH %d): nothing to train, nothing "
+            "written; raise OPTIM.MAX_EPOCH to train on, or give another OUT_DIR to start a new run",
+            cfg.OUT_DIR, epochs_done, cfg.OPTIM.MAX_EPOCH,
+        )  # fmt: skip
+
+
 def train_epochs(run: Run) -> dict:
     """From the resumed epoch on: train, agree on BatchNorm statistics, evaluate, checkpoint."""
     cfg, last_val, first_epoch = run.cfg, {}, run.state.epoch
-    if first_epoch >= cfg.OPTIM.MAX_EPOCH:
-        logger.warning(
-            "%s already holds a finished run (%d of %d epochs): nothing to train; raise OPTIM.MAX_EPOCH "
-            "to train on, or give another OUT_DIR to start a new run", cfg.OUT_DIR, first_epoch, cfg.OPTIM.MAX_EPOCH,
-        )  # fmt: skip
     for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
         train_totals = train_epoch(run, epoch)
         sync_buffers(run)

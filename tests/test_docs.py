@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 
@@ -106,3 +107,53 @@ def test_the_docs_utils_example_runs_under_torchrun_with_two_processes(tmp_path)
     assert_ok(result)
     assert re.search(r"^2 ranks, mean loss \d+\.\d{4}$", result.stdout, flags=re.M), result.stdout
     assert "model" in load_checkpoint(str(tmp_path / "out" / "model.pth.tar"))
+
+
+def _section(text: str, heading: str) -> str:
+    """The README's text under ``## heading``, up to the next ``## `` heading."""
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("heading", ["Quick start", "Accuracy on the embedded dataset"])
+def test_the_readmes_figures_name_torch_and_torchvision_versions_that_requirements_allow(heading):
+    from packaging.requirements import Requirement
+
+    section = _section(README.read_text(), heading)
+    measured = re.findall(r"torch (\d+\.\d+\.\d+) / torchvision (\d+\.\d+\.\d+)", section)
+    assert measured, f"README.md's {heading!r} gives figures without the torch / torchvision they come from"
+    lines = (REPO / "requirements.txt").read_text().splitlines()
+    wanted = {r.name: r.specifier for r in map(Requirement, lines) if r.name in ("torch", "torchvision")}
+    for torch_version, torchvision_version in measured:
+        assert wanted["torch"].contains(torch_version) and wanted["torchvision"].contains(torchvision_version), (
+            f"torch {torch_version} / torchvision {torchvision_version} is outside requirements.txt's {wanted}"
+        )
+
+
+def test_every_file_and_readme_section_a_config_comment_names_exists():
+    readme_headings = set(re.findall(r"^#+ (.+)$", README.read_text(), flags=re.M))
+    missing = []
+    for config in sorted((REPO / "config").rglob("*.yaml")):
+        comments = "\n".join(line for line in config.read_text().splitlines() if line.lstrip().startswith("#"))
+        for path in re.findall(r"\b((?:config|docs|tools|data)/[\w./-]*\w\.(?:yaml|md|py|sh))\b", comments):
+            if not (REPO / path).is_file():
+                missing.append(f"{config.name}: {path}")
+        for heading in re.findall(r'README section "([^"]+)"', comments):
+            if heading not in readme_headings:
+                missing.append(f'{config.name}: README section "{heading}"')
+    assert not missing, missing
+
+
+def test_a_summary_without_matplotlib_gives_the_readmes_install_command(tmp_path, monkeypatch):
+    from distribuuuu import summary
+
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(summary, "save_plot", no_matplotlib)
+    record = {"epoch": 1, "loss": 1.0, "top1": 50.0, "topk": 90.0, "k": 5, "time_s": 1.0, "samples": 10}
+    lines = [{**record, "split": "train", "lr": 0.1, "images_per_s": 10.0}, {**record, "split": "val"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    [plot_line] = [line for line in summary.write_summary(str(tmp_path)).splitlines() if line.startswith("- plot:")]
+    command = re.fullmatch(r"- plot: none \((pip install .+)\)", plot_line)
+    assert command and command.group(1) in README.read_text(), f"{plot_line!r}: not the README's install command"
+    assert not (tmp_path / "metrics.png").exists()

@@ -102,9 +102,9 @@ def test_resume_anyway_continues_another_experiment_and_runtime_keys_never_stop_
     with pytest.raises(ConfigError, match=r"TRAIN.IM_SIZE: 32 -> 24"):
         find_checkpoint_to_resume(load_cfg(None, ["OUT_DIR", str(tmp_path), "TRAIN.IM_SIZE", "24"]))
     anyway = load_cfg(None, ["OUT_DIR", str(tmp_path), "TRAIN.IM_SIZE", "24", "TRAIN.RESUME_ANYWAY", "True"])
-    path, changes = find_checkpoint_to_resume(anyway)
+    path, changes, _ = find_checkpoint_to_resume(anyway)
     assert path.endswith(ckpt.checkpoint_name(1)) and "TRAIN.IM_SIZE: 32 -> 24" in changes
-    path, changes = find_checkpoint_to_resume(load_cfg(None, ["OUT_DIR", str(tmp_path), "TRAIN.WORKERS", "2"]))
+    path, changes, _ = find_checkpoint_to_resume(load_cfg(None, ["OUT_DIR", str(tmp_path), "TRAIN.WORKERS", "2"]))
     assert changes == ["TRAIN.WORKERS: 0 -> 2"]
 
 

@@ -11,7 +11,7 @@ the EMA weights (lines with "weights": "ema") are dashed. Lines of the "test" sp
 A resumed run may log an epoch twice: the last line per (epoch, split, weights) wins.
 
 The PNG goes to -o if given, else to OUT_DIR/metrics.png for a single run and ./metrics.png for
-several. Needs matplotlib (pip install matplotlib); draws with the Agg backend, no display.
+several. Needs matplotlib (pip install -e ".[plot]"); draws with the Agg backend, no display.
 
 Exit status: 0 written, 1 a metrics.jsonl is missing, empty or unreadable, 2 usage error or
 matplotlib missing.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.plots import MetricsError, load_run, save_plot  # noqa: E402
+from distribuuuu.plots import PLOT_INSTALL, MetricsError, load_run, save_plot  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         output = save_plot(runs, args.output or default_output(args.out_dirs))
     except ImportError:
-        print("plot_metrics.py needs matplotlib: pip install matplotlib", file=sys.stderr)
+        print(f"plot_metrics.py needs matplotlib: {PLOT_INSTALL}", file=sys.stderr)
         return 2
     print(f"wrote {output}")
     return 0

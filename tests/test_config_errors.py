@@ -1,13 +1,23 @@
-"""What a newcomer tripped over (issue 12): YAML errors with their position, "did you mean",
-a finished run that says so, a best.pth.tar that holds only what evaluation needs."""
+"""Config errors a user can act on: a missing file lists the configs that exist, a YAML syntax error
+keeps its line and column, an unknown key suggests the key it resembles, ints widen to float keys."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import FAST, TRAIN, assert_ok, python, read_metrics, run
+from helpers import REPO
 
-from distribuuuu import checkpoint as ckpt
 from distribuuuu.config import ConfigError, load_cfg
+
+
+def test_a_config_file_not_found_lists_the_configs_that_exist(monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(ConfigError) as err:
+        load_cfg("config/resnet19.yaml")
+    message = str(err.value)
+    assert message.startswith("config file not found: config/resnet19.yaml; the configs in this checkout: ")
+    listed = message.split("; the configs in this checkout: ")[1].split(", ")
+    assert sorted(listed) == sorted(str(p.relative_to(REPO)) for p in (REPO / "config").rglob("*.yaml"))
+    assert "config/resnet18.yaml" in listed and "\n" not in message
 
 
 @pytest.mark.parametrize(
@@ -55,21 +65,3 @@ def test_ints_widen_to_float_keys_from_a_file_and_the_command_line_but_not_to_st
     assert all(type(v) is float for v in (cfg.OPTIM.BASE_LR, cfg.OPTIM.WARMUP_EPOCHS, cfg.OPTIM.MIN_LR))
     with pytest.raises(ConfigError, match="MODEL.ARCH expects str, got int"):
         load_cfg(None, ["MODEL.ARCH", "18"])
-
-
-@pytest.mark.slow
-def test_a_finished_run_says_so_and_best_holds_only_what_evaluation_needs(tmp_path):
-    args = ["OUT_DIR", str(tmp_path), *FAST, "OPTIM.MAX_EPOCH", "1"]
-    assert_ok(run(python(TRAIN, *args), timeout=300))
-    again = run(python(TRAIN, *args), timeout=300)
-    assert_ok(again)
-    lines = [line for line in again.stdout.splitlines() if "already holds a finished run" in line]
-    assert len(lines) == 1 and "another OUT_DIR" in lines[0] and "OPTIM.MAX_EPOCH" in lines[0], again.stdout
-    assert [r["epoch"] for r in read_metrics(tmp_path) if r["split"] == "train"] == [1]  # nothing trained
-    best = ckpt.load_checkpoint(str(tmp_path / ckpt.BEST_NAME))
-    last = ckpt.load_checkpoint(str(tmp_path / ckpt.CKPT_DIR / ckpt.checkpoint_name(1)))
-    assert set(best) == {"model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "checksum"}
-    assert all(best["model"][k].equal(v) for k, v in last["model"].items())
-    assert (tmp_path / ckpt.BEST_NAME).stat().st_size < 0.6 * (
-        tmp_path / ckpt.CKPT_DIR / ckpt.checkpoint_name(1)
-    ).stat().st_size

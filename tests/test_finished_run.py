@@ -1,0 +1,56 @@
+"""A finished run is read, not written: running again into its OUT_DIR trains nothing, says so
+once, and leaves every file as it was; its best.pth.tar holds only what evaluation needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import FAST, TRAIN, assert_ok, python, run
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu import cli, trainer
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder``, recursively, by relative path: its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A FAST run of 2 epochs (tools/train_net.py, one process, one thread)."""
+    out = tmp_path_factory.mktemp("finished")
+    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *FAST), timeout=400))
+    return out
+
+
+@pytest.mark.usefixtures("plain_logging")
+@pytest.mark.parametrize(
+    "changes",
+    [[], ["OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "16"]],
+    ids=["same-config", "fewer-epochs-and-another-batch"],
+)
+def test_running_again_into_a_finished_run_changes_no_byte_of_its_out_dir(finished_run, changes, capsys):
+    before = _files(finished_run)
+    assert {"config.yaml", "summary.md", "log.txt", "metrics.jsonl"} <= set(before)
+    assert any(name.startswith("starts/") for name in before) and any(name.startswith("tb/") for name in before)
+    assert cli.run_tool(trainer.train_model, ["OUT_DIR", str(finished_run), *FAST, *changes]) == 0
+    after = _files(finished_run)
+    assert sorted(after) == sorted(before), "no file may be added or removed"
+    assert [name for name in before if after[name] != before[name]] == [], "no file may be rewritten"
+    out = capsys.readouterr()
+    said = [line for line in out.out.splitlines() if "already holds a finished run" in line]
+    assert len(said) == 1 and "2 epochs trained" in said[0], out.out
+    assert "another OUT_DIR" in said[0] and "OPTIM.MAX_EPOCH" in said[0], said[0]
+    assert "global batch changed" not in out.out + out.err, "nothing is resumed, so nothing is re-seeded"
+
+
+def test_a_finished_runs_best_holds_only_what_evaluation_needs(finished_run):
+    best = ckpt.load_checkpoint(str(finished_run / ckpt.BEST_NAME))
+    last = ckpt.load_checkpoint(str(finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(2)))
+    assert set(best) == {"model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "checksum"}
+    best_epoch_file = finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(best["epoch"])
+    assert all(best["model"][k].equal(v) for k, v in ckpt.load_checkpoint(str(best_epoch_file))["model"].items())
+    assert last["epoch"] == 2 and "optimizer" in last and "optimizer" not in best
+    assert (finished_run / ckpt.BEST_NAME).stat().st_size < 0.6 * best_epoch_file.stat().st_size
