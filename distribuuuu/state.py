@@ -13,6 +13,7 @@ from yacs.config import CfgNode
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import sharded_checkpoint as shards
 from distribuuuu.config import ConfigError
+from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
 from distribuuuu.distributed import all_gather_object, rank0_decides
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
@@ -55,6 +56,8 @@ def progress_state(run: Run) -> dict:
         "classes": run.train.classes,
         "arch": run.cfg.MODEL.ARCH,
         "cfg": run.cfg.dump(),
+        # What validation did to the images: predict.py and export.py preprocess as it did
+        "preprocessing": eval_preprocessing(run.cfg).as_dict(),
     }
 
 
@@ -102,7 +105,7 @@ def save_sharded_training_checkpoint(run: Run, ckpt_dir: str, epoch_1based: int,
     return path
 
 
-WEIGHTS_ONLY_KEYS = ("model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg")
+WEIGHTS_ONLY_KEYS = ("model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "preprocessing")
 BEST_SHARDED = "best.dcp"  # under sharded checkpoints: the best weights (and EMA), no optimizer
 
 
@@ -351,3 +354,17 @@ def load_full_weights(model: nn.Module, weights: dict, strict: bool = True):
         return model.load_state_dict(weights, strict=strict)
     options = StateDictOptions(full_state_dict=True, strict=strict)
     return set_state_dict(model, [], model_state_dict=weights, optim_state_dict={}, options=options)
+
+
+def warn_if_evaluated_otherwise(state: dict, cfg: CfgNode, path: str) -> None:
+    """Warn when this config's evaluation preprocessing is not the one the checkpoint's run
+    validated with: its accuracy would not be the run's (nor predict.py's, nor an export's)."""
+    if not (state.get("preprocessing") or state.get("cfg")):
+        return  # weights from elsewhere: nothing to compare with
+    own, saved = eval_preprocessing(cfg), checkpoint_preprocessing(state)
+    if own != saved:
+        logger.warning(
+            "%s was validated with %s; this evaluation uses %s (set TEST.IM_SIZE / CROP_SIZE / CROP_PCT / "
+            "INTERPOLATION and DATA.MEAN / STD as its run did, e.g. --cfg OUT_DIR/config.yaml, to evaluate as it did)",
+            path, saved.as_dict(), own.as_dict(),
+        )  # fmt: skip

@@ -42,6 +42,7 @@ from distribuuuu.state import (
     log_config_changes,
     resume_or_load_weights,
     save_training_checkpoint,
+    warn_if_evaluated_otherwise,
 )
 
 logger = get_logger("trainer")
@@ -411,6 +412,7 @@ def test_model(cfg: CfgNode) -> dict:
         state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH)
         if not state.get("classes"):
             logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
+        warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)
         val = build_val_split(cfg, env, state.get("classes"))
         if cfg.TRAIN.COMPILE:
             model = torch.compile(model)

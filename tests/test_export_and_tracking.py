@@ -8,9 +8,12 @@ library's own reader, with metrics.jsonl, log.txt or an independent PyTorch comp
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
+import io
 import json
+import logging
 import os
 import pty
 import re
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.logger import CURVES, MetricsWriter
@@ -256,8 +259,8 @@ def test_onnx_and_torch_export_agree_with_pytorch_on_every_val_image(resumed_run
             out = session.run(["logits"], {"images": inputs[start : start + batch].numpy()})[0]
             assert out.shape == (batch, 10)
             assert torch.allclose(torch.from_numpy(out), reference[start : start + batch], atol=1e-3)
-    onnx_top1 = torch.cat([torch.from_numpy(session.run(None, {"images": c.numpy()})[0]) for c in inputs.split(50)])
-    assert torch.equal(onnx_top1.argmax(1), reference.argmax(1))
+    onnx_probs = torch.cat([torch.from_numpy(session.run(None, {"images": c.numpy()})[0]) for c in inputs.split(50)])
+    assert torch.equal(onnx_probs.argmax(1), reference.argmax(1))
     program = torch.export.load(f"{prefix}.pt2").module()
     with torch.no_grad():
         assert torch.equal(program(inputs).argmax(1), reference.argmax(1))
@@ -279,6 +282,183 @@ def test_the_preprocessing_is_stated_beside_and_inside_the_exports(resumed_run, 
     extra = {"preprocessing.json": ""}
     torch.export.load(f"{prefix}.pt2", extra_files=extra)
     assert json.loads(extra["preprocessing.json"]) == meta
+
+
+# ------------------------------------------------------------------------------------------------
+# Export, predict and test_net: the run's own evaluation preprocessing; sharded checkpoints
+# ------------------------------------------------------------------------------------------------
+# Evaluation keys of its own (a crop between the train size and the resize, bicubic), written as
+# sharded checkpoints (best.dcp, with EMA weights) by one process.
+EVAL_KEYS_OPTS = [
+    *FAST, "TRAIN.SPLIT", "val", "TEST.IM_SIZE", "20", "TEST.CROP_SIZE", "18", "TEST.INTERPOLATION", "bicubic",
+    "DIST.CKPT_FORMAT", "sharded", "OPTIM.EMA_DECAY", "0.9",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def eval_keys_run(tmp_path_factory) -> Path:
+    """The run's OUT_DIR, with best.dcp converted to a single file too (best.pth.tar)."""
+    from distribuuuu.sharded_checkpoint import to_single_file
+
+    out = tmp_path_factory.mktemp("eval_keys")
+    env = clean_env()
+    del env["OMP_NUM_THREADS"]  # a lone process may use both cores
+    assert_ok(run(python(TRAIN, *EVAL_KEYS_OPTS, "OUT_DIR", str(out)), timeout=600, env=env))
+    to_single_file(str(out / "best.dcp"), str(out / "best.pth.tar"))
+    return out
+
+
+def export_in_process(*argv: str) -> str:
+    """tools/export.py's main here (no interpreter start-up); asserts exit 0 and returns its stdout."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import export
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = export.main(list(argv))
+    assert status == 0, printed.getvalue()
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def onnx_probs(eval_keys_run, tmp_path_factory) -> tuple[dict, dict[str, torch.Tensor], str]:
+    """Export best.pth.tar; onnxruntime's class probabilities per val image, fed as the JSON says."""
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    prefix = tmp_path_factory.mktemp("export_eval_keys") / "model"
+    printed = export_in_process(
+        "--weights", str(eval_keys_run / "best.pth.tar"), "--out", str(prefix), "--check", str(VAL)
+    )
+    meta = json.loads(Path(f"{prefix}.json").read_text())
+    session = onnxruntime.InferenceSession(f"{prefix}.onnx", providers=["CPUExecutionProvider"])
+    paths = sorted(str(p) for p in VAL.rglob("*.png"))
+    logits = [session.run(["logits"], {"images": as_the_json_says(meta, p)[None].numpy()})[0][0] for p in paths]
+    return meta, {p: torch.from_numpy(out).softmax(0) for p, out in zip(paths, logits)}, printed
+
+
+def as_the_json_says(meta: dict, path: str) -> torch.Tensor:
+    """A deployment's preprocessing, written from the JSON alone with torchvision's functional ops."""
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as F
+
+    pixels = decode_image(path, mode=ImageReadMode.RGB)
+    mode = InterpolationMode(meta["interpolation"])
+    pixels = F.center_crop(
+        F.resize(pixels, meta["resize"], interpolation=mode, antialias=meta["antialias"]), meta["crop"]
+    )
+    mean, std = torch.tensor(meta["mean"]).view(3, 1, 1), torch.tensor(meta["std"]).view(3, 1, 1)
+    return (pixels.float() / 255 - mean) / std
+
+
+def score_with_test_net(out_dir: Path, weights: Path, tmp_path: Path) -> tuple[float, int, str]:
+    """tools/test_net.py's entry point here with the run's config: (top-1 %, images, its log)."""
+    from distribuuuu.logger import LOG_NAME
+    from distribuuuu.trainer import test_model
+
+    cfg = load_cfg(str(out_dir / "config.yaml"), ["MODEL.WEIGHTS", str(weights), "OUT_DIR", str(tmp_path)])
+    try:
+        totals = test_model(cfg)
+    finally:
+        for handler in list(logging.getLogger(LOG_NAME).handlers):
+            handler.close()
+            logging.getLogger(LOG_NAME).removeHandler(handler)
+    return totals["top1_acc"], totals["samples"], (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.slow
+def test_the_export_states_the_runs_eval_crop_and_onnx_fed_as_its_json_says_scores_val_as_test_net(
+    eval_keys_run, onnx_probs, tmp_path
+):
+    meta, probs, printed = onnx_probs
+    cfg = load_cfg(str(eval_keys_run / "config.yaml"))
+    assert (meta["resize"], meta["crop"], meta["interpolation"]) == (20, 18, "bicubic")
+    assert (meta["mean"], meta["std"]) == (list(cfg.DATA.MEAN), list(cfg.DATA.STD))
+    assert "onnx: top-1 agrees with PyTorch on 256/256 images" in printed  # --max-check's default
+    correct = sum(meta["classes"][int(p.argmax())] == Path(path).parent.name for path, p in probs.items())
+    acc, samples, log = score_with_test_net(eval_keys_run, eval_keys_run / "best.dcp", tmp_path)
+    assert samples == len(probs) == 361 and "was validated with" not in log
+    assert 100.0 * correct / samples == pytest.approx(acc, abs=1e-9)
+    epoch = torch.load(eval_keys_run / "best.pth.tar", weights_only=True)["epoch"]  # best.dcp's, converted
+    val = [r for r in read_metrics(eval_keys_run) if r["split"] == "val" and r["weights"] == "model"]
+    validated = [r["top1"] for r in val if r["epoch"] == epoch]
+    assert [acc] == pytest.approx(validated, abs=1e-9), "test_net scores best.dcp as validation scored it"
+
+
+@pytest.mark.slow
+def test_predict_on_a_sharded_checkpoint_gives_the_exports_top1_per_image(eval_keys_run, onnx_probs, capsys):
+    sys.path.insert(0, str(REPO / "tools"))
+    import predict
+
+    meta, probs, _ = onnx_probs
+    assert predict.main(["--weights", str(eval_keys_run / "best.dcp"), str(VAL), "--json", "--topk", "1"]) == 0
+    top1 = {r["path"]: r["topk"][0] for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert {path: t["class"] for path, t in top1.items()} == {
+        path: meta["classes"][int(p.argmax())] for path, p in probs.items()
+    }
+    assert all(abs(t["prob"] - float(probs[path].max())) < 1e-5 for path, t in top1.items()), "the same numbers"
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoints_ema_weights_export_with_the_parity_check(eval_keys_run, onnx_probs, tmp_path):
+    pytest.importorskip("onnxscript")
+    weights = str(eval_keys_run / "best.dcp")
+    printed = export_in_process("--weights", weights, "--ema", "--out", str(tmp_path / "e"), "--check", str(VAL))
+    for name in ("onnx", "torch.export"):
+        assert f"{name}: top-1 agrees with PyTorch on 256/256 images" in printed, printed
+    meta = json.loads((tmp_path / "e.json").read_text())
+    assert meta["weights"] == "ema" and {**meta, "weights": "model"} == onnx_probs[0]
+    sys.path.insert(0, str(REPO / "tools"))
+    import predict
+
+    state = predict.load_state(str(eval_keys_run / "best.dcp"))
+    cfg, cpu = predict.build_cfg(state, None, ()), torch.device("cpu")
+    ema, raw = (predict.load_model(state, cfg, kind, cpu) for kind in ("ema", "model"))
+    program = torch.export.load(str(tmp_path / "e.pt2")).module()
+    inputs = torch.stack([as_the_json_says(meta, str(p)) for p in sorted(VAL.rglob("*.png"))[:64]])
+    with torch.no_grad():
+        assert torch.allclose(program(inputs), ema(inputs), atol=1e-4), "the EMA weights were exported"
+        assert not torch.allclose(raw(inputs), ema(inputs), atol=1e-4), "and they differ from the raw ones"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_stored_preprocessing_resolves_it_from_its_config(eval_keys_run):
+    from distribuuuu.data.transforms import EvalPreprocessing, checkpoint_preprocessing, eval_preprocessing
+
+    state = torch.load(eval_keys_run / "best.pth.tar", weights_only=True)
+    stored = EvalPreprocessing.from_dict(state.pop("preprocessing"))
+    assert stored == eval_preprocessing(load_cfg(str(eval_keys_run / "config.yaml")))
+    assert (stored.resize, stored.crop, stored.interpolation) == (20, 18, "bicubic")
+    assert checkpoint_preprocessing(state) == stored  # an older checkpoint: resolved from its cfg
+
+
+def test_predict_preprocesses_as_stored_unless_its_keys_change_an_eval_key(monkeypatch):
+    """The stored preprocessing wins over a re-resolution of the same keys; KEY VALUE pairs that
+    change an evaluation key are resolved as validation would, over the rest of the checkpoint's."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import predict
+
+    from distribuuuu import state as state_module
+    from distribuuuu.data.transforms import EvalPreprocessing
+    from distribuuuu.state import warn_if_evaluated_otherwise
+
+    cfg = load_cfg(
+        opts=["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "20", "TEST.CROP_SIZE", "18", "TEST.INTERPOLATION", "bicubic"]
+    )
+    stored = EvalPreprocessing(resize=21, crop=18, interpolation="bicubic", mean=(0.5,) * 3, std=(0.25,) * 3)
+    state = {"cfg": cfg.dump(), "classes": list("0123456789"), "preprocessing": stored.as_dict()}
+    assert predict.resolve_preprocessing(state, None, ()) == stored
+    assert predict.resolve_preprocessing(state, None, ["DATA.DECODER", "pil"]) == stored
+    changed = predict.resolve_preprocessing(state, None, ["TEST.CROP_SIZE", "16"])
+    assert (changed.resize, changed.crop, changed.interpolation) == (20, 16, "bicubic")
+    del state["preprocessing"]  # a checkpoint written before it was stored
+    mean, std = tuple(cfg.DATA.MEAN), tuple(cfg.DATA.STD)
+    assert predict.resolve_preprocessing(state, None, ()) == EvalPreprocessing(20, 18, "bicubic", mean, std)
+    warned: list[str] = []  # test_net's warning, whatever handlers earlier tests left on the loggers
+    monkeypatch.setattr(state_module.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    warn_if_evaluated_otherwise(state, cfg, "same.pth.tar")
+    warn_if_evaluated_otherwise(state, get_cfg_defaults(), "other.pth.tar")
+    assert [w.split(" ")[0] for w in warned] == ["other.pth.tar"] and "'crop': 18" in warned[0]
 
 
 class Unexportable(torch.nn.Module):

@@ -1,13 +1,15 @@
 """Export a checkpoint to ONNX and to a torch.export program, and check both against PyTorch.
 
     python tools/export.py --weights OUT_DIR/best.pth.tar [--ema] [--out PREFIX] [--check PATH ...]
+    python tools/export.py --weights OUT_DIR/best.dcp ...     # a sharded checkpoint (fsdp/hsdp runs)
 
 Writes PREFIX.onnx (dynamic batch dimension; input "images" NCHW float32, output "logits"),
 PREFIX.pt2 (``torch.export.save``; load with ``torch.export.load(path).module()``) and
-PREFIX.json: the preprocessing (resize, crop, interpolation, mean/std, RGB in [0, 1]) and the
-class names, also stored in the ONNX file's metadata_props and in the .pt2's extra files. Then
-runs PyTorch, onnxruntime and the loaded program on real images (--check, default the config's
-val folder) and prints, per format, the top-1 agreement and the largest logit difference.
+PREFIX.json: the preprocessing the run validated with (resize, crop, interpolation, mean/std, RGB
+in [0, 1]; stored in the checkpoint) and the class names, also stored in the ONNX file's
+metadata_props and in the .pt2's extra files. Then runs PyTorch, onnxruntime and the loaded
+program on real images (--check, default the config's val folder) and prints, per format, the
+top-1 agreement and the largest logit difference.
 
 Needs the "export" extra (onnx, onnxruntime, onnxscript). Exit status: 0; 1 when an export
 disagrees with PyTorch on some top-1; 2 on bad input (missing checkpoint, an architecture that
@@ -34,7 +36,8 @@ from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpoint import CheckpointError  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
-from distribuuuu.data import BadImageError, build_val_transform, load_image  # noqa: E402
+from distribuuuu.data import BadImageError, load_image  # noqa: E402
+from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform, checkpoint_preprocessing  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 
 EXIT_DISAGREE, EXIT_BAD_INPUT = 1, 2
@@ -45,38 +48,20 @@ class ExportError(ValueError):
     """An export that cannot be made: printed as one line, exit 2."""
 
 
-def read_single_file(path: str) -> dict:
-    """A one-file checkpoint written by train_net.py (checked: loads, verifies, names its classes)."""
-    return load_state(path)
-
-
-# How a checkpoint is read, by its shape on disk. A sharded checkpoint (a folder of shards, e.g.
-# torch.distributed.checkpoint) plugs in here with a reader that returns the same dict.
-CHECKPOINT_READERS: dict[str, Callable[[str], dict]] = {"file": read_single_file}
-
-
-def read_checkpoint(path: str) -> dict:
-    """The checkpoint's state dict ("model"/"ema", "classes", "cfg", "arch"), whatever its layout."""
-    kind = "folder" if os.path.isdir(path) else "file"
-    if kind not in CHECKPOINT_READERS:
-        raise ExportError(f"{path} is a folder (a sharded checkpoint?): export.py reads single-file checkpoints")
-    return CHECKPOINT_READERS[kind](path)
-
-
-def preprocessing(cfg: CfgNode, classes: list, weights: str) -> dict:
-    """What a deployment must do to an image before the model (the val transform), and the class names."""
+def preprocessing(p: EvalPreprocessing, arch: str, classes: list, weights: str) -> dict:
+    """What a deployment must do to an image before the model (the run's validation), and the class names."""
     return {
-        "arch": cfg.MODEL.ARCH,
+        "arch": arch,
         "weights": weights,
         "input": {"name": INPUT, "layout": "NCHW", "dtype": "float32", "channels": "RGB"},
         "output": {"name": OUTPUT, "meaning": "logits (softmax for probabilities)"},
-        "resize": cfg.TEST.IM_SIZE,  # the shorter side, as torchvision's Resize(int)
-        "crop": cfg.TRAIN.IM_SIZE,  # center crop, square
-        "interpolation": "bilinear",
+        "resize": p.resize,  # the shorter side, as torchvision's Resize(int)
+        "crop": p.crop,  # center crop, square
+        "interpolation": p.interpolation,
         "antialias": True,
         "scale": "divide 8-bit pixel values by 255",
-        "mean": list(cfg.DATA.MEAN),
-        "std": list(cfg.DATA.STD),
+        "mean": list(p.mean),
+        "std": list(p.std),
         "classes": list(classes),
     }
 
@@ -119,12 +104,11 @@ def quiet_torch_logs():
 
 
 @torch.no_grad()
-def check(runners: dict[str, Callable], images: list[str], cfg: CfgNode, batch_size: int) -> dict[str, tuple]:
+def check(runners: dict[str, Callable], images: list[str], transform: Callable, batch_size: int) -> dict[str, tuple]:
     """Run every runner on the images; per non-reference runner: (top-1 agreements, images, max |logit diff|)."""
-    transform = build_val_transform(cfg)
     logits: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
     for paths in batches(images, batch_size):
-        inputs = torch.stack([transform(load_image(p, cfg.DATA.DECODER)) for p in paths])
+        inputs = torch.stack([transform(load_image(p)) for p in paths])
         for name, runner in runners.items():
             logits[name].append(runner(inputs).float())
     ref = torch.cat(logits.pop("pytorch"))
@@ -145,9 +129,11 @@ def onnx_runner(path: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", required=True, help="checkpoint written by train_net.py")
+    parser.add_argument("--weights", required=True, help="checkpoint (file or .dcp folder) written by train_net.py")
     parser.add_argument("--ema", action="store_true", help="export the checkpoint's EMA weights")
-    parser.add_argument("--out", default="", help="output path prefix (default: the checkpoint's, without .pth.tar)")
+    parser.add_argument(
+        "--out", default="", help="output path prefix (default: the checkpoint's, without .pth.tar/.dcp)"
+    )
     parser.add_argument("--check", nargs="*", default=None, help="images/folders to check on (default: val folder)")
     parser.add_argument("--max-check", type=int, default=256, help="check at most N images (0: all)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per checked batch")
@@ -156,13 +142,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def export(args: argparse.Namespace) -> int:
     """Load, export both formats, check them; return the exit status."""
-    state = read_checkpoint(args.weights)
+    state = load_state(args.weights)  # a file, or a sharded folder read whole (checked: verifies, names classes)
     cfg = build_cfg(state, None, ())
     kind = "ema" if args.ema else "model"
     model = load_model(state, cfg, kind, torch.device("cpu"))
-    prefix = args.out or args.weights.removesuffix(".tar").removesuffix(".pth")
-    meta = preprocessing(cfg, state["classes"], kind)
-    example = torch.randn(2, 3, cfg.TRAIN.IM_SIZE, cfg.TRAIN.IM_SIZE)
+    prefix = args.out or args.weights.rstrip("/").removesuffix(".dcp").removesuffix(".tar").removesuffix(".pth")
+    p = checkpoint_preprocessing(state)
+    meta = preprocessing(p, cfg.MODEL.ARCH, state["classes"], kind)
+    example = torch.randn(2, 3, p.crop, p.crop)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     except OSError as e:
@@ -178,17 +165,17 @@ def export(args: argparse.Namespace) -> int:
     with open(prefix + ".json", "w") as f:
         json.dump(meta, f, indent=2)
     print(f"wrote {prefix}.onnx, {prefix}.pt2 and {prefix}.json ({kind} weights of {cfg.MODEL.ARCH})")
-    return report(model, prefix, args, cfg)
+    return report(model, prefix, args, cfg, build_eval_transform(p))
 
 
-def report(model: nn.Module, prefix: str, args: argparse.Namespace, cfg: CfgNode) -> int:
+def report(model: nn.Module, prefix: str, args: argparse.Namespace, cfg: CfgNode, transform: Callable) -> int:
     """Check the exports against PyTorch on real images and print one line per format."""
     images = find_images(args.check or [os.path.join(cfg.TEST.DATASET, cfg.TEST.SPLIT)])
     images = images[: args.max_check] if args.max_check > 0 else images
     program = torch.export.load(prefix + ".pt2").module()
     runners = {"pytorch": model, "onnx": onnx_runner(prefix + ".onnx"), "torch.export": program}
     ok = True
-    for name, (agree, total, diff) in check(runners, images, cfg, args.batch_size).items():
+    for name, (agree, total, diff) in check(runners, images, transform, args.batch_size).items():
         print(f"{name}: top-1 agrees with PyTorch on {agree}/{total} images; largest logit difference {diff:.3g}")
         ok &= agree == total
     return 0 if ok else EXIT_DISAGREE

@@ -1,10 +1,11 @@
 """Classify images with a checkpoint: ``python tools/predict.py --weights CKPT [--topk 3] PATH [PATH ...]``.
 
-Each PATH is an image file or a folder, searched recursively for image files. The model is rebuilt
-from the checkpoint's own MODEL.ARCH / MODEL.NUM_CLASSES / TRAIN.IM_SIZE / TEST.IM_SIZE /
-DATA.MEAN / DATA.STD (``--cfg FILE`` and trailing ``KEY VALUE`` pairs override them), images get
-the validation transform, and one line per image gives the top-k class names with probabilities
-(``--json``: one JSON object per line).
+Each PATH is an image file or a folder, searched recursively for image files; WEIGHTS is a
+checkpoint file or a sharded checkpoint folder (``best.dcp``). The model is rebuilt from the
+checkpoint's own model and evaluation keys (MODEL_KEYS; ``--cfg FILE`` and trailing ``KEY VALUE``
+pairs override them), images get the preprocessing the run validated with (stored in the
+checkpoint), and one line per image gives the top-k class names with probabilities (``--json``:
+one JSON object per line).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,12 +25,21 @@ from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpoint import CheckpointError, load_checkpoint, model_state_from  # noqa: E402
 from distribuuuu.config import ConfigError, get_cfg_defaults, load_cfg  # noqa: E402
-from distribuuuu.data import BadImageError, build_val_transform, load_image  # noqa: E402
+from distribuuuu.data import BadImageError, load_image  # noqa: E402
+from distribuuuu.data.transforms import (  # noqa: E402
+    EvalPreprocessing,
+    build_eval_transform,
+    checkpoint_preprocessing,
+    eval_preprocessing,
+)
 from distribuuuu.models import build_model  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 # The keys that shape the model and its input: taken from the checkpoint's own config.
-MODEL_KEYS = ("MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "DATA.MEAN", "DATA.STD", "TRAIN.TOPK")
+MODEL_KEYS = (
+    "MODEL.ARCH", "MODEL.NUM_CLASSES", "MODEL.KWARGS", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "TEST.CROP_SIZE",
+    "TEST.CROP_PCT", "TEST.INTERPOLATION", "DATA.MEAN", "DATA.STD", "TRAIN.TOPK",
+)  # fmt: skip
 
 
 class PredictError(ValueError):
@@ -39,7 +49,7 @@ class PredictError(ValueError):
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", required=True, help="checkpoint written by train_net.py")
+    parser.add_argument("--weights", required=True, help="checkpoint (file or .dcp folder) written by train_net.py")
     parser.add_argument("--topk", type=int, default=3, help="classes to print per image (default 3)")
     parser.add_argument("--ema", action="store_true", help="use the checkpoint's EMA weights")
     parser.add_argument("--json", action="store_true", help="print one JSON object per image")
@@ -110,6 +120,26 @@ def build_cfg(state: dict, cfg_file: str | None, opts: Sequence[str]) -> CfgNode
     return cfg
 
 
+def resolve_preprocessing(state: dict, cfg_file: str | None, opts: Sequence[str]) -> EvalPreprocessing:
+    """The checkpoint's stored preprocessing, unless ``--cfg`` / ``KEY VALUE`` pairs change what the
+    evaluation keys resolve to (then theirs, resolved as validation would)."""
+    stored = checkpoint_preprocessing(state)
+    if not cfg_file and not opts:
+        return stored
+    saved, asked = (_resolvable(build_cfg(state, f, o), state) for f, o in ((None, ()), (cfg_file, opts)))
+    return stored if eval_preprocessing(asked) == eval_preprocessing(saved) else eval_preprocessing(asked)
+
+
+def _resolvable(cfg: CfgNode, state: dict) -> CfgNode:
+    """``cfg`` with the checkpoint's MODEL.PRETRAINED: a pretrained timm model's own preprocessing
+    counts (build_cfg turns it off so that no weights are fetched)."""
+    saved = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+    cfg = cfg.clone()
+    cfg.defrost()
+    cfg.MODEL.PRETRAINED = saved.get("MODEL", {}).get("PRETRAINED", False)
+    return cfg
+
+
 def load_model(state: dict, cfg: CfgNode, kind: str, device: torch.device) -> nn.Module:
     """Build MODEL.ARCH and load the checkpoint's raw or EMA weights into it, in eval mode."""
     if kind == "ema" and not state.get("ema"):
@@ -131,11 +161,18 @@ def batches(items: list[str], size: int) -> Iterator[list[str]]:
 
 
 @torch.no_grad()
-def predict(model: nn.Module, images: list[str], cfg: CfgNode, device: torch.device, batch_size: int, k: int):
+def predict(
+    model: nn.Module,
+    images: list[str],
+    transform: Callable,
+    decoder: str,
+    device: torch.device,
+    batch_size: int,
+    k: int,
+):
     """Yield (path, top-k class indices, their probabilities) per image, batch by batch."""
-    transform = build_val_transform(cfg)
     for paths in batches(images, batch_size):
-        inputs = torch.stack([transform(load_image(p, cfg.DATA.DECODER)) for p in paths]).to(device)
+        inputs = torch.stack([transform(load_image(p, decoder)) for p in paths]).to(device)
         probs, indices = model(inputs).float().softmax(dim=1).topk(k, dim=1)
         yield from zip(paths, indices.tolist(), probs.tolist())
 
@@ -156,10 +193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         images = find_images(args.paths)
         state = load_state(args.weights)
         cfg = build_cfg(state, args.cfg_file, args.opts)
+        transform = build_eval_transform(resolve_preprocessing(state, args.cfg_file, args.opts), cfg.DATA.DECODER)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = load_model(state, cfg, "ema" if args.ema else "model", device)
         k = min(args.topk, cfg.MODEL.NUM_CLASSES)
-        for path, indices, probs in predict(model, images, cfg, device, args.batch_size, k):
+        classified = predict(model, images, transform, cfg.DATA.DECODER, device, args.batch_size, k)
+        for path, indices, probs in classified:
             print(format_line(path, [state["classes"][i] for i in indices], probs, args.json), flush=True)
     except (PredictError, CheckpointError, ConfigError, BadImageError) as e:
         print(f"predict.py: error: {e}", file=sys.stderr)

@@ -9,7 +9,7 @@ the same step for one image at a time (predict, export).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -94,13 +94,26 @@ class Normalize:
 
 @dataclass(frozen=True)
 class EvalPreprocessing:
-    """What evaluation does to an image: resize the shorter side, center-crop, normalise."""
+    """What evaluation does to an image: resize the shorter side, center-crop, normalise.
+
+    Checkpoints store it (``as_dict``): predict.py and export.py read it back, so a deployment
+    preprocesses as the run's validation did without re-resolving the keys.
+    """
 
     resize: int
     crop: int
     interpolation: str
     mean: tuple[float, ...]
     std: tuple[float, ...]
+
+    def as_dict(self) -> dict:
+        """Plain ints, floats, str and lists: what a weights_only checkpoint load accepts."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, stored: dict) -> EvalPreprocessing:
+        """The inverse of ``as_dict``."""
+        return cls(**dict(stored, mean=tuple(stored["mean"]), std=tuple(stored["std"])))
 
 
 def eval_preprocessing(cfg: CfgNode) -> EvalPreprocessing:
@@ -123,6 +136,20 @@ def eval_preprocessing(cfg: CfgNode) -> EvalPreprocessing:
     )
 
 
+def checkpoint_preprocessing(state: dict) -> EvalPreprocessing:
+    """The preprocessing a checkpoint's run validated with: stored beside its weights, or, in a
+    checkpoint written before it was stored, resolved from its config as validation resolved it."""
+    if state.get("preprocessing"):
+        return EvalPreprocessing.from_dict(state["preprocessing"])
+    cfg = get_cfg_defaults()
+    saved = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+    for section in ("MODEL", "TRAIN", "TEST", "DATA"):  # key by key: an older config may lack some
+        for key, value in saved.get(section, {}).items():
+            if key in cfg[section] and not isinstance(value, dict):
+                cfg[section][key] = value
+    return eval_preprocessing(cfg)
+
+
 def _timm_data_config(cfg: CfgNode) -> dict:
     if cfg.MODEL.DUMMY_INPUT:
         return {}
@@ -133,13 +160,17 @@ def _timm_data_config(cfg: CfgNode) -> dict:
 
 def build_val_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
     """Resize (shorter side) + CenterCrop [+ normalise], as ``eval_preprocessing`` resolves them."""
-    p = eval_preprocessing(cfg)
+    return build_eval_transform(eval_preprocessing(cfg), cfg.DATA.DECODER, normalize)
+
+
+def build_eval_transform(p: EvalPreprocessing, decoder: str = "auto", normalize: bool = True) -> Callable:
+    """The transform of ``p`` (validation's, or a checkpoint's stored one for predict and export)."""
     steps = [
-        DraftDecode(p.resize) if cfg.DATA.DECODER == "draft" else v2.ToImage(),
+        DraftDecode(p.resize) if decoder == "draft" else v2.ToImage(),
         v2.Resize(p.resize, interpolation=v2.InterpolationMode[p.interpolation.upper()], antialias=True),
         v2.CenterCrop(p.crop),
     ]
-    return v2.Compose(steps + [build_normalize(cfg)] if normalize else steps)
+    return v2.Compose(steps + [Normalize(p.mean, p.std)] if normalize else steps)
 
 
 def build_batch_mixer(cfg: CfgNode) -> Callable | None:
