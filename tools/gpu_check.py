@@ -20,9 +20,7 @@ that fails on some ranks only, inside a collective, may hold the others until th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
-import logging
 import math
 import os
 import shutil
@@ -31,7 +29,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
-from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,8 +52,8 @@ from distribuuuu.distributed import (  # noqa: E402
     setup_distributed,
 )
 from distribuuuu.errors import first_line  # noqa: E402
-from distribuuuu.launch import DistEnv, LaunchError, detect_env_rank  # noqa: E402
-from distribuuuu.logger import NullWriter, setup_logging  # noqa: E402
+from distribuuuu.launch import DistEnv, LaunchError, detect_env, detect_env_rank  # noqa: E402
+from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
@@ -161,8 +158,11 @@ def needs_cuda(ctx: Context) -> torch.device:
 
 
 def make_cfg(ctx: Context, name: str, *opts: str):
-    """The digits at 16x16, batch 32, OUT_DIR under the shared work folder; ``opts`` on top."""
+    """The digits at 16x16, batch 32, OUT_DIR under the shared work folder; ``opts`` on top.
+
+    A trainer run logs to its OUT_DIR/log.txt only: stdout is the table's."""
     base = ["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
+    base += ["LOG.CONSOLE", "False"]
     base += ["TRAIN.BATCH_SIZE", "32", "TRAIN.PRINT_FREQ", "1000", "OUT_DIR", os.path.join(ctx.work_dir, name)]
     return load_cfg(None, [*base, *opts])
 
@@ -187,20 +187,6 @@ def loss_falls(ctx: Context, name: str, *opts: str, steps: int = 6) -> str:
     expect(all(map(math.isfinite, losses)), f"non-finite loss: {losses}")
     expect(losses[-1] < losses[0], f"loss did not fall on a fixed batch: {losses}")
     return f"{steps} steps on one batch: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
-
-
-@contextlib.contextmanager
-def in_this_process_group():
-    """Let trainer.train_model run in-process: keep the group it would destroy, log to files only."""
-
-    def log_to_file_only(out_dir, rank, progress_bar=False):
-        log = setup_logging(out_dir, rank)
-        log.handlers = [h for h in log.handlers if type(h) is not logging.StreamHandler]
-        return log
-
-    with mock.patch.object(trainer, "cleanup_distributed", lambda: None):
-        with mock.patch.object(run_setup, "setup_logging", log_to_file_only):
-            yield
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,10 +354,10 @@ def check_resume(ctx: Context) -> str:
     arch = "resnet18" if cuda else TINY
     opts = ["MODEL.ARCH", arch, "MODEL.SYNCBN", str(cuda), "OPTIM.MAX_EPOCH", "2"]
     opts += ["CUDNN.DETERMINISTIC", "True", "CUDNN.BENCHMARK", "False"]
-    with in_this_process_group():
-        trainer.train_model(make_cfg(ctx, runs[0], *opts))
-        trainer.train_model(make_cfg(ctx, runs[1], *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"))
-        trainer.train_model(make_cfg(ctx, runs[1], *opts))  # TRAIN.AUTO_RESUME is on by default
+    # In this job's process group, which train_model keeps for the next check.
+    trainer.train_model(make_cfg(ctx, runs[0], *opts), cleanup=False)
+    trainer.train_model(make_cfg(ctx, runs[1], *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"), cleanup=False)
+    trainer.train_model(make_cfg(ctx, runs[1], *opts), cleanup=False)  # TRAIN.AUTO_RESUME is on by default
     if not ctx.env.is_main_process:
         return ""
     a, b = (ckpt.load_checkpoint(os.path.join(ctx.work_dir, d, ckpt.CKPT_DIR, "ckpt_ep_002.pth.tar")) for d in runs)
@@ -404,6 +390,20 @@ def describe(env: DistEnv) -> str:
     return where
 
 
+def check_work_dir(work_dir: str, launch: DistEnv) -> None:
+    """Refuse several nodes without --work-dir: rank 0's temporary folder is not on the other nodes.
+
+    Their ranks would not find the resume check's checkpoint and leave the collectives, the others
+    waiting on them until the timeout. Every rank decides alike from its launcher's variables,
+    before any collective, so all of them exit.
+    """
+    if launch.world_size > launch.local_world_size and not work_dir:
+        raise LaunchError(
+            f"{launch.world_size} ranks on several nodes ({launch.local_world_size} on this one) need "
+            "--work-dir DIR on a filesystem every node shares (the default temporary folder is rank 0's alone)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, CUDA checks skip")
@@ -418,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return EXIT_NOTHING_TO_CHECK
     try:
+        check_work_dir(args.work_dir, detect_env())
         env = setup_distributed("gloo" if args.device == "cpu" else "", timeout_s=300)
     except (LaunchError, ValueError) as e:
         if detect_env_rank() == 0:
