@@ -11,15 +11,18 @@ failing check does not stop the others. Exit status: 0 if no check failed, 1 if 
 there is nothing to check (no CUDA GPU visible: one line says so) or the launch is wrong.
 
 ``--device cpu`` runs the checks that make sense without CUDA (all-reduce and rank table with
-gloo, fp16 and bf16 autocast, channels_last, resume) and skips the CUDA-only ones with a reason;
-the test suite runs it that way. Trainer runs write to a temporary folder, removed at the end
-(``--work-dir DIR`` keeps them; with several nodes it must be on a shared filesystem). A check
-that fails on some ranks only, inside a collective, may hold the others until the 300 s timeout.
+gloo, fp16 and bf16 autocast, channels_last, fsdp with DCP checkpoints and ShardedGradScaler,
+resume) and skips the CUDA-only ones with a reason; the sync-debug checks still train and augment
+before skipping, so their code runs. The test suite runs it that way. Trainer runs write to a
+temporary folder, removed at the end; ``--work-dir DIR`` keeps them, and ranks on several nodes
+need it, on a filesystem every node shares (without it the tool refuses in one line). A check that
+fails on some ranks only, inside a collective, may hold the others until the 300 s timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -27,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,12 +39,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from distribuuuu import checkpoint as ckpt  # noqa: E402
 from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
-from distribuuuu.data import build_train_split, build_val_split  # noqa: E402
+from distribuuuu.data import batched, build_train_split, build_val_split  # noqa: E402
 from distribuuuu.data.transforms import build_normalize  # noqa: E402
 from distribuuuu.distributed import (  # noqa: E402
     all_gather_object,
@@ -57,11 +63,11 @@ from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
-from distribuuuu.state import save_training_checkpoint  # noqa: E402
+from distribuuuu.state import resume_or_load_weights, save_training_checkpoint  # noqa: E402
 
 EXIT_FAILED, EXIT_NOTHING_TO_CHECK = 1, 2
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "digits")
-TINY = "gpu_check_tiny"
+TINY, TINY_NO_BN = "gpu_check_tiny", "gpu_check_tiny_no_bn"
 
 
 class Skip(Exception):
@@ -92,6 +98,16 @@ def tiny_net(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
+    )  # fmt: skip
+
+
+@register_model(TINY_NO_BN)
+def tiny_net_without_batchnorm(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    """The tiny model without BatchNorm: under fsdp with fp16 its parameters are fp16 in forward
+    (a model with BatchNorm keeps fp32 parameters and autocast, see parallel.mixed_precision_policy)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
     )  # fmt: skip
 
@@ -153,7 +169,7 @@ def exit_code(results: list[Result]) -> int:
 # ------------------------------------------------------------------------------------------------
 def needs_cuda(ctx: Context) -> torch.device:
     if ctx.env.device.type != "cuda":
-        raise Skip("CUDA only (--device cpu)")
+        raise Skip("no CUDA (--device cpu)")
     return ctx.env.device
 
 
@@ -187,6 +203,61 @@ def loss_falls(ctx: Context, name: str, *opts: str, steps: int = 6) -> str:
     expect(all(map(math.isfinite, losses)), f"non-finite loss: {losses}")
     expect(losses[-1] < losses[0], f"loss did not fall on a fixed batch: {losses}")
     return f"{steps} steps on one batch: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def needs_ranks(ctx: Context, why: str) -> None:
+    if ctx.env.world_size < 2:
+        raise Skip(f"needs 2 or more ranks ({why}): torchrun --nproc_per_node=2 or more")
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state, whole and on the CPU (all ranks call it: fsdp gathers shards)."""
+    state = model.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+
+
+def jpeg_dataset(ctx: Context) -> tuple[str, ...]:
+    """Options for this rank's JPEG/PNG digits subset (jpeg_tree) in batches of 8: 5 batches a rank
+    for up to 32 ranks (the digits hold ~143 training images a class)."""
+    root = os.path.join(ctx.work_dir, f"jpeg_windows_rank{ctx.env.rank}")
+    if not os.path.isdir(root):
+        jpeg_tree(root, per_class=4 * ctx.env.world_size + 4)
+    return ("TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", "batched", "TRAIN.BATCH_SIZE", "8")
+
+
+@contextlib.contextmanager
+def host_syncs_raise(device: torch.device):
+    """Between two sync points: any call that makes the host wait for the GPU raises (sync debug mode).
+
+    The error names the frame of this package nearest the call, as a FAIL row would not. On the
+    CPU nothing is watched: the code between still runs, so the CPU tests exercise it."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "distribuuuu" in f.filename]
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].name}" if frames else ""
+        raise CheckFailed(f"host sync{where}: {first_line(e)}") from None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def window_without_sync(ctx: Context, name: str, *opts: str, steps: int = 3) -> list[float]:
+    """Train ``steps`` steps, loader included, between two sync points with host syncs raising."""
+    run, _ = build_tiny_run(ctx, name, *opts)
+    batches = iter(run.train.loader)
+    sums = MetricSums(run.env.device, run.cfg.TRAIN.TOPK)
+    for _ in range(2):  # the first steps allocate, pick kernels and may sync: not the steady loop
+        trainer.train_step(run, [next(batches)], sums).item()
+    with host_syncs_raise(run.env.device):
+        losses = [trainer.train_step(run, [next(batches)], sums) for _ in range(steps)]
+    values = torch.stack(losses).tolist()  # the window's sync point, as the trainer's every PRINT_FREQ steps
+    expect(all(map(math.isfinite, values)), f"non-finite loss: {values}")
+    return values
 
 
 # ------------------------------------------------------------------------------------------------
@@ -345,6 +416,94 @@ def check_nvjpeg(ctx: Context) -> str:
     return f"{len(on_gpu)} val batches: worst mean |GPU - CPU| {worst:.4f} (< 0.05); augmented train batch ok"
 
 
+def check_no_host_sync(ctx: Context) -> str:
+    """A training window (data, forward, backward, step, metrics) never waits for the GPU: fp32,
+    bf16, fp16 (GradScaler), and the batched decoder's loader feeding it."""
+    cuda = ctx.env.device.type == "cuda"
+    precisions = ["fp32", "fp16"] + (["bf16"] if not cuda or torch.cuda.is_bf16_supported() else [])
+    for precision in precisions:
+        window_without_sync(ctx, f"sync_{precision}", "TRAIN.PRECISION", precision)
+    window_without_sync(ctx, "sync_batched", *jpeg_dataset(ctx))
+    if not cuda:
+        raise Skip("no CUDA: the windows trained on the CPU, where host syncs are not watched")
+    return f"3 steps each under set_sync_debug_mode('error'): {', '.join(precisions)}, batched decoder"
+
+
+def check_augment_no_host_sync(ctx: Context) -> str:
+    """The batched decoder's augmentation on the GPU (TrivialAugment, RandomErasing) is free of
+    per-sample host syncs: a sync per image would stall every batch."""
+    augment = ("DATA.AUTO_AUGMENT", "trivialaugment", "DATA.RANDOM_ERASING", "0.5")
+    cfg = make_cfg(ctx, "augment_sync", *jpeg_dataset(ctx), *augment)
+    batches = iter(build_train_split(cfg, ctx.env).loader)
+    next(batches)  # workers start, nvJPEG initialises
+    with host_syncs_raise(ctx.env.device):
+        images = [next(batches)[0] for _ in range(3)]
+    expect(all(bool(torch.isfinite(x).all()) for x in images), "an augmented batch is not finite")
+    if ctx.env.device.type != "cuda":
+        raise Skip("no CUDA: the batches were augmented on the CPU, where host syncs are not watched")
+    return f"3 batches of {len(images[0])}: TrivialAugment + RandomErasing on {images[0].device}, no host sync"
+
+
+def check_nvjpeg_ran(ctx: Context) -> str:
+    """nvJPEG really decoded the JPEGs of a batched decode, rather than the CPU fallback."""
+    needs_cuda(ctx)
+    stats = getattr(batched, "decode_stats", None)
+    if stats is None:
+        raise Skip("unknown: this version's data/batched.py keeps no decode_stats")
+    stats.reset()
+    cfg = make_cfg(ctx, "nvjpeg_ran", *jpeg_dataset(ctx), "TRAIN.WORKERS", "2")
+    batches = sum(1 for _ in build_val_split(cfg, ctx.env).loader)
+    gpu, cpu = getattr(stats, "gpu_images", 0), getattr(stats, "cpu_fallback_images", 0)
+    expect(gpu > 0, f"nvJPEG decoded no image of {batches} batches: {cpu} fell back to the CPU decoder")
+    return f"{batches} val batches: nvJPEG decoded {gpu} images, {cpu} fell back to the CPU"
+
+
+def check_fsdp_sharded_checkpoint(ctx: Context) -> str:
+    """fsdp trains on the run's device; a sharded (DCP) checkpoint loads back into a fresh model exactly."""
+    needs_ranks(ctx, "fsdp shards nothing on one")
+    opts = ("DIST.STRATEGY", "fsdp", "DIST.CKPT_FORMAT", "sharded")
+    run, batch = build_tiny_run(ctx, "fsdp_dcp", *opts)
+    devices = {p.to_local().device for p in run.model.parameters() if isinstance(p, DTensor)}
+    expect(devices == {ctx.env.device}, f"sharded parameters on {devices}, not {ctx.env.device}")
+    losses = train_steps(run, batch, 4)
+    expect(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"loss did not fall under fsdp: {losses}")
+    run.state.step_in_epoch = 4
+    path = save_training_checkpoint(run)
+    expect(path.endswith(".dcp"), f"DIST.CKPT_FORMAT sharded wrote {path}, not a DCP folder")
+    trained = full_weights(run.model)
+    fresh, _ = build_tiny_run(ctx, "fsdp_dcp", *opts)  # seeded alike: the untrained weights
+    resume_or_load_weights(fresh, path)
+    loaded = full_weights(fresh.model)
+    differ = [k for k in trained if not torch.equal(trained[k], loaded[k])]
+    expect(not differ, f"{len(differ)} of {len(trained)} tensors differ after the DCP load, e.g. {differ[:2]}")
+    expect(fresh.state.step_in_epoch == 4, f"resumed at step {fresh.state.step_in_epoch}, not 4")
+    return f"{len(trained)} tensors sharded over {ctx.env.world_size} ranks; DCP save and load exact"
+
+
+def check_sharded_scaler_fp16(ctx: Context) -> str:
+    """fsdp with fp16 parameters: ShardedGradScaler steps, skips an overflow on every rank, backs off."""
+    needs_ranks(ctx, "fsdp shards nothing on one")
+    run, batch = build_tiny_run(
+        ctx, "fsdp_fp16", "DIST.STRATEGY", "fsdp", "TRAIN.PRECISION", "fp16", "MODEL.ARCH", TINY_NO_BN
+    )
+    expect(isinstance(run.scaler, ShardedGradScaler), f"the scaler is a {type(run.scaler).__name__}")
+    conv = next(m for m in run.model.modules() if isinstance(m, nn.Conv2d))
+    dtypes: set = set()
+    hook = conv.register_forward_pre_hook(lambda module, args: dtypes.add(module.weight.dtype))
+    losses = train_steps(run, batch, 3)
+    hook.remove()
+    expect(dtypes == {torch.float16}, f"parameters in forward are {dtypes}, not float16")
+    expect(all(map(math.isfinite, losses)), f"non-finite fp16 loss: {losses}")
+    run.scaler.update(2.0**40)  # the scaled gradients overflow fp16: every rank must skip the step
+    before = full_weights(run.model)
+    train_steps(run, batch, 1)
+    after = full_weights(run.model)
+    expect(all(torch.equal(before[k], after[k]) for k in before), "an overflow step changed the weights")
+    scale = run.scaler.get_scale()
+    expect(scale < 2.0**40, f"the scale did not back off after an overflow ({scale:g})")
+    return f"fp16 parameters in forward; loss {losses[0]:.3f} -> {losses[-1]:.3f}; overflow skipped, scale 2^{math.log2(scale):g}"
+
+
 def check_resume(ctx: Context) -> str:
     """Two epochs straight equal one epoch, a stop, and a resume: every checkpointed tensor."""
     runs = ("straight", "resumed")
@@ -377,6 +536,11 @@ CHECKS = [
     ("torch.compile", check_compile),
     ("pinned memory, non_blocking", check_pinned_copy),
     ("batched nvJPEG decode", check_nvjpeg),
+    ("nvJPEG ran (decode_stats)", check_nvjpeg_ran),
+    ("no host sync in training", check_no_host_sync),
+    ("no host sync in GPU augment", check_augment_no_host_sync),
+    ("fsdp + sharded checkpoint", check_fsdp_sharded_checkpoint),
+    ("fsdp fp16 ShardedGradScaler", check_sharded_scaler_fp16),
     ("resume bit-identical", check_resume),
 ]
 
