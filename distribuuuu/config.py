@@ -322,6 +322,8 @@ _C.LOG.WANDB_MODE = "offline"
 _C.LOG.MLFLOW_URI = ""
 # A progress bar on rank 0 when stdout is a terminal (never under Slurm); log.txt keeps every line
 _C.LOG.PROGRESS = True
+# Rank 0 logs to stdout as well as OUT_DIR/log.txt (False: log.txt only, for a tool that prints its own report)
+_C.LOG.CONSOLE = True
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")

@@ -15,11 +15,12 @@ LOG_NAME = "distribuuuu"
 _FORMAT = "[%(asctime)s %(name)s] %(message)s"
 
 
-def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False) -> logging.Logger:
+def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False, console: bool = True) -> logging.Logger:
     """Rank 0 logs INFO to stdout and OUT_DIR/log.txt; other ranks only warnings, to stderr.
 
     With ``progress_bar`` (stdout is a terminal), rank 0's stdout shows the training windows as a
-    bar rather than as lines (see progress.py); log.txt still gets every line.
+    bar rather than as lines (see progress.py); log.txt still gets every line. Without ``console``
+    rank 0 writes log.txt alone, for a tool whose stdout is its own report (gpu_check's table).
     """
     log = logging.getLogger(LOG_NAME)
     log.handlers.clear()
@@ -27,7 +28,7 @@ def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False) ->
     if rank == 0:
         log.setLevel(logging.INFO)
         stdout = ProgressBarHandler(sys.stdout) if progress_bar else logging.StreamHandler(sys.stdout)
-        handlers: list[logging.Handler] = [stdout]
+        handlers: list[logging.Handler] = [stdout] if console else []
         if out_dir:
             handlers.append(logging.FileHandler(os.path.join(out_dir, "log.txt")))
         fmt = logging.Formatter(_FORMAT, "%m/%d %H:%M:%S")

@@ -121,7 +121,10 @@ def prepare_outputs(
     """
     rank0_decides(lambda: _prepare_out_dir(cfg.OUT_DIR, training))  # every rank stops on a bad folder, one prints
     setup_logging(
-        cfg.OUT_DIR if env.is_main_process else None, env.rank, training and show_progress_bar(cfg.LOG.PROGRESS)
+        cfg.OUT_DIR if env.is_main_process else None,
+        env.rank,
+        training and show_progress_bar(cfg.LOG.PROGRESS),
+        console=cfg.LOG.CONSOLE,
     )
     logger.info("%s launch, %d process(es):\n%s", env.launcher, env.world_size, format_rank_table(table))
     if cfg.TRAIN.PRECISION == "fp16" and env.device.type == "cpu":

@@ -302,8 +302,11 @@ def stop_for_preemption(run: Run) -> None:
 # ------------------------------------------------------------------------------------------------
 # Entry points
 # ------------------------------------------------------------------------------------------------
-def train_model(cfg: CfgNode) -> dict:
-    """Train MODEL.ARCH as configured; return the last validation totals."""
+def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
+    """Train MODEL.ARCH as configured; return the last validation totals.
+
+    ``cleanup`` False keeps the process group for a caller that trains several times in one job.
+    """
     check_dataset_paths(cfg)
     model_source(cfg.MODEL.ARCH)  # an unknown architecture fails before any set-up
     env, table = start_process_group(cfg)
@@ -327,7 +330,8 @@ def train_model(cfg: CfgNode) -> dict:
             return last_val
     finally:
         writer.close()
-        cleanup_distributed()
+        if cleanup:
+            cleanup_distributed()
 
 
 def report_finished_run(cfg: CfgNode, env: DistEnv, epochs_done: int) -> None:

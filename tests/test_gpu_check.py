@@ -9,10 +9,17 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, clean_env, python, run, torchrun
+import torch.distributed as dist
+from helpers import REPO, assert_ok, clean_env, python, run, torchrun, two_nodes
+
+from distribuuuu.distributed import all_reduce_sum, cleanup_distributed, setup_distributed
+from distribuuuu.launch import DistEnv, LaunchError, find_free_port
 
 GPU_CHECK = str(REPO / "tools" / "gpu_check.py")
-CPU_CHECKS = {"all-reduce + rank table", "fp16 + GradScaler", "bf16 autocast", "channels_last", "resume bit-identical"}
+CPU_CHECKS = {
+    "all-reduce + rank table", "fp16 + GradScaler", "bf16 autocast", "channels_last", "fsdp + sharded checkpoint",
+    "fsdp fp16 ShardedGradScaler", "resume bit-identical",
+}  # fmt: skip
 
 
 @functools.cache
@@ -41,6 +48,48 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
     assert len(lines) == 1 and "no CUDA GPU visible" in lines[0], lines
 
 
+def test_several_nodes_without_a_work_dir_are_refused_by_every_rank_in_one_line():
+    """Two torchrun agents as two nodes: each worker exits before any collective, rank 0 says why."""
+    results = two_nodes(1, GPU_CHECK, [["--device", "cpu"]] * 2, timeout=180)
+    output = "".join(r.stdout + r.stderr for r in results)
+    assert all(r.returncode != 0 for r in results), output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("gpu_check: error:")]
+    assert len(lines) == 1 and "need --work-dir" in lines[0] and "1 on this one" in lines[0], output[-3000:]
+    assert not any(line.split()[:2] == ["check", "result"] for line in output.splitlines())  # no table begun
+
+
+def test_the_work_dir_is_required_exactly_when_ranks_span_several_nodes():
+    tool = _tool()
+    with pytest.raises(LaunchError, match="4 ranks on several nodes"):
+        tool.check_work_dir("", DistEnv(world_size=4, local_world_size=2))
+    tool.check_work_dir("/shared/gpu_check", DistEnv(world_size=4, local_world_size=2))
+    tool.check_work_dir("", DistEnv(world_size=4, local_world_size=4))  # one node: a temporary folder will do
+    tool.check_work_dir("", DistEnv())
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("plain_logging")
+def test_the_resume_check_trains_in_the_tools_process_group_and_leaves_stdout_to_the_table(
+    tmp_path, monkeypatch, capsys
+):
+    """gpu_check's public path into the trainer: train_model(cfg, cleanup=False) with LOG.CONSOLE False."""
+    tool = _tool()
+    launch = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for key, value in {**launch, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}.items():
+        monkeypatch.setenv(key, value)
+    env = setup_distributed("gloo")
+    try:
+        ctx = tool.Context(env, str(tmp_path))
+        cfg = tool.make_cfg(ctx, "run", "MODEL.ARCH", tool.TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "128")
+        tool.trainer.train_model(cfg, cleanup=False)
+        assert dist.is_initialized(), "train_model destroyed the caller's process group"
+        assert all_reduce_sum(torch.ones(1)).item() == 1  # and it still serves collectives
+    finally:
+        cleanup_distributed()
+    assert capsys.readouterr().out == ""
+    assert "torchrun launch, 1 process(es)" in (tmp_path / "run" / "log.txt").read_text()  # logged, to the file
+
+
 @pytest.mark.slow
 def test_two_gloo_ranks_pass_the_cpu_checks_and_skip_the_cuda_ones(tmp_path):
     cmd = torchrun(2, GPU_CHECK, "--device", "cpu", "--work-dir", str(tmp_path))
@@ -50,7 +99,9 @@ def test_two_gloo_ranks_pass_the_cpu_checks_and_skip_the_cuda_ones(tmp_path):
     rows = _rows(result.stdout, names)
     assert rows == {n: "PASS" if n in CPU_CHECKS else "SKIP" for n in names}, result.stdout
     assert "0:cpu 1:cpu" in result.stdout  # the rank table, one device per rank
-    assert "5 passed, 0 failed, 5 skipped" in result.stdout
+    assert "7 passed, 0 failed, 8 skipped" in result.stdout
+    # The sync windows trained and augmented on the CPU; only the watching needs CUDA.
+    assert "no CUDA: the windows trained on the CPU" in result.stdout
 
 
 def test_a_check_that_raises_is_a_fail_row_and_the_others_still_run():

@@ -481,7 +481,7 @@ def measure_data(cfg_args, env: DistEnv, bench, report: Report, label: str = "da
         cfg = bench_cfg(cfg_args, *extra, "TRAIN.WORKERS", str(workers))
         barrier()
         rate, images = loader_rate(cfg, env, bench.data_batches)
-        total = all_reduce_sum(torch.tensor([rate], dtype=torch.float64)).item()
+        total = all_reduce_sum(torch.tensor([rate], dtype=torch.float64, device=env.device)).item()
         report.emit(
             {
                 "what": label,

@@ -11,10 +11,12 @@ failing check does not stop the others. Exit status: 0 if no check failed, 1 if 
 there is nothing to check (no CUDA GPU visible: one line says so) or the launch is wrong.
 
 ``--device cpu`` runs the checks that make sense without CUDA (all-reduce and rank table with
-gloo, fp16 and bf16 autocast, channels_last, resume) and skips the CUDA-only ones with a reason;
-the test suite runs it that way. Trainer runs write to a temporary folder, removed at the end
-(``--work-dir DIR`` keeps them; with several nodes it must be on a shared filesystem). A check
-that fails on some ranks only, inside a collective, may hold the others until the 300 s timeout.
+gloo, fp16 and bf16 autocast, channels_last, fsdp with DCP checkpoints and ShardedGradScaler,
+resume) and skips the CUDA-only ones with a reason; the sync-debug checks still train and augment
+before skipping, so their code runs. The test suite runs it that way. Trainer runs write to a
+temporary folder, removed at the end; ``--work-dir DIR`` keeps them, and ranks on several nodes
+need it, on a filesystem every node shares (without it the tool refuses in one line). A check that
+fails on some ranks only, inside a collective, may hold the others until the 300 s timeout.
 """
 
 from __future__ import annotations
@@ -22,28 +24,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import logging
 import math
 import os
 import shutil
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Callable
-from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from distribuuuu import checkpoint as ckpt  # noqa: E402
 from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
-from distribuuuu.data import build_train_split, build_val_split  # noqa: E402
+from distribuuuu.data import batched, build_train_split, build_val_split  # noqa: E402
 from distribuuuu.data.transforms import build_normalize  # noqa: E402
 from distribuuuu.distributed import (  # noqa: E402
     all_gather_object,
@@ -55,16 +59,16 @@ from distribuuuu.distributed import (  # noqa: E402
     setup_distributed,
 )
 from distribuuuu.errors import first_line  # noqa: E402
-from distribuuuu.launch import DistEnv, LaunchError, detect_env_rank  # noqa: E402
-from distribuuuu.logger import NullWriter, setup_logging  # noqa: E402
+from distribuuuu.launch import DistEnv, LaunchError, detect_env, detect_env_rank  # noqa: E402
+from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
-from distribuuuu.state import save_training_checkpoint  # noqa: E402
+from distribuuuu.state import resume_or_load_weights, save_training_checkpoint  # noqa: E402
 
 EXIT_FAILED, EXIT_NOTHING_TO_CHECK = 1, 2
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "digits")
-TINY = "gpu_check_tiny"
+TINY, TINY_NO_BN = "gpu_check_tiny", "gpu_check_tiny_no_bn"
 
 
 class Skip(Exception):
@@ -95,6 +99,16 @@ def tiny_net(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
+    )  # fmt: skip
+
+
+@register_model(TINY_NO_BN)
+def tiny_net_without_batchnorm(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    """The tiny model without BatchNorm: under fsdp with fp16 its parameters are fp16 in forward
+    (a model with BatchNorm keeps fp32 parameters and autocast, see parallel.mixed_precision_policy)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes),
     )  # fmt: skip
 
@@ -156,13 +170,16 @@ def exit_code(results: list[Result]) -> int:
 # ------------------------------------------------------------------------------------------------
 def needs_cuda(ctx: Context) -> torch.device:
     if ctx.env.device.type != "cuda":
-        raise Skip("CUDA only (--device cpu)")
+        raise Skip("no CUDA (--device cpu)")
     return ctx.env.device
 
 
 def make_cfg(ctx: Context, name: str, *opts: str):
-    """The digits at 16x16, batch 32, OUT_DIR under the shared work folder; ``opts`` on top."""
+    """The digits at 16x16, batch 32, OUT_DIR under the shared work folder; ``opts`` on top.
+
+    A trainer run logs to its OUT_DIR/log.txt only: stdout is the table's."""
     base = ["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
+    base += ["LOG.CONSOLE", "False"]
     base += ["TRAIN.BATCH_SIZE", "32", "TRAIN.PRINT_FREQ", "1000", "OUT_DIR", os.path.join(ctx.work_dir, name)]
     return load_cfg(None, [*base, *opts])
 
@@ -189,18 +206,83 @@ def loss_falls(ctx: Context, name: str, *opts: str, steps: int = 6) -> str:
     return f"{steps} steps on one batch: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
 
 
+def needs_ranks(ctx: Context, why: str) -> None:
+    if ctx.env.world_size < 2:
+        raise Skip(f"needs 2 or more ranks ({why}): torchrun --nproc_per_node=2 or more")
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state, whole and on the CPU (all ranks call it: fsdp gathers shards)."""
+    state = model.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+
+
+def jpeg_dataset(ctx: Context) -> tuple[str, ...]:
+    """Options for this rank's JPEG/PNG digits subset (jpeg_tree) in batches of 8: 5 batches a rank
+    for up to 32 ranks (the digits hold ~143 training images a class)."""
+    root = os.path.join(ctx.work_dir, f"jpeg_windows_rank{ctx.env.rank}")
+    if not os.path.isdir(root):
+        jpeg_tree(root, per_class=4 * ctx.env.world_size + 4)
+    return ("TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", "batched", "TRAIN.BATCH_SIZE", "8")
+
+
 @contextlib.contextmanager
-def in_this_process_group():
-    """Let trainer.train_model run in-process: keep the group it would destroy, log to files only."""
+def host_syncs_raise(device: torch.device):
+    """Between two sync points: any call that makes the host wait for the GPU raises (sync debug mode).
 
-    def log_to_file_only(out_dir, rank, progress_bar=False):
-        log = setup_logging(out_dir, rank)
-        log.handlers = [h for h in log.handlers if type(h) is not logging.StreamHandler]
-        return log
+    The error names the frame of this package nearest the call, as a FAIL row would not. On the
+    CPU nothing is watched: the code between still runs, so the CPU tests exercise it."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "distribuuuu" in f.filename]
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].name}" if frames else ""
+        raise CheckFailed(f"host sync{where}: {first_line(e)}") from None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
-    with mock.patch.object(trainer, "cleanup_distributed", lambda: None):
-        with mock.patch.object(run_setup, "setup_logging", log_to_file_only):
-            yield
+
+@contextlib.contextmanager
+def counting_host_syncs(device: torch.device):
+    """Collect a message per call that makes the host wait for the GPU (sync debug mode "warn").
+
+    For code allowed a known number of syncs; on the CPU nothing is counted, the code still runs."""
+    syncs: list[str] = []
+    if device.type != "cuda":
+        yield syncs
+        return
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs += [first_line(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def window_without_sync(ctx: Context, name: str, *opts: str, steps: int = 3, syncs_per_step: int = 0) -> list[float]:
+    """Train ``steps`` steps, loader included, between two sync points: no host sync (they raise),
+    or at most ``syncs_per_step`` a step (counted)."""
+    run, _ = build_tiny_run(ctx, name, *opts)
+    batches = iter(run.train.loader)
+    sums = MetricSums(run.env.device, run.cfg.TRAIN.TOPK)
+    for _ in range(2):  # the first steps allocate, pick kernels and may sync: not the steady loop
+        trainer.train_step(run, [next(batches)], sums).item()
+    watch = counting_host_syncs(run.env.device) if syncs_per_step else host_syncs_raise(run.env.device)
+    with watch as syncs:
+        losses = [trainer.train_step(run, [next(batches)], sums) for _ in range(steps)]
+    if syncs_per_step:
+        expect(len(syncs) <= syncs_per_step * steps, f"{len(syncs)} host syncs in {steps} steps: {syncs[:1]}")
+    values = torch.stack(losses).tolist()  # the window's sync point, as the trainer's every PRINT_FREQ steps
+    expect(all(map(math.isfinite, values)), f"non-finite loss: {values}")
+    return values
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,6 +441,102 @@ def check_nvjpeg(ctx: Context) -> str:
     return f"{len(on_gpu)} val batches: worst mean |GPU - CPU| {worst:.4f} (< 0.05); augmented train batch ok"
 
 
+def check_no_host_sync(ctx: Context) -> str:
+    """A training window (data, forward, backward, step, metrics) never waits for the GPU: fp32,
+    bf16, fp16 (GradScaler); with the batched decoder's loader feeding it, at most once a batch
+    (a decoder may sync the stream before nvJPEG writes into memory queued kernels still read)."""
+    cuda = ctx.env.device.type == "cuda"
+    precisions = ["fp32", "fp16"] + (["bf16"] if not cuda or torch.cuda.is_bf16_supported() else [])
+    for precision in precisions:
+        window_without_sync(ctx, f"sync_{precision}", "TRAIN.PRECISION", precision)
+    window_without_sync(ctx, "sync_batched", *jpeg_dataset(ctx), syncs_per_step=1)
+    if not cuda:
+        raise Skip("no CUDA: the windows trained on the CPU, where host syncs are not watched")
+    return f"3 steps each without a host sync: {', '.join(precisions)}; batched decoder <= 1 a batch"
+
+
+def augment_syncs(ctx: Context, name: str, *augment: str, batches: int = 3) -> tuple[int, int]:
+    """Host syncs while the batched decoder's loader decodes and augments ``batches`` batches; and the images."""
+    loader = iter(build_train_split(make_cfg(ctx, name, *jpeg_dataset(ctx), *augment), ctx.env).loader)
+    next(loader)  # workers start, nvJPEG initialises
+    with counting_host_syncs(ctx.env.device) as syncs:
+        images = [next(loader)[0] for _ in range(batches)]
+    expect(all(bool(torch.isfinite(x).all()) for x in images), f"a batch augmented by {augment} is not finite")
+    return len(syncs), sum(len(x) for x in images)
+
+
+def check_augment_no_host_sync(ctx: Context) -> str:
+    """No per-sample host sync in the batched decoder's GPU augmentation: RandomErasing adds none
+    to the decode's one a batch at most. TrivialAugment's are counted: torchvision builds its
+    geometric ops' matrices from host values per sample (docs/gpu.md)."""
+    erasing, images = augment_syncs(ctx, "erasing_sync", "DATA.RANDOM_ERASING", "0.5")
+    trivial, _ = augment_syncs(ctx, "trivial_sync", "DATA.AUTO_AUGMENT", "trivialaugment")
+    if ctx.env.device.type != "cuda":
+        raise Skip("no CUDA: the batches were augmented on the CPU, where host syncs are not watched")
+    expect(erasing <= 3, f"RandomErasing: {erasing} host syncs in 3 batches ({images} images): per sample")
+    return f"RandomErasing: {erasing} syncs in 3 batches; TrivialAugment: {trivial} ({trivial / images:.1f} a sample)"
+
+
+def check_nvjpeg_ran(ctx: Context) -> str:
+    """nvJPEG really decoded the JPEGs of a batched decode, rather than the CPU fallback."""
+    needs_cuda(ctx)
+    stats = getattr(batched, "decode_stats", None)
+    if stats is None:
+        raise Skip("unknown: this version's data/batched.py keeps no decode_stats")
+    stats.reset()
+    cfg = make_cfg(ctx, "nvjpeg_ran", *jpeg_dataset(ctx), "TRAIN.WORKERS", "2")
+    batches = sum(1 for _ in build_val_split(cfg, ctx.env).loader)
+    gpu, cpu = getattr(stats, "gpu_images", 0), getattr(stats, "cpu_fallback_images", 0)
+    expect(gpu > 0, f"nvJPEG decoded no image of {batches} batches: {cpu} fell back to the CPU decoder")
+    return f"{batches} val batches: nvJPEG decoded {gpu} images, {cpu} fell back to the CPU"
+
+
+def check_fsdp_sharded_checkpoint(ctx: Context) -> str:
+    """fsdp trains on the run's device; a sharded (DCP) checkpoint loads back into a fresh model exactly."""
+    needs_ranks(ctx, "fsdp shards nothing on one")
+    opts = ("DIST.STRATEGY", "fsdp", "DIST.CKPT_FORMAT", "sharded")
+    run, batch = build_tiny_run(ctx, "fsdp_dcp", *opts)
+    devices = {p.to_local().device for p in run.model.parameters() if isinstance(p, DTensor)}
+    expect(devices == {ctx.env.device}, f"sharded parameters on {devices}, not {ctx.env.device}")
+    losses = train_steps(run, batch, 4)
+    expect(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"loss did not fall under fsdp: {losses}")
+    run.state.step_in_epoch = 4
+    path = save_training_checkpoint(run)
+    expect(path.endswith(".dcp"), f"DIST.CKPT_FORMAT sharded wrote {path}, not a DCP folder")
+    trained = full_weights(run.model)
+    fresh, _ = build_tiny_run(ctx, "fsdp_dcp", *opts)  # seeded alike: the untrained weights
+    resume_or_load_weights(fresh, path)
+    loaded = full_weights(fresh.model)
+    differ = [k for k in trained if not torch.equal(trained[k], loaded[k])]
+    expect(not differ, f"{len(differ)} of {len(trained)} tensors differ after the DCP load, e.g. {differ[:2]}")
+    expect(fresh.state.step_in_epoch == 4, f"resumed at step {fresh.state.step_in_epoch}, not 4")
+    return f"{len(trained)} tensors sharded over {ctx.env.world_size} ranks; DCP save and load exact"
+
+
+def check_sharded_scaler_fp16(ctx: Context) -> str:
+    """fsdp with fp16 parameters: ShardedGradScaler steps, skips an overflow on every rank, backs off."""
+    needs_ranks(ctx, "fsdp shards nothing on one")
+    run, batch = build_tiny_run(
+        ctx, "fsdp_fp16", "DIST.STRATEGY", "fsdp", "TRAIN.PRECISION", "fp16", "MODEL.ARCH", TINY_NO_BN
+    )
+    expect(isinstance(run.scaler, ShardedGradScaler), f"the scaler is a {type(run.scaler).__name__}")
+    conv = next(m for m in run.model.modules() if isinstance(m, nn.Conv2d))
+    dtypes: set = set()
+    hook = conv.register_forward_pre_hook(lambda module, args: dtypes.add(module.weight.dtype))
+    losses = train_steps(run, batch, 3)
+    hook.remove()
+    expect(dtypes == {torch.float16}, f"parameters in forward are {dtypes}, not float16")
+    expect(all(map(math.isfinite, losses)), f"non-finite fp16 loss: {losses}")
+    run.scaler.update(2.0**40)  # the scaled gradients overflow fp16: every rank must skip the step
+    before = full_weights(run.model)
+    train_steps(run, batch, 1)
+    after = full_weights(run.model)
+    expect(all(torch.equal(before[k], after[k]) for k in before), "an overflow step changed the weights")
+    scale = run.scaler.get_scale()
+    expect(scale < 2.0**40, f"the scale did not back off after an overflow ({scale:g})")
+    return f"fp16 parameters in forward; loss {losses[0]:.3f} -> {losses[-1]:.3f}; overflow skipped, scale 2^{math.log2(scale):g}"
+
+
 def check_resume(ctx: Context) -> str:
     """Two epochs straight equal one epoch, a stop, and a resume: every checkpointed tensor."""
     runs = ("straight", "resumed")
@@ -368,10 +546,10 @@ def check_resume(ctx: Context) -> str:
     arch = "resnet18" if cuda else TINY
     opts = ["MODEL.ARCH", arch, "MODEL.SYNCBN", str(cuda), "OPTIM.MAX_EPOCH", "2"]
     opts += ["CUDNN.DETERMINISTIC", "True", "CUDNN.BENCHMARK", "False"]
-    with in_this_process_group():
-        trainer.train_model(make_cfg(ctx, runs[0], *opts))
-        trainer.train_model(make_cfg(ctx, runs[1], *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"))
-        trainer.train_model(make_cfg(ctx, runs[1], *opts))  # TRAIN.AUTO_RESUME is on by default
+    # In this job's process group, which train_model keeps for the next check.
+    trainer.train_model(make_cfg(ctx, runs[0], *opts), cleanup=False)
+    trainer.train_model(make_cfg(ctx, runs[1], *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"), cleanup=False)
+    trainer.train_model(make_cfg(ctx, runs[1], *opts), cleanup=False)  # TRAIN.AUTO_RESUME is on by default
     if not ctx.env.is_main_process:
         return ""
     a, b = (ckpt.load_checkpoint(os.path.join(ctx.work_dir, d, ckpt.CKPT_DIR, "ckpt_ep_002.pth.tar")) for d in runs)
@@ -391,6 +569,11 @@ CHECKS = [
     ("torch.compile", check_compile),
     ("pinned memory, non_blocking", check_pinned_copy),
     ("batched nvJPEG decode", check_nvjpeg),
+    ("nvJPEG ran (decode_stats)", check_nvjpeg_ran),
+    ("no host sync in training", check_no_host_sync),
+    ("no host sync in GPU augment", check_augment_no_host_sync),
+    ("fsdp + sharded checkpoint", check_fsdp_sharded_checkpoint),
+    ("fsdp fp16 ShardedGradScaler", check_sharded_scaler_fp16),
     ("resume bit-identical", check_resume),
 ]
 
@@ -402,6 +585,20 @@ def describe(env: DistEnv) -> str:
         where += f", CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}"
         where += f", {torch.cuda.get_device_name(env.device)}"
     return where
+
+
+def check_work_dir(work_dir: str, launch: DistEnv) -> None:
+    """Refuse several nodes without --work-dir: rank 0's temporary folder is not on the other nodes.
+
+    Their ranks would not find the resume check's checkpoint and leave the collectives, the others
+    waiting on them until the timeout. Every rank decides alike from its launcher's variables,
+    before any collective, so all of them exit.
+    """
+    if launch.world_size > launch.local_world_size and not work_dir:
+        raise LaunchError(
+            f"{launch.world_size} ranks on several nodes ({launch.local_world_size} on this one) need "
+            "--work-dir DIR on a filesystem every node shares (the default temporary folder is rank 0's alone)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return EXIT_NOTHING_TO_CHECK
     try:
+        check_work_dir(args.work_dir, detect_env())
         env = setup_distributed("gloo" if args.device == "cpu" else "", timeout_s=300)
     except (LaunchError, ValueError) as e:
         if detect_env_rank() == 0:
