@@ -483,26 +483,81 @@ def test_flipped_bit_in_tensor_data_fails_the_checksum(tmp_path):
         load_checkpoint(str(path))
 
 
+class _FullDisk:
+    """A file that takes ``room`` bytes, then fails each write with ENOSPC, as a full disk does."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _fill_disk_in_torch_save(monkeypatch, room: int = 1000) -> dict:
+    """Make the real torch.save write into a disk with ``room`` bytes left once ``state["full"]`` is set.
+
+    torch.save then fails as it does on a full disk (torch 2.15: a RuntimeError "unexpected pos"
+    of its zip writer, raised while handling the OSError), for single files and DCP's shards alike.
+    """
+    real_save, state = torch.save, {"full": False}
+
+    def save(obj, f, *args, **kwargs):
+        if state["full"]:
+            if isinstance(f, (str, os.PathLike)):
+                with open(f, "wb") as file:
+                    return real_save(obj, _FullDisk(file, room), *args, **kwargs)
+            f = _FullDisk(f, room)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    return state
+
+
 def test_failed_checkpoint_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
     path = tmp_path / ckpt.checkpoint_name(1)
     save_checkpoint(_tiny_state(1.0), str(path))
     before = path.read_bytes()
-    real_save = torch.save
-
-    def disk_full(obj, f, *args, **kwargs):
-        import io
-
-        buffer = io.BytesIO()
-        real_save(obj, buffer)
-        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])  # half the bytes reach the disk
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(torch, "save", disk_full)
+    _fill_disk_in_torch_save(monkeypatch)["full"] = True
     with pytest.raises(CheckpointError, match=f"could not write checkpoint {re.escape(str(path))}.*No space left"):
         save_checkpoint(_tiny_state(2.0), str(path))
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == [path.name], "no temp file left behind"
     assert load_checkpoint(str(path))["epoch"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_disk_full_during_a_checkpoint_stops_the_run_in_one_line_and_loses_nothing(tmp_path, monkeypatch, capsys, fmt):
+    disk = _fill_disk_in_torch_save(monkeypatch)
+    real_save_checkpoint = trainer.save_training_checkpoint
+
+    def first_fits(run, *args, **kwargs):  # the disk fills up after the first checkpoint
+        path = real_save_checkpoint(run, *args, **kwargs)
+        disk["full"] = True
+        return path
+
+    monkeypatch.setattr(trainer, "save_training_checkpoint", first_fits)
+    out = tmp_path / "out"
+    args = ["OUT_DIR", str(out), *FAST, "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "OPTIM.MAX_EPOCH", "1"]
+    args += ["TRAIN.CKPT_PERIOD_ITERS", "1", "DIST.CKPT_FORMAT", fmt]
+    assert cli.run_tool(trainer.train_model, args) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("distribuuuu: error:")]
+    suffix = ".pth.tar" if fmt == "file" else ".dcp"
+    failed = out / "checkpoints" / f"{ckpt.checkpoint_name(1, 2).removesuffix('.pth.tar')}{suffix}"
+    assert len(errors) == 1 and str(failed) in errors[0] and "No space left on device" in errors[0], err[-3000:]
+    assert "Traceback" not in err
+    first = f"{ckpt.checkpoint_name(1, 1).removesuffix('.pth.tar')}{suffix}"
+    assert sorted(os.listdir(out / "checkpoints")) == [first], "no temporary file or directory left behind"
+    monkeypatch.undo()
+    resumed = load_checkpoint(str(out / "checkpoints" / first))
+    assert (resumed["epoch"], resumed["step_in_epoch"]) == (0, 1)
 
 
 def test_unwritable_out_dir_fails_before_training_with_exit_2(tmp_path, capsys):
