@@ -292,9 +292,9 @@ def stop_for_preemption(run: Run) -> None:
     logger.warning(
         "preemption (%s): checkpointing at epoch %d, step %d", signal_name, run.state.epoch + 1, run.state.step_in_epoch
     )
-    save_training_checkpoint(run)
+    save_training_checkpoint(run)  # returns once the checkpoint is complete on every rank
     if run.cfg.DIST.REQUEUE:
-        requeue_slurm_job()
+        requeue_slurm_job()  # rank 0 alone
     raise Preempted(f"preempted at epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}")
 
 

@@ -257,6 +257,31 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same
     _assert_same_weights(_final_state(out, epochs=1), reference_two)
 
 
+@pytest.mark.slow
+def test_preempted_two_rank_job_is_requeued_once_by_rank_0_after_its_checkpoint(tmp_path):
+    out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
+    # A stand-in for Slurm's scontrol appends one line per call: its arguments and the checkpoints
+    # on disk at that moment.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" $(ls {out / "checkpoints"}) >> {calls}\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    env = dict(
+        ENV,
+        SLURM_JOB_ID="4242",
+        PATH=f"{fake_bin}:{os.environ['PATH']}",
+        FAULT_SIGNAL_AT_STEP="2",
+        FAULT_SIGNAL="SIGTERM",
+    )
+    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "TRAIN.CKPT_PERIOD_ITERS", "0", "DIST.REQUEUE", "True")
+    result = run(cmd, timeout=300, env=env)
+    assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M) == ["75", "75"], result.stderr[-3000:]
+    stop = re.search(r"preempted at epoch (\d+), step (\d+); exiting with 75", result.stderr)
+    assert stop, result.stderr[-3000:]
+    written = ckpt.checkpoint_name(int(stop[1]), int(stop[2]))
+    assert calls.read_text().splitlines() == [f"requeue 4242 {written}"], "one requeue, once the checkpoint is whole"
+
+
 _STOPPING_PROCESS = """
 import os, signal, sys, time
 from distribuuuu.preemption import PreemptionHandler
