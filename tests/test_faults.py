@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -340,6 +341,35 @@ def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_
     error = re.search(r"distribuuuu: error: rank 0: (.*)", stderr)
     assert error, stderr[-3000:]
     assert re.search(r"at epoch \d+, step \d+ failed \(DIST.TIMEOUT_S=15\): rank\(s\) \[1\] did not report", error[1])
+
+
+@pytest.mark.slow
+def test_stopped_rank_is_named_by_its_missing_heartbeat_before_the_collective_times_out(tmp_path):
+    # NCCL's collectives raise nothing on a timeout (its watchdog aborts the process): the line that
+    # names a stalled rank must not depend on the collective's error. Rank 1 stops itself (SIGSTOP:
+    # its heartbeat thread stops with it) after step 5, while rank 0 waits in the next all-reduce.
+    timeout_s, stall_s = 20, 3
+    out = tmp_path / "run"
+    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "DIST.TIMEOUT_S", str(timeout_s), "DIST.STALL_S", str(stall_s))
+    env = dict(ENV, FAULT_SIGNAL_AT_STEP="5", FAULT_SIGNAL="SIGSTOP", FAULT_SIGNAL_RANK="1")
+    named = re.compile(
+        r"rank 0: rank\(s\) \[1\] sent no heartbeat for 3s \(DIST.STALL_S\): stalled or dead \(([^;]*)\);"
+    )
+    with Job(cmd, tmp_path / "logs", env=env) as job:
+        job.wait_until(lambda: named.search(job.out.read_text()), 300, "the line naming rank 1")
+        named_at = time.monotonic()
+        result = job.finish(timeout_s + 120)
+        ended_after = time.monotonic() - named_at
+    print(f"the job ended {ended_after:.1f}s after the line naming rank 1 (DIST.TIMEOUT_S={timeout_s})")
+    assert result.returncode != 0, job.tail()
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "sent no heartbeat" in line]
+    assert len(lines) == 1, job.tail()
+    assert re.fullmatch(
+        rf"rank 1 on {re.escape(socket.gethostname())}, last beat at epoch 1, step \d+", named.search(lines[0])[1]
+    )
+    # Named within a few beats of the stop, long before the 20 s collective timeout ended the job.
+    assert ended_after > timeout_s / 2, job.tail()
+    assert re.search(r"distribuuuu: error: rank 0: .* failed \(DIST.TIMEOUT_S=20\)", result.stderr), job.tail()
 
 
 # ------------------------------------------------------------------------------------------------
