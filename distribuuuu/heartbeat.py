@@ -34,6 +34,7 @@ from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
 
 logger = get_logger("heartbeat")
+_DONE = "done"  # the last value of a rank that stopped beating on purpose (cleanup_distributed)
 
 # Where this process is in training (set by the trainer), sent with every heartbeat.
 _position: Callable[[], str] = str
@@ -57,9 +58,10 @@ class Heartbeat:
         self.rank, self.world_size, self.stall_s, self.timeout_s = rank, world_size, stall_s, timeout_s
         self.period = max(stall_s / 4, 0.05)
         # A store of its own (one connection per thread), whose operations give up quickly: a store
-        # that does not answer must not hold the thread longer than a beat or two.
+        # that does not answer must hold neither the thread nor the process's exit for long.
+        self.store_timeout_s = min(max(self.period, 1.0), 5.0)
         self.store = store.clone()
-        self.store.set_timeout(datetime.timedelta(seconds=max(2 * self.period, 2.0)))
+        self.store.set_timeout(datetime.timedelta(seconds=self.store_timeout_s))
         # torchrun's agent keeps one store across restarts: keys are per attempt.
         prefix = f"distribuuuu/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.keys = [f"{prefix}/{r}" for r in range(world_size)]
@@ -72,10 +74,10 @@ class Heartbeat:
         return self
 
     def stop(self) -> None:
-        """Stop the thread (it exits within a beat, or one store timeout)."""
+        """Stop the thread, which tells the others this rank stopped on purpose (within a store timeout)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self.period + 5.0)
+            self._thread.join(2 * self.store_timeout_s + 1.0)
 
     def _run(self) -> None:
         beats, seen, named, store_failed = 0, {}, set(), False
@@ -90,23 +92,27 @@ class Heartbeat:
                 self.store.set(self.keys[self.rank], f"{beats}|{self.host}|{_position()}")
                 values = self._read()
                 store_failed = False
-            except Exception as e:  # the store is slow or gone: say so once, keep trying
+            except Exception as e:  # the store is slow or gone: say so once, judge no one across the gap
                 if not store_failed:
                     logger.warning(
                         "rank %d: heartbeat: the rendezvous store does not answer: %s", self.rank, first_line(e)
                     )
-                store_failed = True
+                seen, store_failed = {}, True
                 continue
             for r, value in values.items():
-                if seen.get(r, (None,))[0] != value:
+                if seen.get(r, (None,))[0] != value or value == _DONE:  # a rank that finished is never late
                     seen[r] = (value, now)
             for r in range(self.world_size):
                 seen.setdefault(r, (None, now))  # a rank not beating yet is timed from here
             stalled = [r for r in range(self.world_size) if now - seen[r][1] >= self.stall_s]
             beating = [r for r in range(self.world_size) if r not in stalled]
             if set(stalled) - named and beating and beating[0] == self.rank:
-                self._name(stalled, {r: seen[r][0] for r in stalled}, now)
+                self._name(stalled, {r: seen[r][0] for r in stalled})
             named = set(stalled)
+        try:  # a rank that ends before the others (they still write a summary) is not stalled
+            self.store.set(self.keys[self.rank], _DONE)
+        except Exception:
+            pass
 
     def _read(self) -> dict[int, str]:
         """Every rank's last heartbeat value (ranks that never beat are left out)."""
@@ -114,7 +120,7 @@ class Heartbeat:
             return {r: v.decode() for r, v in enumerate(self.store.multi_get(self.keys))}
         return {r: self.store.get(k).decode() for r, k in enumerate(self.keys) if self.store.check([k])}
 
-    def _name(self, stalled: list[int], last: dict[int, str | None], now: float) -> None:
+    def _name(self, stalled: list[int], last: dict[int, str | None]) -> None:
         def where(r: int) -> str:
             if last[r] is None:
                 return f"rank {r} (never beat)"

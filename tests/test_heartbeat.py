@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 
 import pytest
@@ -25,17 +26,37 @@ def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
 
 
+class _Freezable:
+    """A rank's view of the store that blocks every call once frozen: the process was stopped (SIGSTOP)."""
+
+    def __init__(self, store: dist.Store):
+        self.store, self.frozen, self.thawed = store.clone(), threading.Event(), threading.Event()
+
+    def clone(self) -> _Freezable:
+        return self
+
+    def __getattr__(self, name):
+        def call(*args):
+            if self.frozen.is_set():
+                self.thawed.wait()
+            return getattr(self.store, name)(*args)
+
+        return call
+
+
 @pytest.fixture
 def beating(store):
-    """Start one Heartbeat per rank of a ``world``-rank job; all are stopped after the test."""
-    started: list[Heartbeat] = []
+    """Start one Heartbeat per rank of a ``world``-rank job; each rank's store view can be frozen."""
+    started: list[tuple[Heartbeat, _Freezable]] = []
 
-    def start(world: int) -> list[Heartbeat]:
-        started.extend(Heartbeat(store, r, world, STALL_S, timeout_s=60).start() for r in range(world))
+    def start(world: int) -> list[tuple[Heartbeat, _Freezable]]:
+        views = [_Freezable(store) for _ in range(world)]
+        started.extend((Heartbeat(v, r, world, STALL_S, timeout_s=60).start(), v) for r, v in enumerate(views))
         return started
 
     yield start
-    for beat in started:
+    for beat, view in started:
+        view.thawed.set()
         beat.stop()
 
 
@@ -49,7 +70,7 @@ def test_a_rank_whose_heartbeat_stops_is_named_once_by_rank_0(beating, caplog, m
         ranks = beating(3)
         time.sleep(2 * STALL_S)
         assert _named(caplog) == [], "every rank beats"
-        ranks[2].stop()  # as a stopped process: its thread writes nothing more
+        ranks[2][1].frozen.set()  # as a stopped process: its thread writes nothing more
         time.sleep(6 * STALL_S)
     [line] = _named(caplog)
     assert line.startswith("rank 0: rank(s) [2] sent no heartbeat for 0.6s")
@@ -60,10 +81,21 @@ def test_when_rank_0_stops_the_next_rank_names_it(beating, caplog):
     with caplog.at_level(logging.ERROR, logger="distribuuuu.heartbeat"):
         ranks = beating(3)
         time.sleep(2 * STALL_S)
-        ranks[0].stop()
+        ranks[0][1].frozen.set()
         time.sleep(6 * STALL_S)
     [line] = _named(caplog)
     assert line.startswith("rank 1: rank(s) [0] sent no heartbeat")
+
+
+def test_a_rank_that_stops_beating_on_purpose_is_not_named(beating, caplog):
+    # cleanup_distributed stops the thread: a rank that ends before its peers (rank 0 still writes
+    # the run's summary) did not stall.
+    with caplog.at_level(logging.ERROR, logger="distribuuuu.heartbeat"):
+        ranks = beating(2)
+        time.sleep(2 * STALL_S)
+        ranks[1][0].stop()
+        time.sleep(6 * STALL_S)
+    assert _named(caplog) == []
 
 
 def test_a_busy_main_thread_keeps_beating(beating, caplog):
