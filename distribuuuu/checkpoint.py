@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from distribuuuu.distributed import is_main_process
-from distribuuuu.errors import first_line
+from distribuuuu.errors import first_line, os_error_in
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +93,11 @@ def save_checkpoint(state: dict, path: str) -> None:
     except BaseException as e:  # also KeyboardInterrupt: never leave a half-written temp file
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"could not write checkpoint {path}: {e}; earlier checkpoints are intact") from None
+        cause = os_error_in(e)  # torch.save raises a RuntimeError while handling the OSError of a full disk
+        if cause is not None:
+            raise CheckpointError(
+                f"could not write checkpoint {path}: {cause}; earlier checkpoints are intact"
+            ) from None
         raise
 
 

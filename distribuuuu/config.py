@@ -269,6 +269,10 @@ _C.DIST = CN()
 _C.DIST.BACKEND = ""
 # Timeout of every collective, in seconds: a stalled rank fails the job after this long
 _C.DIST.TIMEOUT_S = 600
+# Name the ranks whose heartbeat (a thread writing to the rendezvous store) stopped for this many
+# seconds: a stopped, dead or GIL-blocked process, named on any backend before the collective
+# timeout; 0: half of DIST.TIMEOUT_S, at most 120. Must be below DIST.TIMEOUT_S
+_C.DIST.STALL_S = 0.0
 # Timeout of the start-up health check of the group, in seconds
 _C.DIST.INIT_CHECK_TIMEOUT_S = 60
 # DDP gradient bucket size in MiB
@@ -583,6 +587,8 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("OPTIM.EMA_PERIOD", _AT_LEAST_1),
     ("DIST.BACKEND", _choice(("", "nccl", "gloo"))),
     ("DIST.TIMEOUT_S", _POSITIVE),
+    ("DIST.STALL_S", _NON_NEGATIVE),
+    ("DIST.STALL_S", ((lambda v, c: v < c.DIST.TIMEOUT_S), "must be below DIST.TIMEOUT_S (0: half of it)")),
     ("DIST.INIT_CHECK_TIMEOUT_S", _POSITIVE),
     ("DIST.BUCKET_CAP_MB", _POSITIVE),
     ("DIST.PREEMPT_GRACE_S", _POSITIVE),

@@ -17,23 +17,31 @@ import torch
 import torch.distributed as dist
 
 from distribuuuu.errors import first_line
+from distribuuuu.heartbeat import Heartbeat
 from distribuuuu.launch import DistEnv, LaunchError, RankLaunchError, detect_env, detect_env_rank, select_device
 
 T = TypeVar("T")
 # The store every rank met at (set by setup_distributed): it keeps answering while a worker is
 # stalled, so a failed collective can ask it which peers are missing.
 _STORE: dist.Store | None = None
+# This rank's heartbeat thread (see heartbeat.py), stopped by cleanup_distributed.
+_HEARTBEAT: Heartbeat | None = None
 
 
 def setup_distributed(
-    backend: str = "", timeout_s: float = 1800, environ: Mapping[str, str] | None = None, join_timeout_s: float = 60
+    backend: str = "",
+    timeout_s: float = 1800,
+    environ: Mapping[str, str] | None = None,
+    join_timeout_s: float = 60,
+    stall_s: float = 0,
 ) -> DistEnv:
     """Detect the launcher, pick the device and initialise the process group (if launched).
 
     NCCL on the process's GPU when CUDA is available, else gloo on the CPU; ``backend`` overrides
     the choice. A plain ``python`` run gets no process group at all. Every rank must reach the
     rendezvous within ``join_timeout_s`` (DIST.INIT_CHECK_TIMEOUT_S), so a rank that never starts
-    fails the job quickly, naming itself; collectives then get ``timeout_s``.
+    fails the job quickly, naming itself; collectives then get ``timeout_s``. With ``stall_s`` > 0
+    (DIST.STALL_S), a heartbeat thread names the ranks that stop answering for that long.
     """
     env = detect_env(environ)
     try:
@@ -50,7 +58,7 @@ def setup_distributed(
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise LaunchError("DIST.BACKEND nccl needs CUDA, which is not available: use gloo")
-    global _STORE
+    global _STORE, _HEARTBEAT
     store = _STORE = join_rendezvous(env, join_timeout_s)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
@@ -61,6 +69,8 @@ def setup_distributed(
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if backend == "nccl" else None,
     )
+    if stall_s > 0 and env.world_size > 1:
+        _HEARTBEAT = Heartbeat(store, env.rank, env.world_size, stall_s, timeout_s).start()
     return env
 
 
@@ -124,8 +134,11 @@ def rendezvous_store() -> dist.Store | None:
 
 
 def cleanup_distributed() -> None:
-    """Destroy the process group if there is one."""
-    global _STORE
+    """Stop the heartbeat and destroy the process group, if there are."""
+    global _STORE, _HEARTBEAT
+    if _HEARTBEAT is not None:
+        _HEARTBEAT.stop()
+        _HEARTBEAT = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _STORE = None

@@ -7,3 +7,18 @@ def first_line(e: BaseException) -> str:
     """The first line of an exception's message, or its type name when the message is empty."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def os_error_in(e: BaseException) -> OSError | None:
+    """The OSError that ``e`` is, was raised from, or was raised while handling (None if there is none).
+
+    torch.save reports a failed write (a full disk) as a RuntimeError of its zip writer ("unexpected
+    pos ...") raised while handling the OSError: the OSError is what names the cause.
+    """
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import threading
 
+from distribuuuu.distributed import is_main_process
 from distribuuuu.logger import get_logger
 
 logger = get_logger("preemption")
@@ -107,7 +108,13 @@ def _obey_sigterm_from(parent: int) -> None:
 
 
 def requeue_slurm_job() -> None:
-    """Ask Slurm to requeue this job (``scontrol requeue $SLURM_JOB_ID``), if inside one."""
+    """Ask Slurm to requeue this job (``scontrol requeue $SLURM_JOB_ID``) from global rank 0, if inside one.
+
+    Every rank calls it, once the checkpoint is complete on all of them; one request per job, not
+    one per rank (64 ranks would send 64 requeues of the same job, one succeeding, 63 failing).
+    """
+    if not is_main_process():
+        return
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         logger.warning("DIST.REQUEUE is on but SLURM_JOB_ID is not set: not requeueing")

@@ -22,6 +22,7 @@ from distribuuuu.data import (
 )
 from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
 from distribuuuu.ema import ModelEMA
+from distribuuuu.heartbeat import stall_seconds
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger, make_writer, setup_logging
 from distribuuuu.losses import build_criterion, inverse_frequency_weights
@@ -108,7 +109,9 @@ def setup_environment(cfg: CfgNode, training: bool = True) -> tuple[DistEnv, obj
 
 def start_process_group(cfg: CfgNode) -> tuple[DistEnv, list[dict]]:
     """Meet the other ranks (fast start-up check), and return where each one runs."""
-    env = setup_distributed(cfg.DIST.BACKEND, cfg.DIST.TIMEOUT_S, join_timeout_s=cfg.DIST.INIT_CHECK_TIMEOUT_S)
+    d = cfg.DIST
+    stall_s = stall_seconds(d.STALL_S, d.TIMEOUT_S)
+    env = setup_distributed(d.BACKEND, d.TIMEOUT_S, join_timeout_s=d.INIT_CHECK_TIMEOUT_S, stall_s=stall_s)
     return env, check_group(env, cfg.DIST.INIT_CHECK_TIMEOUT_S)
 
 

@@ -25,11 +25,13 @@ import tempfile
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distribuuuu.checkpoint import CheckpointError, checkpoint_name, find_resumable, list_checkpoints
 from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
 from distribuuuu.ema import ModelEMA
+from distribuuuu.errors import first_line, os_error_in
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +112,9 @@ def save_sharded(
     try:
         dcp.save(_tensor_state(model, optimizer, ema), checkpoint_id=tmp)
         files = _own_files(tmp, rank)
-    except Exception as e:  # reported collectively below: a rank must not leave its peers waiting
-        error, files = f"rank {rank} could not write its shard of {path}: {type(e).__name__}: {e}", {}
+    # DCP's CheckpointException is a BaseException: named here, or it would escape with its traceback.
+    except (Exception, CheckpointException) as e:  # reported collectively below: peers must not wait
+        error, files = f"rank {rank} could not write its shard of {path}: {_write_failure(e, rank)}", {}
     gathered = all_gather_object((error, files))
     errors = [e for e, _ in gathered if e]
     if not errors and is_main_process():
@@ -124,10 +127,22 @@ def save_sharded(
         raise CheckpointError(f"{errors[0]}; earlier checkpoints are intact")
 
 
+def _write_failure(e: BaseException, rank: int) -> str:
+    """One line for a failed shard write: the OSError underneath (a full disk) if any.
+
+    DCP gathers every rank's error into a CheckpointException (this rank's first, if it failed).
+    """
+    if isinstance(e, CheckpointException) and e.failures:
+        e = (e.failures.get(rank) or next(iter(e.failures.values())))[0]
+    cause = os_error_in(e)
+    return str(cause) if cause is not None else f"{type(e).__name__}: {first_line(e)}"
+
+
 def _finish(tmp: str, path: str, manifest: dict, extra: dict) -> list[str]:
     """Rank 0: write extra.pt and the manifest (last), then rename ``tmp`` to ``path`` atomically."""
     try:
-        torch.save(extra, os.path.join(tmp, EXTRA))
+        with open(os.path.join(tmp, EXTRA), "wb") as f:  # a file object: torch.save then keeps the OSError
+            torch.save(extra, f)
         manifest[METADATA] = _file_digest(os.path.join(tmp, METADATA))
         manifest[EXTRA] = _file_digest(os.path.join(tmp, EXTRA))
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -140,8 +155,8 @@ def _finish(tmp: str, path: str, manifest: dict, extra: dict) -> list[str]:
             shutil.rmtree(aside)
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path) or ".")
-    except OSError as e:
-        return [f"could not write checkpoint {path}: {e}"]
+    except Exception as e:  # returned, not raised: the other ranks wait for rank 0's verdict
+        return [f"could not write checkpoint {path}: {_write_failure(e, 0)}"]
     return []
 
 

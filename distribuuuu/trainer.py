@@ -19,6 +19,7 @@ from distribuuuu.data import Split, build_val_split, sample_paths
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.evaluation import EvalOutputs
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
+from distribuuuu.heartbeat import report_position
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger, setup_logging
 from distribuuuu.meters import MetricSums
@@ -293,9 +294,9 @@ def stop_for_preemption(run: Run) -> None:
     logger.warning(
         "preemption (%s): checkpointing at epoch %d, step %d", signal_name, run.state.epoch + 1, run.state.step_in_epoch
     )
-    save_training_checkpoint(run)
+    save_training_checkpoint(run)  # returns once the checkpoint is complete on every rank
     if run.cfg.DIST.REQUEUE:
-        requeue_slurm_job()
+        requeue_slurm_job()  # rank 0 alone
     raise Preempted(f"preempted at epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}")
 
 
@@ -323,6 +324,7 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
     try:
         with naming_failed_collectives(env, cfg.DIST.TIMEOUT_S, lambda: run.state if run else TrainState()):
             run = build_run(cfg, env, writer)
+            report_position(lambda: f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}")  # for stalls
             resume_or_load_weights(run, resume_from)
             with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
                 last_val = train_epochs(run)

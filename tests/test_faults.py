@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -257,6 +258,31 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same
     _assert_same_weights(_final_state(out, epochs=1), reference_two)
 
 
+@pytest.mark.slow
+def test_preempted_two_rank_job_is_requeued_once_by_rank_0_after_its_checkpoint(tmp_path):
+    out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
+    # A stand-in for Slurm's scontrol appends one line per call: its arguments and the checkpoints
+    # on disk at that moment.
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "scontrol").write_text(f'#!/bin/sh\necho "$@" $(ls {out / "checkpoints"}) >> {calls}\n')
+    (fake_bin / "scontrol").chmod(0o755)
+    env = dict(
+        ENV,
+        SLURM_JOB_ID="4242",
+        PATH=f"{fake_bin}:{os.environ['PATH']}",
+        FAULT_SIGNAL_AT_STEP="2",
+        FAULT_SIGNAL="SIGTERM",
+    )
+    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "TRAIN.CKPT_PERIOD_ITERS", "0", "DIST.REQUEUE", "True")
+    result = run(cmd, timeout=300, env=env)
+    assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M) == ["75", "75"], result.stderr[-3000:]
+    stop = re.search(r"preempted at epoch (\d+), step (\d+); exiting with 75", result.stderr)
+    assert stop, result.stderr[-3000:]
+    written = ckpt.checkpoint_name(int(stop[1]), int(stop[2]))
+    assert calls.read_text().splitlines() == [f"requeue 4242 {written}"], "one requeue, once the checkpoint is whole"
+
+
 _STOPPING_PROCESS = """
 import os, signal, sys, time
 from distribuuuu.preemption import PreemptionHandler
@@ -313,6 +339,35 @@ def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_
     error = re.search(r"distribuuuu: error: rank 0: (.*)", stderr)
     assert error, stderr[-3000:]
     assert re.search(r"at epoch \d+, step \d+ failed \(DIST.TIMEOUT_S=15\): rank\(s\) \[1\] did not report", error[1])
+
+
+@pytest.mark.slow
+def test_stopped_rank_is_named_by_its_missing_heartbeat_before_the_collective_times_out(tmp_path):
+    # NCCL's collectives raise nothing on a timeout (its watchdog aborts the process): the line that
+    # names a stalled rank must not depend on the collective's error. Rank 1 stops itself (SIGSTOP:
+    # its heartbeat thread stops with it) after step 5, while rank 0 waits in the next all-reduce.
+    timeout_s, stall_s = 20, 3
+    out = tmp_path / "run"
+    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "DIST.TIMEOUT_S", str(timeout_s), "DIST.STALL_S", str(stall_s))
+    env = dict(ENV, FAULT_SIGNAL_AT_STEP="5", FAULT_SIGNAL="SIGSTOP", FAULT_SIGNAL_RANK="1")
+    named = re.compile(
+        r"rank 0: rank\(s\) \[1\] sent no heartbeat for 3s \(DIST.STALL_S\): stalled or dead \(([^;]*)\);"
+    )
+    with Job(cmd, tmp_path / "logs", env=env) as job:
+        job.wait_until(lambda: named.search(job.out.read_text()), 300, "the line naming rank 1")
+        named_at = time.monotonic()
+        result = job.finish(timeout_s + 120)
+        ended_after = time.monotonic() - named_at
+    print(f"the job ended {ended_after:.1f}s after the line naming rank 1 (DIST.TIMEOUT_S={timeout_s})")
+    assert result.returncode != 0, job.tail()
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "sent no heartbeat" in line]
+    assert len(lines) == 1, job.tail()
+    assert re.fullmatch(
+        rf"rank 1 on {re.escape(socket.gethostname())}, last beat at epoch 1, step \d+", named.search(lines[0])[1]
+    )
+    # Named within a few beats of the stop, long before the 20 s collective timeout ended the job.
+    assert ended_after > timeout_s / 2, job.tail()
+    assert re.search(r"distribuuuu: error: rank 0: .* failed \(DIST.TIMEOUT_S=20\)", result.stderr), job.tail()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -481,26 +536,81 @@ def test_flipped_bit_in_tensor_data_fails_the_checksum(tmp_path):
         load_checkpoint(str(path))
 
 
+class _FullDisk:
+    """A file that takes ``room`` bytes, then fails each write with ENOSPC, as a full disk does."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _fill_disk_in_torch_save(monkeypatch, room: int = 1000) -> dict:
+    """Make the real torch.save write into a disk with ``room`` bytes left once ``state["full"]`` is set.
+
+    torch.save then fails as it does on a full disk (torch 2.15: a RuntimeError "unexpected pos"
+    of its zip writer, raised while handling the OSError), for single files and DCP's shards alike.
+    """
+    real_save, state = torch.save, {"full": False}
+
+    def save(obj, f, *args, **kwargs):
+        if state["full"]:
+            if isinstance(f, (str, os.PathLike)):
+                with open(f, "wb") as file:
+                    return real_save(obj, _FullDisk(file, room), *args, **kwargs)
+            f = _FullDisk(f, room)
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    return state
+
+
 def test_failed_checkpoint_write_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
     path = tmp_path / ckpt.checkpoint_name(1)
     save_checkpoint(_tiny_state(1.0), str(path))
     before = path.read_bytes()
-    real_save = torch.save
-
-    def disk_full(obj, f, *args, **kwargs):
-        import io
-
-        buffer = io.BytesIO()
-        real_save(obj, buffer)
-        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])  # half the bytes reach the disk
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(torch, "save", disk_full)
+    _fill_disk_in_torch_save(monkeypatch)["full"] = True
     with pytest.raises(CheckpointError, match=f"could not write checkpoint {re.escape(str(path))}.*No space left"):
         save_checkpoint(_tiny_state(2.0), str(path))
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == [path.name], "no temp file left behind"
     assert load_checkpoint(str(path))["epoch"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_disk_full_during_a_checkpoint_stops_the_run_in_one_line_and_loses_nothing(tmp_path, monkeypatch, capsys, fmt):
+    disk = _fill_disk_in_torch_save(monkeypatch)
+    real_save_checkpoint = trainer.save_training_checkpoint
+
+    def first_fits(run, *args, **kwargs):  # the disk fills up after the first checkpoint
+        path = real_save_checkpoint(run, *args, **kwargs)
+        disk["full"] = True
+        return path
+
+    monkeypatch.setattr(trainer, "save_training_checkpoint", first_fits)
+    out = tmp_path / "out"
+    args = ["OUT_DIR", str(out), *FAST, "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "OPTIM.MAX_EPOCH", "1"]
+    args += ["TRAIN.CKPT_PERIOD_ITERS", "1", "DIST.CKPT_FORMAT", fmt]
+    assert cli.run_tool(trainer.train_model, args) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("distribuuuu: error:")]
+    suffix = ".pth.tar" if fmt == "file" else ".dcp"
+    failed = out / "checkpoints" / f"{ckpt.checkpoint_name(1, 2).removesuffix('.pth.tar')}{suffix}"
+    assert len(errors) == 1 and str(failed) in errors[0] and "No space left on device" in errors[0], err[-3000:]
+    assert "Traceback" not in err
+    first = f"{ckpt.checkpoint_name(1, 1).removesuffix('.pth.tar')}{suffix}"
+    assert sorted(os.listdir(out / "checkpoints")) == [first], "no temporary file or directory left behind"
+    monkeypatch.undo()
+    resumed = load_checkpoint(str(out / "checkpoints" / first))
+    assert (resumed["epoch"], resumed["step_in_epoch"]) == (0, 1)
 
 
 def test_unwritable_out_dir_fails_before_training_with_exit_2(tmp_path, capsys):
