@@ -84,7 +84,7 @@ class ShardWindowSampler(ResumableDistributedSampler):
     of each window of ``window`` consecutive shards shuffled together. It is still a permutation
     that depends on (seed, epoch) alone, so every guarantee of the parent holds unchanged (each
     sample once, the same order on any world size, resume at a global position). The ranks
-    split it by position as before (rank r takes P + r, P + r + W, ...): a global batch is a run
+    split it by position as before (rank r of N takes P + r, P + r + N, ...): a global batch is a run
     of consecutive positions, so all ranks and their workers read the same window at the same
     time, at most ``window`` shards (two windows' across a boundary) instead of nearly every
     shard, and a machine's shard cache fetches each shard once, when its window comes.
