@@ -195,6 +195,11 @@ _C.DATA.BAD_IMAGE = "error"
 _C.DATA.DECODER = "auto"
 # Folder for shards of a packed dataset read from a URL ("": <temp dir>/distribuuuu-shards/<hash>)
 _C.DATA.SHARD_CACHE = ""
+# Shuffle a packed TRAIN.DATASET by windows of this many shards (0: one global permutation): the
+# shards are shuffled, then the samples within each window of consecutive shards, so the ranks
+# read a few shards at a time (a URL's shards arrive as needed); exact, resumable, any world
+# size (docs/packed-data.md, "Shard-aware order")
+_C.DATA.SHUFFLE_WINDOW = 0
 # Number of synthetic samples per split when MODEL.DUMMY_INPUT is on
 _C.DATA.DUMMY_SIZE = 1024
 
@@ -563,6 +568,10 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DATA.DECODER", _choice(DECODERS)),
     ("DATA.DECODER", ((lambda v, c: v != "batched" or _has_decode_jpeg()), _NO_DECODE_JPEG)),
     ("DATA.DUMMY_SIZE", _POSITIVE),
+    ("DATA.SHUFFLE_WINDOW", _NON_NEGATIVE),
+    ("DATA.SHUFFLE_WINDOW", ((lambda v, c: v == 0 or c.TRAIN.SAMPLER == "default"),
+                             "needs TRAIN.SAMPLER default (the repeated and weighted samplers draw their own "
+                             "order): set DATA.SHUFFLE_WINDOW 0")),
     ("OPTIM.OPTIMIZER", _choice(OPTIMIZERS)),
     ("OPTIM.MAX_EPOCH", _POSITIVE),
     ("OPTIM.LR_POLICY", _choice(LR_POLICIES)),

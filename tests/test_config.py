@@ -139,6 +139,15 @@ BAD_INPUTS = {
     "missing-dataset": (["TRAIN.DATASET", "/nonexistent/imagenet"], "/nonexistent/imagenet"),
     "missing-cfg-file": (["--cfg", "/nonexistent/exp.yaml"], "/nonexistent/exp.yaml"),
     "unknown-arch": (["MODEL.ARCH", "resnet_nope"], "MODEL.ARCH"),
+    "negative-shuffle-window": (["DATA.SHUFFLE_WINDOW", "-1"], "DATA.SHUFFLE_WINDOW must be >= 0, got -1"),
+    "shuffle-window-with-repeated-sampler": (
+        ["DATA.SHUFFLE_WINDOW", "2", "TRAIN.SAMPLER", "repeated"],
+        "DATA.SHUFFLE_WINDOW needs TRAIN.SAMPLER default",
+    ),
+    "shuffle-window-on-an-imagefolder": (
+        ["DATA.SHUFFLE_WINDOW", "2"],
+        "DATA.SHUFFLE_WINDOW 2 needs a packed TRAIN.DATASET",
+    ),
 }
 
 

@@ -121,8 +121,11 @@ def test_the_readmes_figures_name_torch_and_torchvision_versions_that_requiremen
     section = _section(README.read_text(), heading)
     measured = re.findall(r"torch (\d+\.\d+\.\d+) / torchvision (\d+\.\d+\.\d+)", section)
     assert measured, f"README.md's {heading!r} gives figures without the torch / torchvision they come from"
-    lines = (REPO / "requirements.txt").read_text().splitlines()
-    wanted = {r.name: r.specifier for r in map(Requirement, lines) if r.name in ("torch", "torchvision")}
+    lines = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
+    requirements = map(
+        Requirement, (line for line in lines if line and not line.startswith("#"))
+    )  # as setup.py reads it
+    wanted = {r.name: r.specifier for r in requirements if r.name in ("torch", "torchvision")}
     for torch_version, torchvision_version in measured:
         assert wanted["torch"].contains(torch_version) and wanted["torchvision"].contains(torchvision_version), (
             f"torch {torch_version} / torchvision {torchvision_version} is outside requirements.txt's {wanted}"

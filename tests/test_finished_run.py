@@ -49,7 +49,9 @@ def test_running_again_into_a_finished_run_changes_no_byte_of_its_out_dir(finish
 def test_a_finished_runs_best_holds_only_what_evaluation_needs(finished_run):
     best = ckpt.load_checkpoint(str(finished_run / ckpt.BEST_NAME))
     last = ckpt.load_checkpoint(str(finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(2)))
-    assert set(best) == {"model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "checksum"}
+    assert set(best) == {
+        "model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "preprocessing", "checksum",
+    }  # fmt: skip
     best_epoch_file = finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(best["epoch"])
     assert all(best["model"][k].equal(v) for k, v in ckpt.load_checkpoint(str(best_epoch_file))["model"].items())
     assert last["epoch"] == 2 and "optimizer" in last and "optimizer" not in best

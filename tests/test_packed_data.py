@@ -7,6 +7,7 @@ its samples and pixels, the sampler's order, evaluation results, training metric
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections import Counter
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, serve_folder, torchrun
+from test_sampler_resume import window_stretches
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
@@ -22,7 +24,8 @@ from distribuuuu.data import DataError, build_train_split, build_val_split
 from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
 from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.packed import BadShardError, PackedDataset
-from distribuuuu.data.samplers import ResumableDistributedSampler
+from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
+from distribuuuu.data.transforms import build_normalize
 from distribuuuu.launch import DistEnv, find_free_port
 
 pytest.importorskip("wids")
@@ -92,19 +95,42 @@ def test_pack_interrupted_half_way_and_run_again_writes_the_same_shards(packed, 
     assert pack_split(str(DIGITS), "train", str(tmp_path), opts).written == 0, "a finished pack is kept"
 
 
+def _shard_of_rows(packed: Path, split: str = "train") -> list[int]:
+    """Each row's shard, read from the index's shard list (not from the reader)."""
+    index = json.loads((packed / split / "index.json").read_text())
+    return [k for k, shard in enumerate(index["shardlist"]) for _ in range(shard["nsamples"])]
+
+
+def _interleave(keys: list[list]) -> list:
+    """Global position p is rank p % W's (p // W)-th key: interleaving the ranks gives the epoch's order."""
+    world = len(keys)
+    return [keys[p % world][p // world] for p in range(sum(map(len, keys)))]
+
+
+@pytest.mark.parametrize("window", [0, 2])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_training_sample_once_per_epoch_in_an_order_independent_of_world_size(packed, world):
+def test_every_training_sample_once_per_epoch_in_an_order_independent_of_world_size(packed, world, window):
+    """Window 0: torch.randperm of (seed, epoch), DistributedSampler's. DATA.SHUFFLE_WINDOW 2: the
+    one-process order, made of windows of 2 of the index's shards."""
     pk = PackedDataset(str(packed), "train")
     folder = CheckedImageFolder(str(DIGITS / "train"))
     n, epoch = len(pk), 3
     keys = []
     for rank in range(world):
-        sampler = ResumableDistributedSampler(pk, world, rank, seed=7)
+        if window:
+            sampler = ShardWindowSampler(pk, world, rank, 7, pk.sample_shards(), window)
+        else:
+            sampler = ResumableDistributedSampler(pk, world, rank, seed=7)
         sampler.set_epoch(epoch)
         keys.append(list(sampler))
-    # Global position p is rank p % W's (p // W)-th key: interleaving the ranks gives the epoch's order.
-    order = [keys[p % world][p // world][1] for p in range(sum(map(len, keys)))]
-    expected = torch.randperm(n, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+    order = [index for _, index in _interleave(keys)]
+    if window:
+        one_process = ShardWindowSampler(pk, 1, 0, 7, _shard_of_rows(packed), window)
+        one_process.set_epoch(epoch)
+        expected = [index for _, index in one_process]
+        assert len(window_stretches(expected, _shard_of_rows(packed), window)) == 3  # 5 shards: 2 + 2 + 1
+    else:
+        expected = torch.randperm(n, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
     assert order[:n] == expected and order[n:] == expected[: len(order) - n], "one permutation, any world size"
     counts = Counter(order[:n])
     assert len(counts) == n and set(counts.values()) == {1}, "each sample exactly once per epoch"
@@ -113,6 +139,65 @@ def test_every_training_sample_once_per_epoch_in_an_order_independent_of_world_s
         _, name, target = pk.encoded(index)
         path, folder_target = folder.samples[index]
         assert name.startswith(f"{os.path.relpath(path, DIGITS / 'train')} from ") and target == folder_target
+
+
+BATCH = 32
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_shard_window_loaders_train_on_each_sample_once_in_windows_whatever_the_ranks_and_workers(
+    packed, world, workers
+):
+    """build_train_split with DATA.SHUFFLE_WINDOW 2 on 1-3 ranks with 0 or 2 workers: the loaders
+    hand over the sampler's samples in its order (targets and pixels of the first 4 batches), and
+    the ranks' samplers interleave into one order, the same for every world size, made of windows
+    of 2 shards, each sample once; resumed at a global position that another world size reached,
+    the ranks continue that same order."""
+    cfg = get_cfg_defaults()
+    cfg.TRAIN.DATASET, cfg.DATA.SHUFFLE_WINDOW, cfg.TRAIN.WORKERS = str(packed), 2, workers
+    cfg.TRAIN.IM_SIZE, cfg.TRAIN.BATCH_SIZE, cfg.RNG_SEED = 16, BATCH, 5
+    normalize, keys, resumed = build_normalize(cfg), [], []
+    for rank in range(world):
+        split = build_train_split(cfg, DistEnv(rank=rank, world_size=world))
+        split.sampler.set_epoch(2)
+        keys.append(list(split.sampler))
+        assert len(split.loader) == len(keys[-1]) // BATCH, "drop_last: full batches only"
+        for b, (images, targets, _) in zip(range(4), split.loader):  # with 2 workers, each worker's first two
+            batch_keys = keys[-1][b * BATCH : (b + 1) * BATCH]
+            assert targets.tolist() == [split.dataset.base.targets[i] for _, i in batch_keys]
+            expected = torch.stack([split.dataset[k][0] for k in batch_keys])
+            assert torch.equal(images, normalize(expected)), f"rank {rank} batch {b}"
+        split.sampler.set_position(6 * BATCH)  # 3 steps of 2 ranks, or 6 of 1, or 2 of 3
+        resumed.append(list(split.sampler))
+    n = len(split.dataset)
+    order = [index for _, index in _interleave(keys)]
+    window_stretches(order[:n], _shard_of_rows(packed), 2)
+    one_process = ShardWindowSampler(range(n), 1, 0, 5, _shard_of_rows(packed), 2)
+    one_process.set_epoch(2)
+    assert order[:n] == [index for _, index in one_process]
+    assert [index for _, index in _interleave(resumed)][: n - 6 * BATCH] == order[6 * BATCH : n]
+
+
+@pytest.mark.slow  # 78 s here with a training run beside it on the 2 shared cores
+def test_shard_window_order_of_a_2_process_job_is_the_one_process_order_and_resumes(packed, tmp_path):
+    """tests/scripts/sampler_job.py under torchrun (gloo, 2 processes) with DATA.SHUFFLE_WINDOW 2:
+    the two ranks' keys interleave into the order one process computes for each epoch, windows of
+    2 shards, and an epoch resumed after 5 samples a rank continues it exactly."""
+    job = str(REPO / "tests" / "scripts" / "sampler_job.py")
+    opts = ["TRAIN.DATASET", str(packed), "DATA.SHUFFLE_WINDOW", "2", "DATA.SHARD_CACHE", str(tmp_path / "cache")]
+    result = run(torchrun(2, job, *opts), timeout=180)
+    assert_ok(result)
+    ranks = json.loads(next(line[5:] for line in result.stdout.splitlines() if line.startswith("KEYS ")))
+    shard_of = _shard_of_rows(packed)
+    for epoch in (0, 1):
+        keys = _interleave([[tuple(key) for key in rank[str(epoch)]] for rank in ranks])
+        one_process = ShardWindowSampler(range(len(shard_of)), 1, 0, get_cfg_defaults().RNG_SEED, shard_of, 2)
+        one_process.set_epoch(epoch)
+        assert keys == list(one_process)  # 1436 samples: no padding on 2 ranks
+        window_stretches([index for _, index in keys], shard_of, 2)
+    for rank in ranks:
+        assert rank["resumed"] == rank["1"][5:]
 
 
 def test_packed_jpegs_take_the_decoders_and_the_batched_path_of_the_folder(tmp_path):

@@ -1,7 +1,8 @@
 """The training sampler resumes from a global position, so a resume on another world size is exact.
 
 Ranks are simulated in one process: a "run" of W ranks builds W samplers and each rank takes the
-full batches the DataLoader (drop_last=True) would give it.
+full batches the DataLoader (drop_last=True) would give it. ``window`` > 0 runs the same checks on
+the shard-windowed order (DATA.SHUFFLE_WINDOW) over shards of SHARD consecutive samples.
 """
 
 from __future__ import annotations
@@ -9,24 +10,35 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DistributedSampler
 
-from distribuuuu.data.samplers import ResumableDistributedSampler
+from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
 
 SEED = 7
+SHARD = 7  # samples per shard in the windowed cases; the last shard holds the rest
+WINDOWS = [0, 1, 3]
 
 
-def samplers(n: int, world: int, epoch: int, position: int = 0) -> list[ResumableDistributedSampler]:
+def sample_shards(n: int) -> list[int]:
+    return [i // SHARD for i in range(n)]
+
+
+def samplers(n: int, world: int, epoch: int, position: int = 0, window: int = 0) -> list[ResumableDistributedSampler]:
     result = []
     for rank in range(world):
-        s = ResumableDistributedSampler(range(n), world, rank, seed=SEED)
+        if window:
+            s = ShardWindowSampler(range(n), world, rank, SEED, sample_shards(n), window)
+        else:
+            s = ResumableDistributedSampler(range(n), world, rank, seed=SEED)
         s.set_epoch(epoch)
         s.set_position(position)
         result.append(s)
     return result
 
 
-def consume(n: int, world: int, batch: int, epoch: int, position: int, steps: int | None = None) -> list[int]:
+def consume(
+    n: int, world: int, batch: int, epoch: int, position: int, steps: int | None = None, window: int = 0
+) -> list[int]:
     """Indices the W ranks train on in ``steps`` steps (all full steps if None), in global order."""
-    shards = [[i for _, i in s] for s in samplers(n, world, epoch, position)]
+    shards = [[i for _, i in s] for s in samplers(n, world, epoch, position, window)]
     full_steps = len(shards[0]) // batch  # drop_last=True: what steps_per_epoch counts
     steps = full_steps if steps is None else steps
     assert steps <= full_steps
@@ -48,18 +60,66 @@ def test_order_is_distributed_samplers_from_the_start_and_on_same_world_size_res
             assert len(s) == len(expected) - skipped
 
 
-def test_permutation_depends_on_seed_and_epoch_only():
-    orders = {w: samplers(50, w, epoch=2)[0].permutation() for w in (1, 2, 5)}
+@pytest.mark.parametrize("window", WINDOWS)
+def test_permutation_depends_on_seed_and_epoch_only(window):
+    orders = {w: samplers(50, w, epoch=2, window=window)[0].permutation() for w in (1, 2, 5)}
     assert orders[1] == orders[2] == orders[5]
     assert sorted(orders[1]) == list(range(50))
-    assert samplers(50, 1, epoch=3)[0].permutation() != orders[1]
+    assert samplers(50, 1, epoch=3, window=window)[0].permutation() != orders[1]
 
 
+def window_stretches(order: list[int], shard_of: list[int], window: int) -> list[list[int]]:
+    """Split an epoch's order into its windows, asserting that it is made of windows.
+
+    The shards, in the order the epoch first reaches them, taken ``window`` at a time, are the
+    windows: each window's samples must fill one contiguous stretch of the order (so any point
+    of the epoch reads at most ``window`` shards) and hold every sample of its shards.
+    """
+    assert sorted(order) == list(range(len(shard_of))), "each sample exactly once"
+    visited = list(dict.fromkeys(shard_of[i] for i in order))  # shards in order of first appearance
+    window_of = {shard: k // window for k, shard in enumerate(visited)}
+    windows = [window_of[shard_of[i]] for i in order]
+    assert windows == sorted(windows), "a window's samples are contiguous: no shard comes back later"
+    stretches, start = [], 0
+    for k in range(max(windows, default=-1) + 1):
+        stretch = order[start : start + windows.count(k)]
+        shards = set(visited[k * window : (k + 1) * window])
+        assert {shard_of[i] for i in stretch} == shards
+        assert sorted(stretch) == [i for i, shard in enumerate(shard_of) if shard in shards], "whole shards"
+        stretches.append(stretch)
+        start += len(stretch)
+    return stretches
+
+
+@pytest.mark.parametrize("n", [50, 97, 100])
+@pytest.mark.parametrize("window", [1, 2, 3, 20])
+def test_windowed_order_reads_the_shards_window_by_window(n, window):
+    """Windows of shards one after the other; within a window its shards are mixed, not read one
+    after the other; each epoch visits the shards in another order."""
+    shard_of = sample_shards(n)
+    first_visits, switches, shard_after_shard = [], 0, 0
+    for epoch in range(4):
+        order = samplers(n, 1, epoch, window=window)[0].permutation()
+        for stretch in window_stretches(order, shard_of, window):
+            shards = [shard_of[i] for i in stretch]
+            switches += sum(a != b for a, b in zip(shards, shards[1:]))
+            shard_after_shard += len(set(shards)) - 1  # the switches of a window read one shard at a time
+        first_visits.append(list(dict.fromkeys(shard_of[i] for i in order)))
+    assert switches > 2 * shard_after_shard or window == 1, "the window's samples are shuffled together"
+    if n // SHARD > 1:
+        assert len({tuple(v) for v in first_visits}) > 1, "the shard order is drawn anew each epoch"
+    equal = [i // SHARD for i in range(window * SHARD * (n // (window * SHARD)))]  # whole windows of whole shards
+    if equal:  # then window k is exactly positions [k * window * SHARD, (k + 1) * window * SHARD)
+        order = samplers(len(equal), 1, 0, window=window)[0].permutation()
+        assert [len(s) for s in window_stretches(order, equal, window)] == [window * SHARD] * (n // (window * SHARD))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize(
     ("n", "batch", "before", "after", "steps_before"),
     [(103, 4, 2, 3, 5), (100, 3, 3, 1, 4), (100, 3, 3, 2, 7), (64, 4, 2, 4, 3), (50, 2, 1, 3, 0)],
 )
-def test_resume_on_another_world_size_uses_every_sample_once(n, batch, before, after, steps_before):
+def test_resume_on_another_world_size_uses_every_sample_once(n, batch, before, after, steps_before, window):
     """W ranks train k steps, W' ranks the rest of the epoch: no sample twice, none skipped.
 
     drop_last semantics: the loader drops each rank's last partial batch, so the final fewer than
@@ -67,10 +127,10 @@ def test_resume_on_another_world_size_uses_every_sample_once(n, batch, before, a
     are not trained on, as in an uninterrupted run; every other sample is used exactly once.
     """
     epoch = 4
-    first = consume(n, before, batch, epoch, 0, steps_before)
+    first = consume(n, before, batch, epoch, 0, steps_before, window)
     position = len(first)  # = steps_before * batch * before: what a checkpoint records
-    second = consume(n, after, batch, epoch, position)
-    order = samplers(n, 1, epoch)[0].permutation()
+    second = consume(n, after, batch, epoch, position, window=window)
+    order = samplers(n, 1, epoch, window=window)[0].permutation()
     used = first + second
     assert used == order[: len(used)]  # contiguous in the epoch's permutation: nothing twice or skipped
     assert len(set(used)) == len(used)

@@ -25,6 +25,7 @@ from distribuuuu.data.samplers import (
     ExactEvalSampler,
     RepeatedAugmentationSampler,
     ResumableDistributedSampler,
+    ShardWindowSampler,
     WeightedDistributedSampler,
 )
 from distribuuuu.data.transforms import build_normalize, build_train_transform, build_val_transform
@@ -129,7 +130,8 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
 
 
 def _train_sampler(cfg: CfgNode, env: DistEnv, dataset: Dataset, num_classes: int) -> torch.utils.data.Sampler:
-    """TRAIN.SAMPLER: shuffled (default), repeated augmentation, or class-balanced draws."""
+    """TRAIN.SAMPLER: shuffled (default; by windows of shards with DATA.SHUFFLE_WINDOW), repeated
+    augmentation, or class-balanced draws."""
     if cfg.TRAIN.SAMPLER == "repeated":
         return RepeatedAugmentationSampler(len(dataset), env.world_size, env.rank, cfg.RNG_SEED, cfg.TRAIN.REPEATED_AUG)
     if cfg.TRAIN.SAMPLER == "weighted":
@@ -139,7 +141,27 @@ def _train_sampler(cfg: CfgNode, env: DistEnv, dataset: Dataset, num_classes: in
         except ValueError as e:
             raise ConfigError(f"TRAIN.SAMPLER weighted: {e}") from None
         return WeightedDistributedSampler(class_weights[targets], env.world_size, env.rank, cfg.RNG_SEED)
+    if cfg.DATA.SHUFFLE_WINDOW:
+        shards = _sample_shards(cfg, dataset)
+        return ShardWindowSampler(dataset, env.world_size, env.rank, cfg.RNG_SEED, shards, cfg.DATA.SHUFFLE_WINDOW)
     return ResumableDistributedSampler(dataset, env.world_size, env.rank, seed=cfg.RNG_SEED)
+
+
+def _sample_shards(cfg: CfgNode, dataset: Dataset) -> list[int]:
+    """Each training sample's shard; a ConfigError unless TRAIN.DATASET is packed.
+
+    An ImageFolder or a saved Hugging Face dataset is refused rather than cut into blocks of
+    indices: it is read in place at random with nothing to fetch, so a window would buy nothing,
+    and its indices run class by class, so blocks would cost accuracy silently.
+    """
+    base = getattr(dataset, "base", dataset)
+    if not hasattr(base, "sample_shards"):
+        raise ConfigError(
+            f"DATA.SHUFFLE_WINDOW {cfg.DATA.SHUFFLE_WINDOW} needs a packed TRAIN.DATASET (tools/pack_dataset.py), "
+            f"and {'synthetic data (MODEL.DUMMY_INPUT)' if cfg.MODEL.DUMMY_INPUT else cfg.TRAIN.DATASET} is not "
+            "one: set DATA.SHUFFLE_WINDOW 0"
+        )
+    return base.sample_shards()
 
 
 def dataset_targets(dataset: Dataset) -> torch.Tensor:

@@ -10,6 +10,7 @@ reader, chosen by measurement: docs/packed-data.md) maps a global index to a sha
 sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
 the samplers are unchanged: ResumableDistributedSampler still gives exactly-once, deterministic
 order, global-position resume, and ExactEvalSampler exact evaluation, whatever the world size.
+``sample_shards`` tells DATA.SHUFFLE_WINDOW's sampler which shard holds each sample.
 
 Shard fetching is ours (``_ShardFiles``), passed to wids as its ``localname`` hook: wids itself
 downloads with ``curl`` through ``os.system`` with no timeout, writes the final file in place (an
@@ -189,8 +190,15 @@ class PackedDataset(EncodedSamples):
         # The name ends in the format: the decoders choose by suffix (torchvision.io for JPEG in "auto").
         return sample["." + ext].getvalue(), f"{name} from {self._shard_url(row)}:{key_of(row)}.{ext}"
 
+    def sample_shards(self) -> list[int]:
+        """The shard (its place in the index's shard list) that each sample is read from."""
+        return self._shards_of([self.rows[name] for name, _ in self.samples]).tolist()
+
     def _shard_url(self, row: int) -> str:
-        return self.shards.shards[int(np.searchsorted(self.shards.cum_lengths, row, side="right"))]["url"]
+        return self.shards.shards[int(self._shards_of(row))]["url"]
+
+    def _shards_of(self, rows) -> np.ndarray:
+        return np.searchsorted(self.shards.cum_lengths, rows, side="right")
 
 
 def key_of(row: int) -> str:

@@ -1,5 +1,5 @@
-"""Samplers: resumable, epoch-keyed training samplers (plain, repeated augmentation, weighted) and an
-exact (unpadded) eval sampler."""
+"""Samplers: resumable, epoch-keyed training samplers (plain, shard-windowed, repeated augmentation,
+weighted) and an exact (unpadded) eval sampler."""
 
 from __future__ import annotations
 
@@ -58,6 +58,54 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return max(0, math.ceil((len(self.dataset) - self.position) / self.num_replicas))
+
+
+def shard_window_order(sample_shards: torch.Tensor, window: int, generator: torch.Generator) -> torch.Tensor:
+    """Shuffle the shards, then the samples within each run of ``window`` consecutive shuffled shards.
+
+    ``sample_shards[i]`` is the shard that sample i is read from. The result lists every sample
+    index once, window after window: all samples of the first ``window`` shards (in the shuffled
+    shard order) in a random order, then those of the next ``window`` shards, and so on.
+    """
+    num_shards = int(sample_shards.max()) + 1 if len(sample_shards) else 0
+    shard_position = torch.empty(num_shards, dtype=torch.int64)
+    shard_position[torch.randperm(num_shards, generator=generator)] = torch.arange(num_shards)
+    windows = shard_position[sample_shards] // window
+    # Sorting by (window, a random permutation of all samples) keeps the windows in order and puts
+    # each window's samples in a uniformly random order, in one vectorised sort (ImageNet: 1.3M).
+    tiebreak = torch.randperm(len(sample_shards), generator=generator)
+    return torch.argsort(windows * len(sample_shards) + tiebreak)
+
+
+class ShardWindowSampler(ResumableDistributedSampler):
+    """ResumableDistributedSampler whose epoch order reads few shards at a time (DATA.SHUFFLE_WINDOW).
+
+    The order is ``shard_window_order`` of (seed, epoch): the shards shuffled, then the samples
+    of each window of ``window`` consecutive shards shuffled together. It is still a permutation
+    that depends on (seed, epoch) alone, so every guarantee of the parent holds unchanged (each
+    sample once, the same order on any world size, resume at a global position). The ranks
+    split it by position as before (rank r of N takes P + r, P + r + N, ...): a global batch is a run
+    of consecutive positions, so all ranks and their workers read the same window at the same
+    time, at most ``window`` shards (two windows' across a boundary) instead of nearly every
+    shard, and a machine's shard cache fetches each shard once, when its window comes.
+    Contiguous blocks per rank would spread the ranks over as many windows as there are ranks,
+    and the samples consumed before a checkpoint would no longer be a prefix of the order.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int, seed: int, sample_shards, window: int):
+        if window < 1:
+            raise ValueError(f"shard window must be >= 1, got {window}")
+        if len(sample_shards) != len(dataset):
+            raise ValueError(f"{len(sample_shards)} shard numbers for {len(dataset)} samples")
+        super().__init__(dataset, num_replicas, rank, seed)
+        self.sample_shards = torch.as_tensor(sample_shards, dtype=torch.int64)
+        self.window = window
+
+    def permutation(self) -> list[int]:
+        """The epoch's order: a function of (seed, epoch) alone, window after window of shards."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return shard_window_order(self.sample_shards, self.window, g).tolist()
 
 
 class ExactEvalSampler(Sampler[int]):
