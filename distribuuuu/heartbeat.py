@@ -81,8 +81,10 @@ class Heartbeat:
 
     def _run(self) -> None:
         beats, seen, named, store_failed = 0, {}, set(), False
-        last_loop = time.monotonic()
-        while not self._stop.wait(self.period):
+        last_loop, first = time.monotonic(), True
+        # The first beat at once: a rank that stalls within its first period must not read as "never beat".
+        while first or not self._stop.wait(self.period):
+            first = False
             now = time.monotonic()
             if now - last_loop > self.stall_s / 2:  # this process was stopped itself: it cannot judge
                 seen = {}

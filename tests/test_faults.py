@@ -345,11 +345,12 @@ def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_
 def test_stopped_rank_is_named_by_its_missing_heartbeat_before_the_collective_times_out(tmp_path):
     # NCCL's collectives raise nothing on a timeout (its watchdog aborts the process): the line that
     # names a stalled rank must not depend on the collective's error. Rank 1 stops itself (SIGSTOP:
-    # its heartbeat thread stops with it) after step 5, while rank 0 waits in the next all-reduce.
+    # its heartbeat thread stops with it) 2 s after step 5 (its heartbeat has sent that position by
+    # then, however fast the steps), while rank 0 waits in the next all-reduce.
     timeout_s, stall_s = 20, 3
     out = tmp_path / "run"
     cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "DIST.TIMEOUT_S", str(timeout_s), "DIST.STALL_S", str(stall_s))
-    env = dict(ENV, FAULT_SIGNAL_AT_STEP="5", FAULT_SIGNAL="SIGSTOP", FAULT_SIGNAL_RANK="1")
+    env = dict(ENV, FAULT_SIGNAL_AT_STEP="5", FAULT_SIGNAL_DELAY_S="2", FAULT_SIGNAL="SIGSTOP", FAULT_SIGNAL_RANK="1")
     named = re.compile(
         r"rank 0: rank\(s\) \[1\] sent no heartbeat for 3s \(DIST.STALL_S\): stalled or dead \(([^;]*)\);"
     )

@@ -9,7 +9,8 @@ the hooks below are added, so a test can inject a fault at an exact, computable 
   model's output an infinite gradient (the loss stays finite, the gradients do not).
 - ``FAULT_FP16_INIT_SCALE=16777216``: the GradScaler starts at this scale (never grows within the run).
 - ``FAULT_SIGNAL_AT_STEP=N`` (with ``FAULT_SIGNAL=SIGTERM|SIGUSR1``, ``FAULT_SIGNAL_RANK=0``): after
-  global optimizer step N (1-based) the process sends itself the signal, as a scheduler would.
+  global optimizer step N (1-based) the process sends itself the signal, as a scheduler would
+  (``FAULT_SIGNAL_DELAY_S``: after that many seconds more, its other threads running meanwhile).
 - ``FAULT_RECORD=DIR``: each rank appends, per optimizer step, the sampler keys it trained on, the
   LR and the global sample position before the step to ``DIR/steps_w<W>_r<rank>.jsonl``; after a
   resume, rank 0 saves the whole resumed state (model, optimizer by index, EMA, progress) to
@@ -21,6 +22,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
@@ -91,6 +93,7 @@ def _signal_hook() -> None:
     def train_step(run, micro_batches, sums):
         loss = real_step(run, micro_batches, sums)
         if run.global_step + 1 == at:  # global_step still counts the steps before this one
+            time.sleep(float(os.environ.get("FAULT_SIGNAL_DELAY_S", "0")))
             os.kill(os.getpid(), sig)
         return loss
 
