@@ -104,8 +104,12 @@ def recipe_run(background_runs):
     return background_runs["recipe_run"]()
 
 
-def pytest_report_header(config):
-    """The versions and the CPU a run's results come from (CI's log shows them)."""
+def pytest_terminal_summary(terminalreporter):
+    """The versions and the CPU a run's results come from, at the end of every run (``-q`` too)."""
+    terminalreporter.write_line(_versions())
+
+
+def _versions() -> str:
     import platform
 
     import torch
