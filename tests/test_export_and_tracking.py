@@ -1,4 +1,4 @@
-"""Issue 14: export (ONNX, torch.export), trackers (W&B offline, MLflow local), TensorBoard curves,
+"""Export (ONNX, torch.export), trackers (W&B offline, MLflow local), TensorBoard curves,
 the run summary, and the terminal progress bar.
 
 One short real run on the digits (two epochs, stopped after the first and resumed) serves the

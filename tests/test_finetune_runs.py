@@ -1,4 +1,4 @@
-"""Issue 16 end to end: fine-tuning the digits checkpoint on a subset of its classes, the
+"""Fine-tuning end to end: the digits checkpoint on a subset of its classes, the
 repeated-augmentation sampler in a 2-process job, and the evaluation output of a 2-process training
 run (extra val set, confusion matrix, predictions), each checked against what one process computes
 independently."""

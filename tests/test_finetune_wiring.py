@@ -1,4 +1,4 @@
-"""Issue 16's keys wired through a real build_run and the real training loop.
+"""The fine-tuning keys wired through a real build_run and the real training loop.
 
 Each test builds a Run from a config, as train_model does, runs the trainer's own code, and
 compares with an independent computation: the closed-form LR of each layer, a BCE loss and a

@@ -1,4 +1,4 @@
-"""What only a GPU or a cluster would show, tested through seams the CPU runs (issue 11).
+"""What only a GPU or a cluster would show, tested through seams the CPU runs.
 
 Resume hands CPU RNG states to the restore; skipped steps are counted once per optimizer step
 whatever the world size; fp16 runs (and skips overflowing steps) on the CPU; a mid-epoch

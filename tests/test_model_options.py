@@ -1,4 +1,4 @@
-"""Model options and the evaluation transform (issue 16, items 3-5): pretrained weights by name,
+"""Model options and the evaluation transform: pretrained weights by name,
 MODEL.KWARGS, zero-initialised residual BatchNorm, gradient checkpointing, TEST.CROP_SIZE /
 CROP_PCT / INTERPOLATION and a timm model's own preprocessing. Nothing is downloaded."""
 
