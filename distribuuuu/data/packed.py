@@ -5,9 +5,9 @@ Layout (what tools/pack_dataset.py writes), for each split::
     ROOT/SPLIT/index.json          wids shard index (``wids-shard-index-v1``) plus our keys
     ROOT/SPLIT/shard-000000.tar    WebDataset tar: <key>.jpg|png and <key>.cls per sample
 
-ROOT is a local folder or a URL: http(s)://, or an object store's (s3://, gs://, az://; data/remote.py). ``wids.ShardListDataset`` (webdataset's indexed
-reader, chosen by measurement: docs/packed-data.md) maps a global index to a shard and reads the
-sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
+ROOT is a local folder or a URL: http(s)://, or an object store's (s3://, gs://, az://; data/remote.py).
+``wids.ShardListDataset`` (webdataset's indexed reader, chosen by measurement: docs/packed-data.md)
+maps a global index to a shard and reads the sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
 the samplers are unchanged: ResumableDistributedSampler still gives exactly-once, deterministic
 order, global-position resume, and ExactEvalSampler exact evaluation, whatever the world size.
 ``sample_shards`` tells DATA.SHUFFLE_WINDOW's sampler which shard holds each sample.
@@ -59,6 +59,8 @@ def load_index(location: str) -> dict:
         else:
             with open(location) as f:
                 index = json.load(f)
+    except DataError:
+        raise  # read_bytes names the URL and why already
     except (OSError, ValueError) as e:
         raise DataError(f"packed index {location} does not load: {e}") from None
     if index.get("__kind__") != KIND or not isinstance(index.get("shardlist"), list):

@@ -200,9 +200,12 @@ def _http_blocks(response) -> Iterator[bytes]:
 
 def _store_body(url: str, start: int) -> tuple[int, Iterator[bytes]]:
     obstore, store, path = _object_store(url)
-    permanent = (FileNotFoundError, PermissionError, obstore.exceptions.UnauthenticatedError)
+    errors = obstore.exceptions
+    permanent = (PermissionError, errors.PermissionDeniedError, errors.UnauthenticatedError, errors.InvalidPathError)
     try:
         result = obstore.get(store, path, options={"range": {"offset": start}} if start else None)
+    except FileNotFoundError:
+        raise _Failed("no such object (or bucket)") from None
     except permanent as e:
         raise _Failed(first_line(e)) from None
     except (obstore.exceptions.BaseError, OSError) as e:  # after the library's own retries
