@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, in_process, read_metrics, run, torchrun
+from test_packed_data import _without_timings
 
 from distribuuuu.data import DataError, remote
 from distribuuuu.data.packed import BadShardError, PackedDataset
@@ -123,10 +124,6 @@ def test_without_obstore_a_bucket_url_names_the_extra_to_install(monkeypatch):
         PackedDataset("s3://bucket/digits", "train")
     with pytest.raises(DataError, match=r"needs obstore: pip install 'distribuuuu\[cloud\]'"):
         remote.upload(__file__, "gs://bucket/x")
-
-
-def _without_timings(record: dict) -> dict:
-    return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
 
 
 @pytest.mark.slow  # two 1-epoch runs of 2 processes
