@@ -16,6 +16,8 @@ EXPORT = ["onnx", "onnxruntime", "onnxscript"]
 RUFF = "ruff==0.17.6"
 # Packed datasets: webdataset writes the shards, wids (webdataset's indexed reader) reads them.
 DATA = ["webdataset>=1.0", "wids>=0.1.11"]
+# Packed datasets in object stores (s3://, gs://, az://): obstore, chosen by measurement (docs/packed-data.md).
+CLOUD = ["obstore>=0.12"]
 
 setup(
     name="distribuuuu",
@@ -37,6 +39,8 @@ setup(
             "wandb",
             "mlflow-skinny",
             *DATA,
+            *CLOUD,
+            "moto[server]",  # a local S3-compatible server for the object-store tests
             "datasets",
             "torchcodec",
             RUFF,
@@ -45,6 +49,7 @@ setup(
         "timm": ["timm"],
         "export": EXPORT,
         "data": DATA,
+        "cloud": CLOUD,
         "hf": ["datasets"],  # TRAIN/TEST.DATASET: an image dataset saved with datasets' save_to_disk
         # JPEG decoding by TorchCodec, the successor of torchvision's deprecated decoders (images need no FFmpeg)
         "codec": ["torchcodec"],

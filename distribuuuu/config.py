@@ -65,7 +65,8 @@ _C.TRAIN.BATCH_SIZE = 32
 _C.TRAIN.IM_SIZE = 32
 # Dataset root: an ImageFolder root holding SPLIT/<class>/<image>, cifar10/cifar100 as
 # "cifar10:<root>" / "cifar100:<root>" with torchvision's extracted on-disk files, or a packed
-# dataset (tools/pack_dataset.py: SPLIT/index.json + WebDataset shards) as a folder or http(s) URL,
+# dataset (tools/pack_dataset.py: SPLIT/index.json + WebDataset shards) as a folder or a URL
+# (http(s)://, or s3:// gs:// az:// with the cloud extra; credentials from the environment),
 # or a Hugging Face image dataset saved with save_to_disk (SPLIT/state.json; needs `datasets`)
 _C.TRAIN.DATASET = "data/digits"
 # Split folder under TRAIN.DATASET
@@ -688,12 +689,14 @@ def check_dataset_paths(c: CN) -> None:
     """Raise ConfigError naming a dataset folder that does not exist (unless DUMMY_INPUT)."""
     if c.MODEL.DUMMY_INPUT:
         return
+    from distribuuuu.data.remote import is_remote  # only here: the config module stays light
+
     for key, root, split in (
         ("TRAIN.DATASET", c.TRAIN.DATASET, c.TRAIN.SPLIT),
         ("TEST.DATASET", c.TEST.DATASET, c.TEST.SPLIT),
         *(("TEST.EXTRA_DATASETS", extra, c.TEST.SPLIT) for extra in c.TEST.EXTRA_DATASETS),
     ):
-        if root.startswith(("http://", "https://")):
+        if is_remote(root):
             continue  # a packed dataset's URL: its index is read (and named if it fails) when the data is built
         kind, _, path = root.partition(":") if root.split(":", 1)[0] in ("cifar10", "cifar100") else ("", "", root)
         if kind:

@@ -5,7 +5,9 @@
 
 SRC is an ImageFolder root (SRC/<split>/<class>/<image>) or "cifar10:<root>" / "cifar100:<root>".
 OUT/<split>/ receives shard-NNNNNN.tar and index.json; serve OUT over HTTP(S) and use its URL
-as TRAIN.DATASET to read it remotely. A run interrupted half-way resumes: run it again.
+as TRAIN.DATASET to read it remotely. OUT may be an object store (s3://bucket/x, gs://, az://;
+the cloud extra): the splits are packed into --staging, then uploaded, the index last.
+A run interrupted half-way resumes: run it again.
 --max-side / --quality re-encode every image as JPEG (the longer side at most --max-side):
 smaller shards and faster decoding, at a pixel cost (docs/packed-data.md). --verify checks
 every shard's size and MD5 against the index and packs nothing.
@@ -14,14 +16,18 @@ every shard's size and MD5 against the index and packs nothing.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distribuuuu.data import DataError  # noqa: E402
-from distribuuuu.data.pack import PackOptions, pack_split, verify_split  # noqa: E402
+from distribuuuu.data.pack import PackOptions, pack_split, publish_split, verify_split  # noqa: E402
+from distribuuuu.data.remote import is_remote, join  # noqa: E402
 
 
 def progress_printer(split: str) -> callable:
@@ -48,25 +54,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-side", type=int, default=0, help="re-encode as JPEG, longer side at most this")
     p.add_argument("--quality", type=int, default=0, help="JPEG quality when re-encoding (default 90)")
     p.add_argument("--verify", action="store_true", help="check OUT's shards against their index; pack nothing")
+    p.add_argument("--staging", default="", help="local folder an object-store OUT is packed in (default: a temp dir)")
     a = p.parse_args(argv)
     if a.shard_size < 1 or a.max_side < 0 or not 0 <= a.quality <= 100:
         p.error("--shard-size must be >= 1, --max-side >= 0, --quality in 0..100")
+    if is_remote(a.out) and a.verify:
+        p.error("--verify reads a local OUT (a bucket's shards are checked as they are downloaded)")
     splits = [s for s in a.splits.split(",") if s]
     try:
         if a.verify:
             bad = [b for s in splits for b in verify_split(os.path.join(a.out, s))]
             print("\n".join(f"bad shard: {b}" for b in bad) or "every shard matches its index")
             return 1 if bad else 0
-        opts = PackOptions(a.shard_size, a.max_side, a.quality)
-        for split in splits:
-            r = pack_split(a.src, split, a.out, opts, progress_printer(split))
-            print(
-                f"{split}: {r.samples} samples in {r.shards} shards ({r.written} written, {r.shards - r.written} kept)"
-            )
+        pack(a.src, splits, a.out, PackOptions(a.shard_size, a.max_side, a.quality), a.staging)
     except (DataError, OSError) as e:
         print(f"pack_dataset: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def pack(src: str, splits: list[str], out: str, opts: PackOptions, staging: str) -> None:
+    """Pack each split into ``out``; an object-store ``out`` through the local ``staging`` folder."""
+    local = out
+    if is_remote(out):
+        # Kept until every split is uploaded: a run again resumes from it (packs and uploads only what is missing).
+        local = staging or os.path.join(
+            tempfile.gettempdir(), "distribuuuu-pack", hashlib.sha256(out.encode()).hexdigest()[:16]
+        )
+    for split in splits:
+        r = pack_split(src, split, local, opts, progress_printer(split))
+        print(f"{split}: {r.samples} samples in {r.shards} shards ({r.written} written, {r.shards - r.written} kept)")
+        if local != out:
+            uploaded = publish_split(os.path.join(local, split), join(out, split))
+            print(f"{split}: {uploaded} shards uploaded to {join(out, split)}, {r.shards - uploaded} already there")
+    if local != out and not staging:
+        shutil.rmtree(local, ignore_errors=True)
 
 
 if __name__ == "__main__":

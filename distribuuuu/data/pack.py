@@ -7,6 +7,11 @@ names, targets, encoding options). A second run skips every shard whose record m
 file has the recorded size, rewrites the others, and writes index.json last. Tar headers carry
 fixed times and owners (webdataset's TarWriter with mtime 0), so a shard's bytes depend on its
 samples alone: an interrupted run, run again, produces the same shards as an uninterrupted one.
+
+An object-store output (s3://, gs://, az://) is packed into a local staging folder first, then
+``publish_split`` uploads it: each shard followed by its ``.parts`` record, the index last. A run
+again uploads only the shards whose record in the bucket differs from the staged one, so an
+interrupted upload resumes, and readers never see an index naming a shard not yet there.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from PIL import Image
 
-from distribuuuu.data.datasets import build_base_dataset
+from distribuuuu.data.datasets import DataError, build_base_dataset
 from distribuuuu.data.packed import INDEX, KIND, key_of, md5_of
+from distribuuuu.data.remote import join, read_bytes, upload
 
 SHARD = "shard-{:06d}.tar"
 PARTS = ".parts"
@@ -140,6 +146,30 @@ def _write_json(path: str, obj: dict) -> None:
     with open(path + ".part", "w") as f:
         json.dump(obj, f)
     os.replace(path + ".part", path)
+
+
+def publish_split(folder: str, url: str) -> int:
+    """Upload the packed split ``folder`` to the object-store folder ``url``; the number of shards uploaded."""
+    with open(os.path.join(folder, INDEX)) as f:
+        index = json.load(f)
+    uploaded = 0
+    for n, shard in enumerate(index["shardlist"]):
+        record = os.path.join(folder, PARTS, f"{n:06d}.json")
+        with open(record, "rb") as f:
+            staged = f.read()
+        if _read_remote(join(url, f"{PARTS}/{n:06d}.json")) != staged:  # absent, or another packing
+            upload(os.path.join(folder, shard["url"]), join(url, shard["url"]))
+            upload(record, join(url, f"{PARTS}/{n:06d}.json"))  # after its shard: it vouches for it
+            uploaded += 1
+    upload(os.path.join(folder, INDEX), join(url, INDEX))
+    return uploaded
+
+
+def _read_remote(url: str) -> bytes | None:
+    try:
+        return read_bytes(url)
+    except DataError:
+        return None  # not there (yet): the shard is uploaded
 
 
 def verify_split(folder: str) -> list[str]:

@@ -5,9 +5,9 @@ Layout (what tools/pack_dataset.py writes), for each split::
     ROOT/SPLIT/index.json          wids shard index (``wids-shard-index-v1``) plus our keys
     ROOT/SPLIT/shard-000000.tar    WebDataset tar: <key>.jpg|png and <key>.cls per sample
 
-ROOT is a local folder or an http(s):// URL. ``wids.ShardListDataset`` (webdataset's indexed
-reader, chosen by measurement: docs/packed-data.md) maps a global index to a shard and reads the
-sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
+ROOT is a local folder or a URL: http(s)://, or an object store's (s3://, gs://, az://; data/remote.py).
+``wids.ShardListDataset`` (webdataset's indexed reader, chosen by measurement: docs/packed-data.md)
+maps a global index to a shard and reads the sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
 the samplers are unchanged: ResumableDistributedSampler still gives exactly-once, deterministic
 order, global-position resume, and ExactEvalSampler exact evaluation, whatever the world size.
 ``sample_shards`` tells DATA.SHUFFLE_WINDOW's sampler which shard holds each sample.
@@ -15,8 +15,9 @@ order, global-position resume, and ExactEvalSampler exact evaluation, whatever t
 Shard fetching is ours (``_ShardFiles``), passed to wids as its ``localname`` hook: wids itself
 downloads with ``curl`` through ``os.system`` with no timeout, writes the final file in place (an
 interrupted download leaves a truncated shard in its cache) and does not check the index's
-checksums. Here a download has a timeout, lands under a temporary name, is checked against the
-index's size and MD5, and only then takes its final name; a local shard is read in place, its
+checksums. Here a download (``remote.download``) is streamed to disk, retried and resumed, lands
+under a temporary name, is checked against the index's size and MD5, and only then takes its
+final name; a local shard is read in place, its
 size checked against the index (a truncated shard is named, not half-read), through a symbolic
 link in the cache folder (wids writes its lock file beside the file it opens).
 """
@@ -29,57 +30,37 @@ import io
 import json
 import os
 import tempfile
-import urllib.error
-import urllib.request
 
 import numpy as np
 
-from distribuuuu.data.datasets import BadImageError, DataError, EncodedSamples
+from distribuuuu.data.datasets import DataError, EncodedSamples
+from distribuuuu.data.remote import BadShardError, download, is_remote, join, read_bytes
 
 INDEX = "index.json"
 KIND = "wids-shard-index-v1"
-URL_PREFIXES = ("http://", "https://")
 IMAGE_EXTS = ("jpg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm", "pbm")
-TIMEOUT_S = 60  # per HTTP request: a dead server is an error, never a hang
-
-
-class BadShardError(BadImageError):
-    """A shard is missing, truncated or fails its checksum; the message names it."""
-
-
-def is_url(root: str) -> bool:
-    return root.startswith(URL_PREFIXES)
 
 
 def index_location(root: str, split: str) -> str:
     """Where a packed split's index lives: ROOT/SPLIT/index.json (a path or a URL)."""
-    if is_url(root):
-        return f"{root.rstrip('/')}/{split}/{INDEX}"
-    return os.path.join(root, split, INDEX)
+    return join(join(root, split), INDEX)
 
 
 def is_packed(root: str, split: str) -> bool:
     """A URL, or a local folder whose split holds an index.json."""
-    return is_url(root) or os.path.isfile(index_location(root, split))
-
-
-def fetch(url: str, timeout: float = TIMEOUT_S) -> bytes:
-    """The body of an http(s) URL; DataError naming it on any failure."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.read()
-    except (urllib.error.URLError, OSError) as e:
-        raise DataError(f"cannot read {url}: {e}") from None
+    return is_remote(root) or os.path.isfile(index_location(root, split))
 
 
 def load_index(location: str) -> dict:
     """Read and check a packed split's index.json (path or URL)."""
     try:
-        if is_url(location):
-            index = json.loads(fetch(location))
+        if is_remote(location):
+            index = json.loads(read_bytes(location))
         else:
             with open(location) as f:
                 index = json.load(f)
+    except DataError:
+        raise  # read_bytes names the URL and why already
     except (OSError, ValueError) as e:
         raise DataError(f"packed index {location} does not load: {e}") from None
     if index.get("__kind__") != KIND or not isinstance(index.get("shardlist"), list):
@@ -111,7 +92,7 @@ class _ShardFiles:
         local = os.path.join(
             self.cache_dir, hashlib.sha256(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url)
         )
-        if not is_url(url):
+        if not is_remote(url):
             # A symbolic link, not a copy: wids locks "<local>.lock" beside the file it opens, and
             # the dataset's own folder may be read-only.
             self._check_size(url, desc)
@@ -121,7 +102,7 @@ class _ShardFiles:
                 os.replace(tmp, local)
             return local
         if not os.path.isfile(local) or os.path.getsize(local) != desc["filesize"]:  # absent, or another version
-            self._download(url, desc, local)
+            download(url, local, desc["filesize"], desc["md5sum"])
         return local
 
     @staticmethod
@@ -132,18 +113,6 @@ class _ShardFiles:
             raise BadShardError(f"shard {path} cannot be read: {e}") from None
         if size != desc["filesize"]:
             raise BadShardError(f"shard {path} is {size} bytes, the index says {desc['filesize']} (truncated?)")
-
-    def _download(self, url: str, desc: dict, local: str) -> None:
-        try:
-            data = fetch(url)
-        except DataError as e:
-            raise BadShardError(f"shard {e}") from None
-        if len(data) != desc["filesize"] or hashlib.md5(data).hexdigest() != desc["md5sum"]:
-            raise BadShardError(f"shard {url}: {len(data)} bytes that fail the index's size/MD5 check")
-        fd, tmp = tempfile.mkstemp(dir=self.cache_dir, suffix=".part")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, local)  # atomic: workers and ranks that fetch the same shard all end up right
 
 
 def default_cache_dir(root: str) -> str:
@@ -165,8 +134,8 @@ class PackedDataset(EncodedSamples):
         self.location = index_location(root, split)
         index = load_index(self.location)
         super().__init__([(name, int(t)) for name, t in index["samples"]], list(index["classes"]), decoder)
-        base = self.location.rsplit("/", 1)[0] + "/"
-        shards = [dict(s, url=_join(base, s["url"])) for s in index["shardlist"]]
+        base = self.location.rsplit("/", 1)[0]
+        shards = [dict(s, url=join(base, s["url"])) for s in index["shardlist"]]
         with contextlib.redirect_stderr(io.StringIO()):  # wids prints a summary line on every construction
             self.shards = wids.ShardListDataset(
                 shards,
@@ -204,7 +173,3 @@ class PackedDataset(EncodedSamples):
 def key_of(row: int) -> str:
     """A sample's WebDataset key: its global row, zero-padded (no dots: WebDataset splits at the first)."""
     return f"{row:09d}"
-
-
-def _join(base: str, url: str) -> str:
-    return url if is_url(url) or os.path.isabs(url) else base + url
