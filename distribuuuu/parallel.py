@@ -1,5 +1,7 @@
 """FSDP2 sharding for DIST.STRATEGY fsdp and hsdp: the device mesh, the blocks, mixed precision, accumulation.
 
+Also what every strategy's step runs through: autocast, the batch's copy to the device, gradient sync.
+
 ``fully_shard`` turns each parameter into a DTensor sharded on dim 0 over the mesh's shard
 dimension; every block becomes one all-gather / reduce-scatter unit, so only one block's full
 weights live on a rank at a time. The root is sharded last and owns what no block holds (stem,
@@ -8,6 +10,7 @@ head). The optimizer must be built *after* ``shard_model``: sharding replaces th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import Iterable
@@ -19,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from distribuuuu.launch import DistEnv
 from distribuuuu.models import has_batchnorm
 
 logger = logging.getLogger(__name__)
@@ -196,3 +200,26 @@ def missing_forwards(num_local_batches: int, device: torch.device) -> int:
     box = torch.tensor([num_local_batches], device=device)
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
     return int(box.item()) - num_local_batches
+
+
+def autocast(run_or_cfg_precision: str, device: torch.device):
+    """Autocast context for TRAIN.PRECISION (a no-op for fp32)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run_or_cfg_precision)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def to_device(images: torch.Tensor, targets: torch.Tensor, env: DistEnv, channels_last: bool):
+    """Copy a batch to the device (asynchronously from pinned memory on CUDA)."""
+    images = images.to(env.device, non_blocking=True)
+    targets = targets.to(env.device, non_blocking=True)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return images, targets
+
+
+def gradient_sync(model: nn.Module, sync: bool):
+    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) on micro-batches other than the last."""
+    set_gradient_sync(model, sync)  # FSDP2 reads its flag in backward: a setter, before the forward is fine
+    if sync or not isinstance(model, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()

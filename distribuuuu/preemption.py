@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Callable
+from typing import NoReturn
 
 from distribuuuu.distributed import is_main_process
 from distribuuuu.logger import get_logger
@@ -105,6 +107,23 @@ def _obey_sigterm_from(parent: int) -> None:
             # As torch's own worker SIGTERM handler does for its parent: a clean exit, which the
             # DataLoader's SIGCHLD check does not report as a crash.
             os._exit(0)
+
+
+def stop_for_preemption(
+    preempt: PreemptionHandler | None, position: str, save_checkpoint: Callable[[], object], requeue: bool
+) -> NoReturn:
+    """At a synchronised step: checkpoint (``save_checkpoint``, on every rank), requeue if asked, raise Preempted.
+
+    ``preempt`` is None on a rank without a handler (not the main thread): it follows a peer's signal.
+    """
+    if preempt is not None:
+        preempt.stop_requested_by_peer()  # a no-op on the ranks that got the signal themselves
+    signal_name = preempt.signal_name if preempt is not None else "a peer's signal"
+    logger.warning("preemption (%s): checkpointing at %s", signal_name, position)
+    save_checkpoint()  # returns once the checkpoint is complete on every rank
+    if requeue:
+        requeue_slurm_job()  # rank 0 alone
+    raise Preempted(f"preempted at {position}")
 
 
 def requeue_slurm_job() -> None:

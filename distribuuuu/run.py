@@ -79,6 +79,12 @@ class Run:
         """The state of this run ``step_in_epoch`` steps into ``epoch`` (0-based), on its own global batch."""
         return TrainState(epoch=epoch, step_in_epoch=step_in_epoch, samples_in_epoch=step_in_epoch * self.global_batch)
 
+    def move_to(self, epoch: int, step_in_epoch: int = 0) -> None:
+        """Put the run ``step_in_epoch`` steps into ``epoch`` (0-based), its best kept: where the next
+        ``train_epoch`` continues (sampler, LR schedule) and what a checkpoint records."""
+        best = {"best_acc1": self.state.best_acc1, "best_weights": self.state.best_weights}
+        self.state = TrainState(**{**vars(self.at_step(epoch, step_in_epoch)), **best})
+
     @property
     def global_batch(self) -> int:
         """Samples one optimizer step takes from the epoch's permutation, over all ranks."""
@@ -324,3 +330,14 @@ def build_train_criterion(cfg: CfgNode, train: Split) -> nn.Module:
         weights[: len(found)] = found
         logger.info("TRAIN.CLASS_WEIGHTS balanced: %s", ", ".join(f"{w:.3g}" for w in found.tolist()))
     return build_criterion(t.LOSS, t.LABEL_SMOOTHING, t.BCE_TARGET_THRESHOLD or None, weights)
+
+
+def report_finished_run(cfg: CfgNode, env: DistEnv, epochs_done: int) -> None:
+    """Say that OUT_DIR's run is finished, on the console only: its log, config and summary stay as they are."""
+    setup_logging(None, env.rank)
+    if env.is_main_process:
+        logger.warning(
+            "%s already holds a finished run (%d epochs trained, OPTIM.MAX_EPOCH %d): nothing to train, nothing "
+            "written; raise OPTIM.MAX_EPOCH to train on, or give another OUT_DIR to start a new run",
+            cfg.OUT_DIR, epochs_done, cfg.OPTIM.MAX_EPOCH,
+        )  # fmt: skip

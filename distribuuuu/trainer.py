@@ -1,12 +1,12 @@
-"""The training algorithm: train_step, optimizer_step, train_epoch, validate, train_model, test_model.
+"""The training algorithm: train_model -> train_epochs -> train_one_epoch -> train_epoch -> train_step.
 
 Everything else has its own home: the run's set-up (``run.py``), what a checkpoint holds and
-resuming it (``state.py``), the records (``records.py``), preemption, RNG and fault handling.
+resuming it (``state.py``), evaluation (``validation.py``: validate, test_model), autocast and
+gradient sync (``parallel.py``), the records (``records.py``), preemption, RNG and fault handling.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
@@ -14,37 +14,27 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError, check_dataset_paths, eval_crop_size
-from distribuuuu.data import Split, build_val_split, sample_paths
+from distribuuuu.config import check_dataset_paths
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
-from distribuuuu.evaluation import EvalOutputs
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
 from distribuuuu.heartbeat import report_position
-from distribuuuu.launch import DistEnv
-from distribuuuu.logger import get_logger, setup_logging
+from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
 from distribuuuu.optim import lr_at, set_lr
-from distribuuuu.parallel import is_sharded, missing_forwards, norm_value, set_gradient_sync
-from distribuuuu.preemption import Preempted, PreemptionHandler, requeue_slurm_job
+from distribuuuu.parallel import autocast, gradient_sync, norm_value, to_device
+from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
 from distribuuuu.records import log_train_window, write_eval_record, write_train_record
-from distribuuuu.run import (
-    Run,
-    TrainState,
-    build_model_for,
-    build_run,
-    prepare_outputs,
-    setup_environment,
-    start_process_group,
-)
+from distribuuuu.run import Run, TrainState, build_run, prepare_outputs, report_finished_run, start_process_group
 from distribuuuu.state import (
     find_checkpoint_to_resume,
-    load_weights,
     log_config_changes,
     resume_or_load_weights,
     save_training_checkpoint,
-    warn_if_evaluated_otherwise,
 )
+from distribuuuu.validation import test_model, validate
+
+__all__ = ["test_model", "train_epoch", "train_model", "train_one_epoch", "train_step", "validate"]
 
 logger = get_logger("trainer")
 
@@ -52,29 +42,6 @@ logger = get_logger("trainer")
 # ------------------------------------------------------------------------------------------------
 # One optimizer step
 # ------------------------------------------------------------------------------------------------
-def autocast(run_or_cfg_precision: str, device: torch.device):
-    """Autocast context for TRAIN.PRECISION (a no-op for fp32)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(run_or_cfg_precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def to_device(images: torch.Tensor, targets: torch.Tensor, env: DistEnv, channels_last: bool):
-    """Copy a batch to the device (asynchronously from pinned memory on CUDA)."""
-    images = images.to(env.device, non_blocking=True)
-    targets = targets.to(env.device, non_blocking=True)
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    return images, targets
-
-
-def gradient_sync(model: nn.Module, sync: bool):
-    """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) on micro-batches other than the last."""
-    set_gradient_sync(model, sync)  # FSDP2 reads its flag in backward: a setter, before the forward is fine
-    if sync or not isinstance(model, nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext()
-    return model.no_sync()
-
-
 def train_step(run: Run, micro_batches: list, sums: MetricSums) -> torch.Tensor:
     """Forward and backward each micro-batch, then one optimizer step; return the mean loss."""
     cfg, env = run.cfg, run.env
@@ -173,7 +140,8 @@ def train_epoch(run: Run, epoch: int) -> dict:
             totals = sync_point(run, window, window_losses, epoch, step + 1, clock)
             epoch_sums.add_totals(totals)
             if totals["stop"]:
-                stop_for_preemption(run)
+                position = f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"
+                stop_for_preemption(run.preempt, position, lambda: save_training_checkpoint(run), cfg.DIST.REQUEUE)
         if checkpoint_due:
             save_training_checkpoint(run)
     return dict(epoch_sums.totals(), time_s=time.perf_counter() - clock["epoch_start"])
@@ -230,76 +198,6 @@ def scheduled_lr(run: Run) -> float:
     return lr_at(max(run.schedule_step - 1, 0), run.steps_per_epoch, run.cfg.OPTIM, run.base_lr)
 
 
-@torch.no_grad()
-def validate(
-    model: nn.Module, split: Split, cfg: CfgNode, env: DistEnv, outputs: tuple[str, str] | None = None
-) -> dict:
-    """Evaluate every val sample exactly once across ranks; return exact totals and means.
-
-    With ``outputs`` (folder, file prefix), TEST.CONFUSION's and TEST.SAVE_PREDICTIONS's files are
-    saved there: one more all-reduce and one gather per evaluation, none per batch.
-    """
-    model.eval()
-    sums = MetricSums(env.device, cfg.TRAIN.TOPK)
-    names = split.classes + [str(c) for c in range(len(split.classes), cfg.MODEL.NUM_CLASSES)]
-    t = cfg.TEST
-    extras = EvalOutputs(len(names), cfg.TRAIN.TOPK, env.device, t.CONFUSION, t.SAVE_PREDICTIONS) if outputs else None
-    tic = time.perf_counter()
-    # A sharded model all-gathers in every forward: ranks with fewer batches owe empty forwards,
-    # counted before the loop (a count taken after it would meet a peer's all-gather: deadlock).
-    owed = missing_forwards(len(split.loader), env.device) if is_sharded(model) else 0
-    for i, (images, targets, skipped) in enumerate(split.loader):
-        images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
-        with autocast(cfg.TRAIN.PRECISION, env.device):
-            logits = model(images)
-        sums.add(nn.functional.cross_entropy(logits.float(), targets), logits, targets)
-        if extras is not None:
-            extras.update(logits, targets, skipped)
-        if skipped:
-            sums.add_field("skipped_images", skipped)
-        if (i + 1) % cfg.TEST.PRINT_FREQ == 0:
-            logger.info("val  batch %d/%d (rank 0)", i + 1, len(split.loader))
-    run_empty_forwards(model, owed, cfg, env)
-    totals = sums.reduce()
-    if extras is not None:
-        extras.save(*outputs, indices=list(split.sampler), paths=sample_paths(split.dataset), names=names)
-    totals["time_s"] = time.perf_counter() - tic
-    totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
-    return totals
-
-
-def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv) -> None:
-    """Call the (sharded) model ``count`` times on an empty batch, so every rank joins every all-gather.
-
-    The exact eval sampler gives ranks up to one batch more or less; without these the ranks
-    with more batches would wait for the others' all-gathers until the timeout.
-    """
-    size = eval_crop_size(cfg)
-    empty = torch.empty(0, 3, size, size, device=env.device)
-    for _ in range(count):
-        with autocast(cfg.TRAIN.PRECISION, env.device):
-            model(empty)
-
-
-# ------------------------------------------------------------------------------------------------
-# Checkpoints and resume
-# ------------------------------------------------------------------------------------------------
-
-
-def stop_for_preemption(run: Run) -> None:
-    """Checkpoint at this (synchronised) step, requeue if asked, and raise Preempted."""
-    if run.preempt is not None:
-        run.preempt.stop_requested_by_peer()  # a no-op on the ranks that got the signal themselves
-    signal_name = run.preempt.signal_name if run.preempt is not None else "a peer's signal"
-    logger.warning(
-        "preemption (%s): checkpointing at epoch %d, step %d", signal_name, run.state.epoch + 1, run.state.step_in_epoch
-    )
-    save_training_checkpoint(run)  # returns once the checkpoint is complete on every rank
-    if run.cfg.DIST.REQUEUE:
-        requeue_slurm_job()  # rank 0 alone
-    raise Preempted(f"preempted at epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}")
-
-
 # ------------------------------------------------------------------------------------------------
 # Entry points
 # ------------------------------------------------------------------------------------------------
@@ -336,28 +234,11 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
             cleanup_distributed()
 
 
-def report_finished_run(cfg: CfgNode, env: DistEnv, epochs_done: int) -> None:
-    """Say that OUT_DIR's run is finished, on the console only: its log, config and summary stay as they are."""
-    setup_logging(None, env.rank)
-    if env.is_main_process:
-        logger.warning(
-            "%s already holds a finished run (%d epochs trained, OPTIM.MAX_EPOCH %d): nothing to train, nothing "
-            "written; raise OPTIM.MAX_EPOCH to train on, or give another OUT_DIR to start a new run",
-            cfg.OUT_DIR, epochs_done, cfg.OPTIM.MAX_EPOCH,
-        )  # fmt: skip
-
-
 def train_epochs(run: Run) -> dict:
     """From the resumed epoch on: train, agree on BatchNorm statistics, evaluate, checkpoint."""
     cfg, last_val, first_epoch = run.cfg, {}, run.state.epoch
     for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
-        train_totals = train_epoch(run, epoch)
-        sync_buffers(run)
-        write_train_record(
-            run.writer, epoch + 1, train_totals, cfg.TRAIN.TOPK, scheduled_lr(run), run.global_step,
-            run.scaler.is_enabled(),
-        )  # fmt: skip
-        run.state = TrainState(epoch + 1, 0, run.state.best_acc1, run.state.best_weights)
+        train_one_epoch(run, epoch)
         is_best = False
         if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
             last_val, is_best = evaluate_epoch(run, epoch)
@@ -365,6 +246,18 @@ def train_epochs(run: Run) -> dict:
         if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
             break
     return last_val
+
+
+def train_one_epoch(run: Run, epoch: int) -> dict:
+    """Train ``epoch`` from the run's position, agree on BatchNorm statistics, record it, and move
+    the run to the next epoch's start: an epoch of train_net.py, less evaluation and checkpoint."""
+    totals = train_epoch(run, epoch)
+    sync_buffers(run)
+    write_train_record(
+        run.writer, epoch + 1, totals, run.cfg.TRAIN.TOPK, scheduled_lr(run), run.global_step, run.scaler.is_enabled(),
+    )  # fmt: skip
+    run.move_to(epoch + 1)
+    return totals
 
 
 def sync_buffers(run: Run) -> None:
@@ -401,39 +294,3 @@ def evaluate_epoch(run: Run, epoch: int) -> tuple[dict, bool]:
             if totals["top1_acc"] > run.state.best_acc1:
                 run.state.best_acc1, run.state.best_weights, is_best = totals["top1_acc"], name, True
     return results["model"], is_best
-
-
-def test_model(cfg: CfgNode) -> dict:
-    """Evaluate MODEL.WEIGHTS on the val split; append a ``test`` line to OUT_DIR/metrics.jsonl.
-
-    OUT_DIR's config.yaml is left alone: evaluating into a training run's folder keeps its record.
-    """
-    if not cfg.MODEL.WEIGHTS:
-        raise ConfigError("MODEL.WEIGHTS must name a checkpoint: test_net.py refuses to run without weights")
-    check_dataset_paths(cfg)
-    model_source(cfg.MODEL.ARCH)
-    env, writer = setup_environment(cfg, training=False)
-    try:
-        model = build_model_for(cfg, env)
-        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH)
-        if not state.get("classes"):
-            logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
-        warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)
-        val = build_val_split(cfg, env, state.get("classes"))
-        if cfg.TRAIN.COMPILE:
-            model = torch.compile(model)
-        totals = validate(model, val, cfg, env)
-        epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
-        write_eval_record(writer, "test", epoch, totals, cfg.TRAIN.TOPK, cfg.MODEL.WEIGHTS_KIND)
-        logger.info(
-            "test %s: top1 %.3f  top%d %.3f  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
-            cfg.MODEL.WEIGHTS, totals["top1_acc"], cfg.TRAIN.TOPK, totals["topk_acc"], totals["loss"], totals["samples"],
-            cfg.OUT_DIR,
-        )  # fmt: skip
-        return totals
-    finally:
-        writer.close()
-        cleanup_distributed()
-
-
-test_model.__test__ = False  # a library entry point, not a pytest test

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 from helpers import REPO, assert_ok, python, run
@@ -56,6 +57,7 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     assert set(train) == {"framework", "plain"}
     for r in train.values():
         assert r["arch"] == "resnet18" and r["world_size"] == 1 and r["batch_per_proc"] == 8 and r["steps"] == 2
+        assert r["dataset"] == "data/digits", "train/plain time the configured dataset, as a run reads it"
         assert 0 < r["images_per_s_min"] <= r["images_per_s_median"] <= r["images_per_s_max"]
         # The process holds torch and a resnet18 with its gradients and optimizer state: > 100 MiB.
         assert r["peak_mem_kind"] == "process_rss" and 100 < r["peak_mem_mib"] < 24 * 1024
@@ -84,6 +86,19 @@ def test_benchmark_packed_measures_every_path_on_the_same_photos():
     small = [r for p, r in paths.items() if p.startswith("packed-")]
     assert len(small) == 2 and all(0 < r["pixels_kept"] <= 1 and 0 < r["bytes_kept"] for r in small)
     assert all(r["images_per_s_per_core"] > 0 and r["im_size"] == 224 for r in records)
+
+
+@pytest.mark.parametrize("tool", ["benchmark.py", "gpu_check.py"])
+def test_tools_drive_the_trainer_through_its_public_functions(tool):
+    """No write to a run's position or sampler, no replaced trainer attribute: a tool that set
+    them itself would break silently when the package changes (Run.move_to, train_one_epoch)."""
+    source = (REPO / "tools" / tool).read_text()
+    for pattern in (
+        r"\brun\.state(\.\w+)?\s*=[^=]",
+        r"(train|split)\.sampler\.set_\w+\(",  # the trainer's sampler (the plain loop has its own)
+        r"\btrainer\.\w+\s*=[^=]",
+    ):
+        assert not re.search(pattern, source), f"{tool} matches {pattern}: {re.search(pattern, source).group(0)}"
 
 
 def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):

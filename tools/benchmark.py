@@ -7,9 +7,11 @@ Runs under the same launchers as training and reads the same config::
     srun python tools/benchmark.py --cfg FILE
 
 Rank 0 prints one JSON object per line per measurement (also appended to ``--json PATH``) and a
-table at the end. Training is measured on MODEL.DUMMY_INPUT data (in memory), by the trainer's
-own ``train_epoch``, alternating with a minimal hand-written loop (same model, initial weights,
-batch, optimizer and parameter groups, data, world size) so drift hits both alike.
+table at the end. Training (``train``) is what a user's run does: epochs of the configured dataset
+through the trainer's public ``train_one_epoch`` (its DataLoader, sync points and epoch boundary),
+alternating with a minimal hand-written DDP loop (``plain``: same model, initial weights, batch,
+optimizer and parameter groups, dataset and transforms, DataLoader workers, world size) so drift
+hits both alike. The other measurements run on MODEL.DUMMY_INPUT data (in memory).
 """
 
 from __future__ import annotations
@@ -39,16 +41,17 @@ from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
 from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
-from distribuuuu.data import DataError, build_train_split, jpeg, load_image  # noqa: E402
+from distribuuuu.data import DataError, build_train_split, build_train_transform, jpeg, load_image  # noqa: E402
 from distribuuuu.distributed import all_reduce_sum, barrier, broadcast_object, cleanup_distributed, setup_distributed  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.launch import DistEnv, LaunchError  # noqa: E402
 from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
-from distribuuuu.optim import LAMB, LARS, freeze, optimizer_groups  # noqa: E402
-from distribuuuu.parallel import local_state_bytes  # noqa: E402
+from distribuuuu.optim import LAMB, LARS, freeze, lr_at, optimizer_groups, set_lr  # noqa: E402
+from distribuuuu.parallel import autocast, gradient_sync, local_state_bytes, to_device  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
+from distribuuuu.validation import validate  # noqa: E402
 
 WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
@@ -58,6 +61,7 @@ MIXED_SIZES = ((500, 375), (375, 500), (500, 333), (333, 500), (640, 480), (800,
 MIXED_WEIGHTS = (0.3, 0.15, 0.15, 0.1, 0.1, 0.08, 0.04, 0.08)
 REENCODE = (320, 90)  # --what packed's re-encoded variant: longer side <= 320 px, JPEG quality 90
 DECODE_BATCH = 32  # JPEGs per decode_jpeg call when timing DATA.DECODER "batched" alone
+SYNTHETIC_STEPS = 30  # steps per repetition of the synthetic measurements when --steps is 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,7 +70,11 @@ DECODE_BATCH = 32  # JPEGs per decode_jpeg call when timing DATA.DECODER "batche
 def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, argparse.Namespace]:
     """Split the benchmark's own flags from the training tools' ``--cfg FILE KEY VALUE ...``."""
     p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per repetition")
+    p.add_argument(
+        "--steps", type=int, default=0,
+        help="train/plain: the last N steps of each timed epoch (0: whole epochs, as a run trains);\n"
+        "the synthetic measurements: steps per repetition (0: 30)",
+    )  # fmt: skip
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before measuring each implementation")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median and spread reported)")
     p.add_argument("--what", default=DEFAULT_WHAT, help=f"comma-separated subset of {','.join(WHAT)}")
@@ -86,8 +94,8 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     bench, rest = p.parse_known_args(argv)
     what = [w for w in bench.what.split(",") if w]
     unknown = [w for w in what if w not in WHAT]
-    if unknown or min(bench.steps, bench.repeats, bench.data_batches, bench.bf16_steps) < 1 or bench.warmup < 0:
-        p.error(f"--what must name items of {WHAT} (got {unknown}); --steps, --repeats, ... must be >= 1")
+    if unknown or min(bench.repeats, bench.data_batches, bench.bf16_steps) < 1 or min(bench.warmup, bench.steps) < 0:
+        p.error(f"--what must name items of {WHAT} (got {unknown}); --repeats, ... must be >= 1, --steps >= 0")
     bench.what = what
     bench.workers = [int(w) for w in bench.workers.split(",") if w != ""]
     return bench, parse_args(rest, __doc__)
@@ -99,7 +107,8 @@ def bench_cfg(cfg_args: argparse.Namespace, *extra: str) -> CfgNode:
 
 
 def synthetic_cfg(cfg_args: argparse.Namespace, env: DistEnv, steps: int, *extra: str) -> CfgNode:
-    """The config on in-memory synthetic data sized so that one epoch is exactly ``steps`` steps."""
+    """The config on in-memory synthetic data sized so that one epoch is exactly ``steps`` steps (0: 30)."""
+    steps = steps or SYNTHETIC_STEPS
     base = bench_cfg(cfg_args, *extra)
     per_step = base.TRAIN.BATCH_SIZE * base.TRAIN.ACCUM_STEPS * env.world_size
     size = per_step * steps
@@ -183,18 +192,22 @@ def timed(fn: Callable[[], object], env: DistEnv) -> float:
 # Training: the trainer's own loop and a hand-written one
 # ------------------------------------------------------------------------------------------------
 def framework_epoch(run: run_setup.Run, steps: int, epoch: int) -> None:
-    """Run the last ``steps`` steps of an epoch through trainer.train_epoch (sync points included)."""
-    run.state = run.at_step(epoch % run.cfg.OPTIM.MAX_EPOCH, run.steps_per_epoch - steps)
-    trainer.train_epoch(run, run.state.epoch)
+    """An epoch of train_net.py (its last ``steps`` steps; 0: all) through the trainer's public
+    ``train_one_epoch``: the DataLoader's start, the sync points, the epoch boundary."""
+    steps = min(steps or run.steps_per_epoch, run.steps_per_epoch)
+    run.move_to(epoch % run.cfg.OPTIM.MAX_EPOCH, run.steps_per_epoch - steps)
+    trainer.train_one_epoch(run, run.state.epoch)
 
 
 class PlainLoop:
     """A minimal hand-written DDP training loop, as a tutorial would write it.
 
-    Same model and initial weights, batch, data, optimizer class, hyper-parameters and parameter
-    groups (no weight decay on biases and norm weights) as the run; DDP with its default knobs,
-    a constant LR and no metrics. What the trainer adds (LR schedule, metrics, sync points,
-    EMA, mixup, NaN checks) is counted as the trainer's cost.
+    Same model and initial weights, batch, optimizer class, hyper-parameters and parameter groups
+    (no weight decay on biases and norm weights) as the run; the same images and training
+    transforms (normalised in the workers), read by a plain DataLoader with DistributedSampler
+    and the run's worker count; DDP with its default knobs, a constant LR and no metrics. What
+    the trainer adds (LR schedule, metrics, sync points, epoch boundary, EMA, mixup, NaN checks,
+    its resumable sampler and device-side normalisation) is counted as the trainer's cost.
     """
 
     def __init__(self, run: run_setup.Run):
@@ -210,11 +223,14 @@ class PlainLoop:
             ids = [env.device.index] if env.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         self.optimizer = self._optimizer(model, cfg, run.base_lr)
-        base = run.train.dataset.base  # the very tensors the trainer reads
-        data = torch.utils.data.TensorDataset(base.images, base.targets)
+        data = plain_dataset(run)
+        t, workers = cfg.TRAIN, cfg.TRAIN.WORKERS
         sampler = torch.utils.data.DistributedSampler(data, env.world_size, env.rank, seed=cfg.RNG_SEED)
         self.sampler = sampler
-        self.loader = torch.utils.data.DataLoader(data, cfg.TRAIN.BATCH_SIZE, sampler=sampler, drop_last=True)
+        self.loader = torch.utils.data.DataLoader(
+            data, t.BATCH_SIZE, sampler=sampler, drop_last=True, num_workers=workers,
+            pin_memory=t.PIN_MEMORY and env.device.type == "cuda", persistent_workers=workers > 0 and t.PERSISTENT_WORKERS,
+        )  # fmt: skip
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.TRAIN.PRECISION)
 
     @staticmethod
@@ -234,12 +250,12 @@ class PlainLoop:
         return torch.optim.SGD(groups, lr=lr, momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV)
 
     def run_steps(self, steps: int, epoch: int) -> None:
-        """Train ``steps`` optimizer steps."""
+        """Train ``steps`` optimizer steps of an epoch (0: the whole epoch)."""
         t, device = self.cfg.TRAIN, self.env.device
         self.model.train()
         self.sampler.set_epoch(epoch)
         batches = iter(self.loader)
-        for _ in range(steps):
+        for _ in range(min(steps or len(self.loader) // t.ACCUM_STEPS, len(self.loader) // t.ACCUM_STEPS)):
             for i in range(t.ACCUM_STEPS):
                 images, targets = next(batches)
                 images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
@@ -257,6 +273,29 @@ class PlainLoop:
             self.optimizer.zero_grad(set_to_none=True)
 
 
+class _Transformed(torch.utils.data.Dataset):
+    """(image, target) pairs of a base dataset through a transform: torchvision's ImageFolder(transform=...)."""
+
+    def __init__(self, base, transform):
+        self.base, self.transform = base, transform
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int):
+        image, target = self.base[index]
+        return self.transform(image), target
+
+
+def plain_dataset(run: run_setup.Run) -> torch.utils.data.Dataset:
+    """The run's training images for the plain loop: synthetic tensors as they are, else the same
+    decoded images through the same training transforms, normalised (as a tutorial's loader does)."""
+    base = run.train.dataset.base
+    if run.cfg.MODEL.DUMMY_INPUT:
+        return torch.utils.data.TensorDataset(base.images, base.targets)  # the very tensors the trainer reads
+    return _Transformed(base, build_train_transform(run.cfg, normalize=True))
+
+
 def build_bench_run(cfg: CfgNode, env: DistEnv) -> run_setup.Run:
     """A run_setup.Run exactly as train_model builds it (no checkpoint, no OUT_DIR)."""
     seed_everything(cfg.RNG_SEED + env.rank)
@@ -265,7 +304,8 @@ def build_bench_run(cfg: CfgNode, env: DistEnv) -> run_setup.Run:
 
 def measure_training(run: run_setup.Run, bench, report: Report, with_framework: bool, with_plain: bool) -> None:
     """Time framework and plain repetitions alternately (ABBA order); report both and their ratio."""
-    cfg, env, steps = run.cfg, run.env, bench.steps
+    cfg, env = run.cfg, run.env
+    steps = min(bench.steps or run.steps_per_epoch, run.steps_per_epoch)
     plain = PlainLoop(run) if with_plain else None
     impls: dict[str, Callable[[int], None]] = {}
     if with_framework:
@@ -294,6 +334,7 @@ def measure_training(run: run_setup.Run, bench, report: Report, with_framework: 
                 "what": "train",
                 "impl": name,
                 **describe(cfg, env),
+                "dataset": "synthetic" if cfg.MODEL.DUMMY_INPUT else cfg.TRAIN.DATASET,
                 "steps": steps,
                 "repeats": bench.repeats,
                 **spread(rates[name], "images_per_s"),
@@ -325,19 +366,18 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
     """
     cfg = run.cfg
     run.forward_model.train()
-    run.state = run_setup.TrainState(epoch=0, step_in_epoch=0)
-    run.train.sampler.set_epoch(0)
-    run.train.sampler.set_start(0)
+    run.move_to(0, 0)
+    trainer.start_epoch_sampler(run, 0)
     batches = iter(run.train.loader)
     sums = MetricSums(env.device, cfg.TRAIN.TOPK)
     parts: dict[str, list[float]] = {
         k: [] for k in ("data", "fwd_bwd", "fwd_bwd_allreduce", "optimizer", "bookkeeping")
     }
-    steps = min(bench.steps, run.steps_per_epoch)
+    steps = min(bench.steps or SYNTHETIC_STEPS, run.steps_per_epoch)
     for i in range(steps):
         tic = time.perf_counter()
         images, targets, _ = next(batches)
-        images, targets = trainer.to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
+        images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
         sync_device(env)
         data_s = time.perf_counter() - tic
         out: dict = {}
@@ -366,7 +406,7 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
 def _forward_backward(run: run_setup.Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
     """One forward and backward through the trainer's model, with or without DDP's gradient all-reduce."""
     run.optimizer.zero_grad(set_to_none=True)
-    with trainer.gradient_sync(run.forward_model, sync), trainer.autocast(run.cfg.TRAIN.PRECISION, run.env.device):
+    with gradient_sync(run.forward_model, sync), autocast(run.cfg.TRAIN.PRECISION, run.env.device):
         logits = run.forward_model(images)
         loss = run.criterion(logits.float(), targets)
     loss.backward()
@@ -375,7 +415,7 @@ def _forward_backward(run: run_setup.Run, images: torch.Tensor, targets: torch.T
 
 def _bookkeeping(run: run_setup.Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
     """What train_epoch does per step besides compute: the LR schedule and the metric sums."""
-    trainer.set_lr(run.optimizer, trainer.lr_at(run.global_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
+    set_lr(run.optimizer, lr_at(run.global_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
     sums.add(out["loss"], out["logits"], targets)
 
 
@@ -384,7 +424,7 @@ def measure_variants(cfg_args, env: DistEnv, bench, report: Report) -> None:
     for precision in ("fp32", "bf16"):
         for channels_last in (False, True):
             slow = precision == "bf16" and env.device.type == "cpu"
-            steps = bench.bf16_steps if slow else bench.steps
+            steps = bench.bf16_steps if slow else bench.steps or SYNTHETIC_STEPS
             extra = ("TRAIN.PRECISION", precision, "TRAIN.CHANNELS_LAST", str(channels_last))
             cfg = synthetic_cfg(cfg_args, env, steps, *extra)
             run = build_bench_run(cfg, env)
@@ -412,11 +452,11 @@ def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> N
     are counted from this rank's local tensors (its shards under fsdp). One strategy per process:
     the CPU's peak RSS cannot be reset, so the driver in docs/scale-out.md starts one per setting.
     """
-    cfg, steps = run.cfg, bench.steps
+    cfg, steps = run.cfg, bench.steps or SYNTHETIC_STEPS
     framework_epoch(run, max(bench.warmup, 1), 0)  # creates the optimizer state
     images, targets = next(iter(run.train.loader))[:2]
-    trainer.gradient_sync(run.forward_model, True)
-    with trainer.autocast(cfg.TRAIN.PRECISION, env.device):
+    gradient_sync(run.forward_model, True)
+    with autocast(cfg.TRAIN.PRECISION, env.device):
         loss = run.criterion(run.forward_model(images.to(env.device)).float(), targets.to(env.device))
     loss.backward()
     held = local_state_bytes(run.model, getattr(run.optimizer, "optim", run.optimizer))  # ZeRO: the local optimizer
@@ -441,8 +481,8 @@ def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> N
 
 def measure_eval(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
     """trainer.validate throughput on the synthetic val split (one warm-up pass)."""
-    trainer.validate(run.eval_model, run.val, run.cfg, env)
-    rates = [trainer.validate(run.eval_model, run.val, run.cfg, env)["images_per_s"] for _ in range(bench.repeats)]
+    validate(run.eval_model, run.val, run.cfg, env)
+    rates = [validate(run.eval_model, run.val, run.cfg, env)["images_per_s"] for _ in range(bench.repeats)]
     report.emit(
         {
             "what": "eval",
@@ -460,9 +500,7 @@ def measure_eval(run: run_setup.Run, env: DistEnv, bench, report: Report) -> Non
 # ------------------------------------------------------------------------------------------------
 def loader_rate(cfg: CfgNode, env: DistEnv, batches: int) -> tuple[float, int]:
     """Images/s of this rank's training loader (dataset, transforms, collate), after its first batch."""
-    split = build_train_split(cfg, env)
-    split.sampler.set_epoch(0)
-    split.sampler.set_start(0)
+    split = build_train_split(cfg, env)  # a new sampler starts at epoch 0, sample 0
     it = iter(split.loader)
     next(it)  # workers start and fill their queues: not part of the steady rate
     n = min(batches, len(split.loader) - 1)
@@ -725,11 +763,11 @@ def benchmark(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> list[d
     report = Report(env, bench.json)
     try:
         what = set(bench.what)
+        if what & {"train", "plain"}:  # the configured dataset, as train_net.py reads it
+            measure_training(build_bench_run(first, env), bench, report, "train" in what, "plain" in what)
         run = None
-        if what & {"train", "plain", "breakdown", "eval"}:
+        if what & {"breakdown", "eval"}:
             run = build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env)
-        if what & {"train", "plain"}:
-            measure_training(run, bench, report, "train" in what, "plain" in what)
         if "breakdown" in what:
             measure_breakdown(run, env, bench, report)
         if "eval" in what:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,7 +36,10 @@ def file_to_sharded(path: str, out_dir: str) -> None:
     cfg.merge_from_other_cfg(CfgNode.load_cfg(saved["cfg"]))
     cfg.MODEL.PRETRAINED = False  # the file's weights replace any download
     model = build_model(cfg.MODEL)
-    from_single_file(path, out_dir, model, build_optimizer(model, cfg.OPTIM) if saved.get("optimizer") else None)
+    optimizer = build_optimizer(model, cfg.OPTIM) if saved.get("optimizer") else None
+    with warnings.catch_warnings():  # one process by design: DCP's "assuming ... a single process" is noise here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        from_single_file(path, out_dir, model, optimizer)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Export a checkpoint to ONNX and to a torch.export program, and check both against PyTorch.
 
-    python tools/export.py --weights OUT_DIR/best.pth.tar [--ema] [--out PREFIX] [--check PATH ...]
+    python tools/export.py --weights OUT_DIR/best.pth.tar [--ema] [--out PREFIX] [--check PATH ...] [--split val]
     python tools/export.py --weights OUT_DIR/best.dcp ...     # a sharded checkpoint (fsdp/hsdp runs)
 
 Writes PREFIX.onnx (dynamic batch dimension; input "images" NCHW float32, output "logits"),
@@ -8,7 +8,8 @@ PREFIX.pt2 (``torch.export.save``; load with ``torch.export.load(path).module()`
 PREFIX.json: the preprocessing the run validated with (resize, crop, interpolation, mean/std, RGB
 in [0, 1]; stored in the checkpoint) and the class names, also stored in the ONNX file's
 metadata_props and in the .pt2's extra files. Then runs PyTorch, onnxruntime and the loaded
-program on real images (--check, default the config's val folder) and prints, per format, the
+program on real images (--check: files, folders or dataset roots as predict.py takes them; by
+default the checkpoint's own TEST.DATASET at TEST.SPLIT, in any of its forms) and prints, per format, the
 top-1 agreement and the largest logit difference.
 
 Needs the "export" extra (onnx, onnxruntime, onnxscript). Exit status: 0; 1 when an export
@@ -28,15 +29,25 @@ import sys
 from collections.abc import Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # predict.py beside it, however this file is run
 
 import torch  # noqa: E402
-from predict import PredictError, batches, build_cfg, find_images, load_model, load_state  # noqa: E402
+from predict import (  # noqa: E402
+    PredictError,
+    Sample,
+    batches,
+    build_cfg,
+    dataset_samples,
+    find_samples,
+    load_model,
+    load_state,
+)
 from torch import nn  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpoint import CheckpointError  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
-from distribuuuu.data import BadImageError, load_image  # noqa: E402
+from distribuuuu.data import BadImageError, DataError  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform, checkpoint_preprocessing  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 
@@ -104,11 +115,11 @@ def quiet_torch_logs():
 
 
 @torch.no_grad()
-def check(runners: dict[str, Callable], images: list[str], transform: Callable, batch_size: int) -> dict[str, tuple]:
+def check(runners: dict[str, Callable], images: list[Sample], transform: Callable, batch_size: int) -> dict[str, tuple]:
     """Run every runner on the images; per non-reference runner: (top-1 agreements, images, max |logit diff|)."""
     logits: dict[str, list[torch.Tensor]] = {name: [] for name in runners}
-    for paths in batches(images, batch_size):
-        inputs = torch.stack([transform(load_image(p)) for p in paths])
+    for batch in batches(images, batch_size):
+        inputs = torch.stack([transform(sample.load()) for sample in batch])
         for name, runner in runners.items():
             logits[name].append(runner(inputs).float())
     ref = torch.cat(logits.pop("pytorch"))
@@ -135,6 +146,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--out", default="", help="output path prefix (default: the checkpoint's, without .pth.tar/.dcp)"
     )
     parser.add_argument("--check", nargs="*", default=None, help="images/folders to check on (default: val folder)")
+    parser.add_argument("--split", default="val", help="the split of a dataset root given to --check (default val)")
     parser.add_argument("--max-check", type=int, default=256, help="check at most N images (0: all)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per checked batch")
     return parser.parse_args(argv)
@@ -145,7 +157,7 @@ def export(args: argparse.Namespace) -> int:
     state = load_state(args.weights)  # a file, or a sharded folder read whole (checked: verifies, names classes)
     cfg = build_cfg(state, None, ())
     kind = "ema" if args.ema else "model"
-    model = load_model(state, cfg, kind, torch.device("cpu"))
+    model = load_model(state, cfg, kind, torch.device("cpu"), args.weights)
     prefix = args.out or args.weights.rstrip("/").removesuffix(".dcp").removesuffix(".tar").removesuffix(".pth")
     p = checkpoint_preprocessing(state)
     meta = preprocessing(p, cfg.MODEL.ARCH, state["classes"], kind)
@@ -165,13 +177,21 @@ def export(args: argparse.Namespace) -> int:
     with open(prefix + ".json", "w") as f:
         json.dump(meta, f, indent=2)
     print(f"wrote {prefix}.onnx, {prefix}.pt2 and {prefix}.json ({kind} weights of {cfg.MODEL.ARCH})")
-    return report(model, prefix, args, cfg, build_eval_transform(p))
+    return report(model, prefix, args, checked_samples(args, state, cfg), build_eval_transform(p))
 
 
-def report(model: nn.Module, prefix: str, args: argparse.Namespace, cfg: CfgNode, transform: Callable) -> int:
+def checked_samples(args: argparse.Namespace, state: dict, cfg: CfgNode) -> list[Sample]:
+    """--check's images, else the checkpoint's own val split (TEST.DATASET at TEST.SPLIT, in whichever form)."""
+    if args.check:
+        images = find_samples(args.check, args.split)
+    else:
+        saved = CfgNode.load_cfg(state["cfg"]).get("TEST", {}) if state.get("cfg") else {}
+        images = dataset_samples(saved.get("DATASET", cfg.TEST.DATASET), saved.get("SPLIT", cfg.TEST.SPLIT))
+    return images[: args.max_check] if args.max_check > 0 else images
+
+
+def report(model: nn.Module, prefix: str, args: argparse.Namespace, images: list[Sample], transform: Callable) -> int:
     """Check the exports against PyTorch on real images and print one line per format."""
-    images = find_images(args.check or [os.path.join(cfg.TEST.DATASET, cfg.TEST.SPLIT)])
-    images = images[: args.max_check] if args.max_check > 0 else images
     program = torch.export.load(prefix + ".pt2").module()
     runners = {"pytorch": model, "onnx": onnx_runner(prefix + ".onnx"), "torch.export": program}
     ok = True
@@ -186,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return export(args)
-    except (ExportError, PredictError, CheckpointError, ConfigError, BadImageError) as e:
+    except (ExportError, PredictError, CheckpointError, ConfigError, DataError, BadImageError) as e:
         print(f"export.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

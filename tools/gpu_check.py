@@ -358,7 +358,7 @@ def check_fp16_scaler(ctx: Context) -> str:
     expect(all(torch.equal(a, p) for a, p in zip(before, run.model.parameters())), "an overflow step changed weights")
     scale = run.scaler.get_scale()
     expect(scale < 2.0**40, f"the scale did not back off after an overflow ({scale:g})")
-    run.state.step_in_epoch = 4
+    run.move_to(0, 4)  # as after 4 steps of epoch 1: what the checkpoint records
     path = save_training_checkpoint(run)
     if ctx.env.is_main_process:  # the one that wrote it
         state = ckpt.load_checkpoint(path)
@@ -500,7 +500,7 @@ def check_fsdp_sharded_checkpoint(ctx: Context) -> str:
     expect(devices == {ctx.env.device}, f"sharded parameters on {devices}, not {ctx.env.device}")
     losses = train_steps(run, batch, 4)
     expect(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"loss did not fall under fsdp: {losses}")
-    run.state.step_in_epoch = 4
+    run.move_to(0, 4)  # as after 4 steps of epoch 1: what the checkpoint records
     path = save_training_checkpoint(run)
     expect(path.endswith(".dcp"), f"DIST.CKPT_FORMAT sharded wrote {path}, not a DCP folder")
     trained = full_weights(run.model)

@@ -1,6 +1,8 @@
 """Classify images with a checkpoint: ``python tools/predict.py --weights CKPT [--topk 3] PATH [PATH ...]``.
 
-Each PATH is an image file or a folder, searched recursively for image files; WEIGHTS is a
+Each PATH is an image file, a folder (searched recursively for image files), or a dataset root in
+another form TEST.DATASET takes (packed shards on disk or over HTTP, a saved Hugging Face
+dataset; its ``--split`` is read, each line named by the sample's name); WEIGHTS is a
 checkpoint file or a sharded checkpoint folder (``best.dcp``). The model is rebuilt from the
 checkpoint's own model and evaluation keys (MODEL_KEYS; ``--cfg FILE`` and trailing ``KEY VALUE``
 pairs override them), images get the preprocessing the run validated with (stored in the
@@ -15,6 +17,8 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any, NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,7 +29,10 @@ from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpoint import CheckpointError, load_checkpoint, model_state_from  # noqa: E402
 from distribuuuu.config import ConfigError, get_cfg_defaults, load_cfg  # noqa: E402
-from distribuuuu.data import BadImageError, load_image  # noqa: E402
+from distribuuuu.data import BadImageError, DataError, load_image  # noqa: E402
+from distribuuuu.data.datasets import build_base_dataset  # noqa: E402
+from distribuuuu.data.hf import is_saved_hf  # noqa: E402
+from distribuuuu.data.packed import is_packed  # noqa: E402
 from distribuuuu.data.transforms import (  # noqa: E402
     EvalPreprocessing,
     build_eval_transform,
@@ -33,6 +40,7 @@ from distribuuuu.data.transforms import (  # noqa: E402
     eval_preprocessing,
 )
 from distribuuuu.models import build_model  # noqa: E402
+from distribuuuu.state import check_weights_fit, load_full_weights  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 # The keys that shape the model and its input: taken from the checkpoint's own config.
@@ -56,6 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
     parser.add_argument("--device", default="", help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--cfg", dest="cfg_file", default=None, help="YAML whose keys override the checkpoint's")
+    parser.add_argument("--split", default="val", help="the split of a dataset root PATH to classify (default val)")
     parser.add_argument("paths", nargs="+", metavar="PATH", help="image files or folders, then KEY VALUE pairs")
     args = parser.parse_intermixed_args(argv)
     # Split "PATH ... KEY VALUE ..." at the first upper-case dotted config key (e.g. TEST.IM_SIZE).
@@ -85,6 +94,35 @@ def find_images(paths: Sequence[str]) -> list[str]:
     if not images:
         raise PredictError(f"no images ({', '.join(IMG_EXTENSIONS)}) found in {', '.join(paths)}")
     return images
+
+
+class Sample(NamedTuple):
+    """One image to classify: the name its output line carries, and how to decode it."""
+
+    name: str
+    load: Callable[[], Any]
+
+
+def find_samples(paths: Sequence[str], split: str = "val", decoder: str = "auto") -> list[Sample]:
+    """The images of ``paths``: files and folders (``find_images``), and every sample of ``split``
+    of a dataset root in TEST.DATASET's other forms, read as training reads it (build_base_dataset)."""
+    samples: list[Sample] = []
+    for path in paths:
+        if is_packed(path, split) or is_saved_hf(path, split):
+            samples += dataset_samples(path, split, decoder)
+        else:
+            samples += [Sample(p, partial(load_image, p, decoder)) for p in find_images([path])]
+    return samples
+
+
+def dataset_samples(root: str, split: str, decoder: str = "auto") -> list[Sample]:
+    """Every sample of ``split`` of a dataset root in any of TEST.DATASET's forms, in its order."""
+    dataset, _ = build_base_dataset(root, split, decoder)
+    return [Sample(name, partial(_image, dataset, i)) for i, (name, _) in enumerate(dataset.samples)]
+
+
+def _image(dataset, index: int):
+    return dataset[index][0]
 
 
 def load_state(path: str) -> dict:
@@ -140,21 +178,18 @@ def _resolvable(cfg: CfgNode, state: dict) -> CfgNode:
     return cfg
 
 
-def load_model(state: dict, cfg: CfgNode, kind: str, device: torch.device) -> nn.Module:
+def load_model(state: dict, cfg: CfgNode, kind: str, device: torch.device, path: str = "the checkpoint") -> nn.Module:
     """Build MODEL.ARCH and load the checkpoint's raw or EMA weights into it, in eval mode."""
     if kind == "ema" and not state.get("ema"):
         raise PredictError("--ema: the checkpoint holds no EMA weights (train with OPTIM.EMA_DECAY > 0)")
     model, weights = build_model(cfg.MODEL), model_state_from(state, kind)
-    try:
-        model.load_state_dict(weights)
-    except RuntimeError as e:
-        lines = str(e).strip().splitlines()
-        detail = (lines[1].strip() if len(lines) > 1 else lines[0])[:160]
-        raise CheckpointError(f"the checkpoint's weights do not fit {cfg.MODEL.ARCH}: {detail}") from None
+    # test_net's and MODEL.WEIGHTS's check and load: one line naming what does not fit
+    check_weights_fit(model.state_dict(), weights, path, state.get("arch"), cfg.MODEL.ARCH)
+    load_full_weights(model, weights)
     return model.to(device).eval()
 
 
-def batches(items: list[str], size: int) -> Iterator[list[str]]:
+def batches(items: list, size: int) -> Iterator[list]:
     """Consecutive slices of ``items`` of at most ``size``."""
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -162,19 +197,13 @@ def batches(items: list[str], size: int) -> Iterator[list[str]]:
 
 @torch.no_grad()
 def predict(
-    model: nn.Module,
-    images: list[str],
-    transform: Callable,
-    decoder: str,
-    device: torch.device,
-    batch_size: int,
-    k: int,
+    model: nn.Module, samples: list[Sample], transform: Callable, device: torch.device, batch_size: int, k: int
 ):
-    """Yield (path, top-k class indices, their probabilities) per image, batch by batch."""
-    for paths in batches(images, batch_size):
-        inputs = torch.stack([transform(load_image(p, decoder)) for p in paths]).to(device)
+    """Yield (name, top-k class indices, their probabilities) per sample, batch by batch."""
+    for batch in batches(samples, batch_size):
+        inputs = torch.stack([transform(sample.load()) for sample in batch]).to(device)
         probs, indices = model(inputs).float().softmax(dim=1).topk(k, dim=1)
-        yield from zip(paths, indices.tolist(), probs.tolist())
+        yield from zip([sample.name for sample in batch], indices.tolist(), probs.tolist())
 
 
 def format_line(path: str, names: list[str], probs: list[float], as_json: bool) -> str:
@@ -190,17 +219,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.topk < 1 or args.batch_size < 1:
             raise PredictError("--topk and --batch-size must be >= 1")
-        images = find_images(args.paths)
         state = load_state(args.weights)
         cfg = build_cfg(state, args.cfg_file, args.opts)
+        images = find_samples(args.paths, args.split, cfg.DATA.DECODER)
         transform = build_eval_transform(resolve_preprocessing(state, args.cfg_file, args.opts), cfg.DATA.DECODER)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = load_model(state, cfg, "ema" if args.ema else "model", device)
+        model = load_model(state, cfg, "ema" if args.ema else "model", device, args.weights)
         k = min(args.topk, cfg.MODEL.NUM_CLASSES)
-        classified = predict(model, images, transform, cfg.DATA.DECODER, device, args.batch_size, k)
+        classified = predict(model, images, transform, device, args.batch_size, k)
         for path, indices, probs in classified:
             print(format_line(path, [state["classes"][i] for i in indices], probs, args.json), flush=True)
-    except (PredictError, CheckpointError, ConfigError, BadImageError) as e:
+    except (PredictError, CheckpointError, ConfigError, DataError, BadImageError) as e:
         print(f"predict.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0

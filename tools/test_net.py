@@ -9,7 +9,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distribuuuu.cli import run_tool  # noqa: E402
-from distribuuuu.trainer import test_model  # noqa: E402
+from distribuuuu.validation import test_model  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_tool(test_model, description=__doc__))

@@ -1,0 +1,111 @@
+"""Evaluation: ``validate`` (every sample exactly once across ranks) and ``test_model`` (tools/test_net.py)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from yacs.config import CfgNode
+
+from distribuuuu.config import ConfigError, check_dataset_paths, eval_crop_size
+from distribuuuu.data import Split, build_val_split, sample_paths
+from distribuuuu.distributed import cleanup_distributed
+from distribuuuu.evaluation import EvalOutputs
+from distribuuuu.launch import DistEnv
+from distribuuuu.logger import get_logger
+from distribuuuu.meters import MetricSums
+from distribuuuu.models import model_source
+from distribuuuu.parallel import autocast, is_sharded, missing_forwards, to_device
+from distribuuuu.records import write_eval_record
+from distribuuuu.run import build_model_for, setup_environment
+from distribuuuu.state import load_weights, warn_if_evaluated_otherwise
+
+logger = get_logger("trainer")  # the name the evaluation lines have always carried
+
+
+@torch.no_grad()
+def validate(
+    model: nn.Module, split: Split, cfg: CfgNode, env: DistEnv, outputs: tuple[str, str] | None = None
+) -> dict:
+    """Evaluate every val sample exactly once across ranks; return exact totals and means.
+
+    With ``outputs`` (folder, file prefix), TEST.CONFUSION's and TEST.SAVE_PREDICTIONS's files are
+    saved there: one more all-reduce and one gather per evaluation, none per batch.
+    """
+    model.eval()
+    sums = MetricSums(env.device, cfg.TRAIN.TOPK)
+    names = split.classes + [str(c) for c in range(len(split.classes), cfg.MODEL.NUM_CLASSES)]
+    t = cfg.TEST
+    extras = EvalOutputs(len(names), cfg.TRAIN.TOPK, env.device, t.CONFUSION, t.SAVE_PREDICTIONS) if outputs else None
+    tic = time.perf_counter()
+    # A sharded model all-gathers in every forward: ranks with fewer batches owe empty forwards,
+    # counted before the loop (a count taken after it would meet a peer's all-gather: deadlock).
+    owed = missing_forwards(len(split.loader), env.device) if is_sharded(model) else 0
+    for i, (images, targets, skipped) in enumerate(split.loader):
+        images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
+        with autocast(cfg.TRAIN.PRECISION, env.device):
+            logits = model(images)
+        sums.add(nn.functional.cross_entropy(logits.float(), targets), logits, targets)
+        if extras is not None:
+            extras.update(logits, targets, skipped)
+        if skipped:
+            sums.add_field("skipped_images", skipped)
+        if (i + 1) % cfg.TEST.PRINT_FREQ == 0:
+            logger.info("val  batch %d/%d (rank 0)", i + 1, len(split.loader))
+    run_empty_forwards(model, owed, cfg, env)
+    totals = sums.reduce()
+    if extras is not None:
+        extras.save(*outputs, indices=list(split.sampler), paths=sample_paths(split.dataset), names=names)
+    totals["time_s"] = time.perf_counter() - tic
+    totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
+    return totals
+
+
+def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv) -> None:
+    """Call the (sharded) model ``count`` times on an empty batch, so every rank joins every all-gather.
+
+    The exact eval sampler gives ranks up to one batch more or less; without these the ranks
+    with more batches would wait for the others' all-gathers until the timeout.
+    """
+    size = eval_crop_size(cfg)
+    empty = torch.empty(0, 3, size, size, device=env.device)
+    for _ in range(count):
+        with autocast(cfg.TRAIN.PRECISION, env.device):
+            model(empty)
+
+
+def test_model(cfg: CfgNode) -> dict:
+    """Evaluate MODEL.WEIGHTS on the val split; append a ``test`` line to OUT_DIR/metrics.jsonl.
+
+    OUT_DIR's config.yaml is left alone: evaluating into a training run's folder keeps its record.
+    """
+    if not cfg.MODEL.WEIGHTS:
+        raise ConfigError("MODEL.WEIGHTS must name a checkpoint: test_net.py refuses to run without weights")
+    check_dataset_paths(cfg)
+    model_source(cfg.MODEL.ARCH)
+    env, writer = setup_environment(cfg, training=False)
+    try:
+        model = build_model_for(cfg, env)
+        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH)
+        if not state.get("classes"):
+            logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
+        warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)
+        val = build_val_split(cfg, env, state.get("classes"))
+        if cfg.TRAIN.COMPILE:
+            model = torch.compile(model)
+        totals = validate(model, val, cfg, env)
+        epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
+        write_eval_record(writer, "test", epoch, totals, cfg.TRAIN.TOPK, cfg.MODEL.WEIGHTS_KIND)
+        logger.info(
+            "test %s: top1 %.3f  top%d %.3f  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
+            cfg.MODEL.WEIGHTS, totals["top1_acc"], cfg.TRAIN.TOPK, totals["topk_acc"], totals["loss"], totals["samples"],
+            cfg.OUT_DIR,
+        )  # fmt: skip
+        return totals
+    finally:
+        writer.close()
+        cleanup_distributed()
+
+
+test_model.__test__ = False  # a library entry point, not a pytest test
