@@ -264,20 +264,34 @@ FINE_TUNE_ROWS = [("dcp", "ema", f) for f in FORMS] + [("file", "model", "packed
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "kind", "form"), FINE_TUNE_ROWS)
 def test_fine_tuning_from_each_checkpoint_form_on_each_dataset_form_trains_as_from_the_file(
-    runs, forms, name, kind, form, tmp_path
+    runs, forms, fine_tuned_from_file, name, kind, form, tmp_path
 ):
     """The same weights (a .dcp, or a file converted from it), the same batches (any form): the same run."""
-    weights = checkpoint(runs, name)
-    as_file = weights
-    if weights.endswith(".dcp"):
-        as_file = str(tmp_path / "converted.pth.tar")
-        assert_ok(in_process(CONVERT, weights, as_file))
-    record = fine_tune(weights, kind, forms[form], tmp_path / "from_form")
-    reference = fine_tune(as_file, kind, forms["folder"], tmp_path / "from_file_on_folder")
+    record = fine_tune(checkpoint(runs, name), kind, forms[form], tmp_path / "from_form")
+    reference = fine_tuned_from_file(name, kind)
     assert (record["top1"], record["samples"]) == (reference["top1"], reference["samples"])
     assert record["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-    untrained = fine_tune(as_file, "model" if kind == "ema" else "ema", forms["folder"], tmp_path / "other_kind")
+    untrained = fine_tuned_from_file(name, "model" if kind == "ema" else "ema")
     assert untrained["loss"] != pytest.approx(reference["loss"], rel=1e-5), "the kind chose the weights"
+
+
+@pytest.fixture(scope="module")
+def fine_tuned_from_file(runs, forms, tmp_path_factory):
+    """The reference of the rows above: fine-tuning from the checkpoint as a single file (converted
+    from a .dcp) on the folder; computed once per (checkpoint, kind), as several rows share one."""
+    done: dict[tuple[str, str], dict] = {}
+
+    def reference(name: str, kind: str) -> dict:
+        if (name, kind) not in done:
+            tmp = tmp_path_factory.mktemp(f"reference_{name}_{kind}")
+            as_file = checkpoint(runs, name)
+            if as_file.endswith(".dcp"):
+                as_file = str(tmp / "converted.pth.tar")
+                assert_ok(in_process(CONVERT, checkpoint(runs, name), as_file))
+            done[name, kind] = fine_tune(as_file, kind, forms["folder"], tmp / "out")
+        return done[name, kind]
+
+    return reference
 
 
 # ------------------------------------------------------------------------------------------------
