@@ -1,8 +1,10 @@
 """Packed datasets (tools/pack_dataset.py + data/packed.py) against the ImageFolder they were packed from.
 
 The digits are packed once per module by the pack tool itself (5 train shards of 300, 2 val
-shards). Every check compares the packed path with an independent computation on the ImageFolder:
-its samples and pixels, the sampler's order, evaluation results, training metrics and weights.
+shards), in ImageFolder's order (``--no-shuffle``) for the checks index by index, and with the
+tool's default shuffle across shards for the checks by name (the block at the end). Every check
+compares the packed path with an independent computation on the ImageFolder: its samples and
+pixels, the sampler's order, evaluation results, training metrics and weights.
 """
 
 from __future__ import annotations
@@ -15,7 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, serve_folder, torchrun
+from helpers import (
+    FAST,
+    REPO,
+    TRAIN,
+    assert_ok,
+    clean_env,
+    in_process,
+    python,
+    read_metrics,
+    run,
+    serve_folder,
+    torchrun,
+)
 from test_sampler_resume import window_stretches
 from torch import nn
 
@@ -23,7 +37,7 @@ from distribuuuu.config import get_cfg_defaults
 from distribuuuu.data import DataError, build_train_split, build_val_split
 from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
 from distribuuuu.data.pack import PackOptions, pack_split
-from distribuuuu.data.packed import BadShardError, PackedDataset
+from distribuuuu.data.packed import BadShardError, PackedDataset, key_of
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
 from distribuuuu.data.transforms import build_normalize
 from distribuuuu.launch import DistEnv, find_free_port
@@ -45,7 +59,7 @@ def shard_cache_in_tmp(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("packed") / "digits"
-    result = run(python(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE)), timeout=120)
+    result = run(python(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE), "--no-shuffle"), timeout=120)
     assert_ok(result)
     assert "train: 1436 samples in 5 shards (5 written, 0 kept)" in result.stdout
     return out
@@ -76,7 +90,12 @@ def test_packed_split_holds_the_imagefolder_samples_pixels_and_classes(packed):
 
 
 def test_pack_interrupted_half_way_and_run_again_writes_the_same_shards(packed, tmp_path):
-    opts = PackOptions(shard_size=SHARD_SIZE)
+    _assert_interrupted_pack_resumes_to(packed, PackOptions(shard_size=SHARD_SIZE, shuffle_seed=None), tmp_path)
+
+
+def _assert_interrupted_pack_resumes_to(reference: Path, opts: PackOptions, tmp_path: Path) -> None:
+    """Stopped after 2 of 5 train shards (plus a stray half-written .part) and run again: the 2 are
+    kept, 3 written, and every file equals ``reference``'s (an uninterrupted pack with ``opts``)."""
 
     def interrupt_after_two(done: int, total: int) -> None:
         if done == 2:
@@ -88,10 +107,10 @@ def test_pack_interrupted_half_way_and_run_again_writes_the_same_shards(packed, 
     (tmp_path / "train" / "shard-000002.tar.part").write_bytes(b"half a shard from a killed run")
     again = pack_split(str(DIGITS), "train", str(tmp_path), opts)
     assert (again.shards, again.written) == (5, 3), "the two finished shards are kept, the rest written"
-    names = sorted(p.name for p in (packed / "train").iterdir() if p.is_file())
+    names = sorted(p.name for p in (reference / "train").iterdir() if p.is_file())
     assert names == sorted(p.name for p in (tmp_path / "train").iterdir() if p.is_file())
     for name in names:
-        assert (tmp_path / "train" / name).read_bytes() == (packed / "train" / name).read_bytes(), name
+        assert (tmp_path / "train" / name).read_bytes() == (reference / "train" / name).read_bytes(), name
     assert pack_split(str(DIGITS), "train", str(tmp_path), opts).written == 0, "a finished pack is kept"
 
 
@@ -211,7 +230,7 @@ def test_packed_jpegs_take_the_decoders_and_the_batched_path_of_the_folder(tmp_p
     for i in range(4):
         (tmp_path / "src" / "train" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
         Image.new("RGB", (20 + i, 16), (40 * i, 90, 200)).save(tmp_path / "src" / "train" / f"c{i % 2}" / f"{i}.jpg")
-    pack_split(str(tmp_path / "src"), "train", str(tmp_path / "packed"), PackOptions(shard_size=3))
+    pack_split(str(tmp_path / "src"), "train", str(tmp_path / "packed"), PackOptions(shard_size=3, shuffle_seed=None))
     folder = CheckedImageFolder(str(tmp_path / "src" / "train"))
     pk = PackedDataset(str(tmp_path / "packed"), "train")
     encoded = EncodedImageDataset(pk, seed=0)
@@ -400,9 +419,119 @@ def test_cifar_arrays_pack_as_png_and_read_back_exactly(tmp_path, monkeypatch):
         classes = ["plane", "car", "bird"]
 
     monkeypatch.setattr(pack, "build_base_dataset", lambda root, split, decoder: (FakeCifar, FakeCifar.classes))
-    report = pack_split("cifar10:/nowhere", "train", str(tmp_path), PackOptions(shard_size=3))
+    report = pack_split("cifar10:/nowhere", "train", str(tmp_path), PackOptions(shard_size=3, shuffle_seed=None))
     assert (report.shards, report.samples) == (3, 7)
     pk = PackedDataset(str(tmp_path), "train", "pil", cache_dir=str(tmp_path / "cache"))
     assert pk.classes == FakeCifar.classes and pk.targets == FakeCifar.targets
     for i in range(7):
         assert np.array_equal(np.asarray(pk[i][0]), FakeCifar.data[i])
+
+
+# ------------------------------------------------------------------------------------------------
+# Packing shuffles the samples across shards (the tool's default): every shard mixes the classes,
+# each sample is held once and reads back by name as from the unshuffled pack; the seed alone
+# decides the shards, byte for byte, and an interrupted pack resumes to them.
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shuffled(tmp_path_factory) -> Path:
+    """data/digits packed by the tool with its default order (shuffled, seed 0), 300 a shard."""
+    out = tmp_path_factory.mktemp("shuffled") / "digits"
+    result = run(python(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE)), timeout=120)
+    assert_ok(result)
+    assert "train: 1436 samples in 5 shards (5 written, 0 kept)" in result.stdout
+    return out
+
+
+def _shard_contents(folder: Path) -> list[list[tuple[str, int, bytes]]]:
+    """Each shard's samples as (key, class, image bytes), read with tarfile: independent of the reader."""
+    import tarfile
+
+    shards = []
+    for shard in json.loads((folder / "index.json").read_text())["shardlist"]:
+        with tarfile.open(folder / shard["url"]) as tar:
+            files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        keys = sorted({name.split(".")[0] for name in files})
+        image = {name.split(".")[0]: data for name, data in files.items() if not name.endswith(".cls")}
+        shards.append([(key, int(files[f"{key}.cls"]), image[key]) for key in keys])
+    return shards
+
+
+def _names_by_shard(folder: Path) -> list[set[str]]:
+    index = json.loads((folder / "index.json").read_text())
+    names, shards = iter(name for name, _ in index["samples"]), []
+    for shard in index["shardlist"]:
+        shards.append({next(names) for _ in range(shard["nsamples"])})
+    return shards
+
+
+def test_packing_mixes_the_classes_in_every_shard_and_holds_each_sample_once(shuffled, packed):
+    """The tars, read with tarfile: rows 0..n-1 in order, each image file's bytes and class once
+    (the index names each row's sample), every class in every train shard, where the unshuffled
+    pack of the same digits holds at most 3 classes a shard."""
+    for split in ("train", "val"):
+        folder = CheckedImageFolder(str(DIGITS / split))
+        files = {os.path.relpath(p, DIGITS / split): (t, Path(p).read_bytes()) for p, t in folder.samples}
+        index = json.loads((shuffled / split / "index.json").read_text())
+        rows = [sample for shard in _shard_contents(shuffled / split) for sample in shard]
+        assert [key for key, _, _ in rows] == [key_of(r) for r in range(len(files))]
+        assert [t for _, t in index["samples"]] == [t for _, t, _ in rows], "the index's targets are the shards'"
+        held = {name: (t, data) for (name, _), (_, t, data) in zip(index["samples"], rows, strict=True)}
+        assert len(held) == len(rows) and held == files, f"{split}: each file once, its bytes and class"
+        assert index["packing"]["shuffle_seed"] == 0
+    assert [len({t for _, t, _ in s}) for s in _shard_contents(shuffled / "train")] == [10] * 5
+    assert max(len({t for _, t, _ in s}) for s in _shard_contents(packed / "train")) <= 3
+    assert json.loads((packed / "train" / "index.json").read_text())["packing"]["shuffle_seed"] is None
+
+
+def test_shuffled_pack_reads_back_each_names_bytes_and_target_as_unshuffled(shuffled, packed):
+    for split in ("train", "val"):
+        mixed, plain = PackedDataset(str(shuffled), split), PackedDataset(str(packed), split)
+        assert mixed.classes == plain.classes
+        assert [n for n, _ in mixed.samples] != [n for n, _ in plain.samples], "a new order"
+        expected = {plain.samples[i][0]: plain.encoded(i)[::2] for i in range(len(plain))}
+        read = {mixed.samples[i][0]: mixed.encoded(i)[::2] for i in range(len(mixed))}
+        assert len(read) == len(mixed) and read == expected, f"{split}: (bytes, target) per name"
+
+
+def test_exact_eval_of_a_shuffled_pack_is_the_imagefolders_by_name(shuffled):
+    cfg = get_cfg_defaults()
+    cfg.TEST.IM_SIZE, cfg.TRAIN.IM_SIZE, cfg.TEST.BATCH_SIZE, cfg.TRAIN.WORKERS = 16, 16, 50, 0
+    folder = [os.path.relpath(p, DIGITS / "val") for p, _ in CheckedImageFolder(str(DIGITS / "val")).samples]
+    reference = {folder[i]: result for i, result in _eval_predictions(cfg, 1).items()}
+    cfg.TEST.DATASET = str(shuffled)
+    mixed = PackedDataset(str(shuffled), "val")
+    for world in (1, 3):
+        by_name = {mixed.samples[i][0]: result for i, result in _eval_predictions(cfg, world).items()}
+        assert by_name == reference, f"world size {world}"
+
+
+def test_the_seed_decides_the_shards_same_seed_same_bytes_another_seed_another_mix(shuffled, tmp_path):
+    """Seed 0 packed here (this process) gives the tool's shards (another process) byte for byte;
+    seed 1 puts the same samples in other shards."""
+    pack_split(str(DIGITS), "train", str(tmp_path / "seed0"), PackOptions(shard_size=SHARD_SIZE))
+    for shard in sorted((shuffled / "train").glob("*.tar")):
+        assert (tmp_path / "seed0" / "train" / shard.name).read_bytes() == shard.read_bytes(), shard.name
+    assert (tmp_path / "seed0" / "train" / "index.json").read_text() == (shuffled / "train" / "index.json").read_text()
+    pack_split(str(DIGITS), "train", str(tmp_path / "seed1"), PackOptions(shard_size=SHARD_SIZE, shuffle_seed=1))
+    seed0, seed1 = _names_by_shard(shuffled / "train"), _names_by_shard(tmp_path / "seed1" / "train")
+    assert all(a != b for a, b in zip(seed0, seed1, strict=True)), "every shard holds other samples"
+    assert set().union(*seed0) == set().union(*seed1)
+    assert json.loads((tmp_path / "seed1" / "train" / "index.json").read_text())["packing"]["shuffle_seed"] == 1
+
+
+def test_interrupted_shuffled_pack_run_again_writes_the_same_shards(shuffled, tmp_path):
+    """The resume of the block above with the tool's default shuffle (seed 0); then another seed
+    rewrites every shard (their fingerprints name other samples)."""
+    _assert_interrupted_pack_resumes_to(shuffled, PackOptions(shard_size=SHARD_SIZE), tmp_path)
+    reseeded = PackOptions(shard_size=SHARD_SIZE, shuffle_seed=1)
+    assert pack_split(str(DIGITS), "train", str(tmp_path), reseeded).written == 5, "a new seed: new shards"
+
+
+def test_pack_tool_takes_a_seed_or_no_shuffle_and_refuses_a_negative_seed(tmp_path):
+    negative = in_process(PACK, str(DIGITS), str(tmp_path / "out"), "--shuffle-seed", "-1")
+    assert negative.returncode == 2 and "--shuffle-seed must be >= 0, got -1 (--no-shuffle" in negative.stderr
+    both = in_process(PACK, str(DIGITS), str(tmp_path / "out"), "--shuffle-seed", "3", "--no-shuffle")
+    assert both.returncode == 2 and "not allowed with argument --shuffle-seed" in both.stderr
+    assert not (tmp_path / "out").exists(), "nothing packed"

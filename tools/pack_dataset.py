@@ -1,13 +1,16 @@
 """Pack an ImageFolder (or CIFAR) dataset into WebDataset shards that distribuuuu reads as TRAIN.DATASET.
 
     python tools/pack_dataset.py SRC OUT [--splits train,val] [--shard-size 1000]
-                                 [--max-side 0] [--quality 0] [--verify]
+                                 [--max-side 0] [--quality 0] [--shuffle-seed 0 | --no-shuffle] [--verify]
 
 SRC is an ImageFolder root (SRC/<split>/<class>/<image>) or "cifar10:<root>" / "cifar100:<root>".
 OUT/<split>/ receives shard-NNNNNN.tar and index.json; serve OUT over HTTP(S) and use its URL
 as TRAIN.DATASET to read it remotely. OUT may be an object store (s3://bucket/x, gs://, az://;
 the cloud extra): the splits are packed into --staging, then uploaded, the index last.
 A run interrupted half-way resumes: run it again.
+Samples are shuffled across shards (seed --shuffle-seed, 0 by default; the same seed gives the
+same shards), so each shard holds a mix of the classes, which DATA.SHUFFLE_WINDOW needs;
+--no-shuffle keeps the source's order (ImageFolder's: class by class).
 --max-side / --quality re-encode every image as JPEG (the longer side at most --max-side):
 smaller shards and faster decoding, at a pixel cost (docs/packed-data.md). --verify checks
 every shard's size and MD5 against the index and packs nothing.
@@ -53,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     p.add_argument("--max-side", type=int, default=0, help="re-encode as JPEG, longer side at most this")
     p.add_argument("--quality", type=int, default=0, help="JPEG quality when re-encoding (default 90)")
+    order = p.add_mutually_exclusive_group()
+    order.add_argument("--shuffle-seed", type=int, default=0, help="seed of the shuffle across shards (default 0)")
+    order.add_argument("--no-shuffle", action="store_true", help="keep the source's order (class by class)")
     p.add_argument("--verify", action="store_true", help="check OUT's shards against their index; pack nothing")
     p.add_argument("--staging", default="", help="local folder an object-store OUT is packed in (default: a temp dir)")
     a = p.parse_args(argv)
@@ -60,13 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--shard-size must be >= 1, --max-side >= 0, --quality in 0..100")
     if is_remote(a.out) and a.verify:
         p.error("--verify reads a local OUT (a bucket's shards are checked as they are downloaded)")
+    if a.shuffle_seed < 0:
+        p.error(f"--shuffle-seed must be >= 0, got {a.shuffle_seed} (--no-shuffle keeps the source's order)")
     splits = [s for s in a.splits.split(",") if s]
     try:
         if a.verify:
             bad = [b for s in splits for b in verify_split(os.path.join(a.out, s))]
             print("\n".join(f"bad shard: {b}" for b in bad) or "every shard matches its index")
             return 1 if bad else 0
-        pack(a.src, splits, a.out, PackOptions(a.shard_size, a.max_side, a.quality), a.staging)
+        opts = PackOptions(a.shard_size, a.max_side, a.quality, None if a.no_shuffle else a.shuffle_seed)
+        pack(a.src, splits, a.out, opts, a.staging)
     except (DataError, OSError) as e:
         print(f"pack_dataset: error: {e}", file=sys.stderr)
         return 2

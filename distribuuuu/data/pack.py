@@ -1,12 +1,19 @@
 """Pack an ImageFolder or CIFAR split into WebDataset shards with a wids index (tools/pack_dataset.py).
 
-A run is idempotent and resumable. Samples go to shards in the dataset's own order (ImageFolder's
-sorted order), ``shard_size`` per shard. Each finished shard is written under a temporary name,
+Samples are shuffled across shards by default (``shuffle_seed``), so every shard holds a mix of
+the classes: a shard-aware order (DATA.SHUFFLE_WINDOW) then trains on all classes at once, where
+shards cut from ImageFolder's sorted, class-by-class order would hold one or two classes each.
+The index lists the samples in the shards' order (sample i is row i: the reader maps each name to
+its row by its place in that list); ``shuffle_seed=None`` keeps the dataset's own order.
+
+A run is idempotent and resumable. Samples go to shards ``shard_size`` at a time. Each finished
+shard is written under a temporary name,
 renamed, then recorded in ``.parts/shard-N.json`` with a fingerprint of what it holds (sample
 names, targets, encoding options). A second run skips every shard whose record matches and whose
 file has the recorded size, rewrites the others, and writes index.json last. Tar headers carry
 fixed times and owners (webdataset's TarWriter with mtime 0), so a shard's bytes depend on its
-samples alone: an interrupted run, run again, produces the same shards as an uninterrupted one.
+samples alone, and the shuffle is a function of the seed and the sample names alone: an
+interrupted run, run again, produces the same shards as an uninterrupted one.
 
 An object-store output (s3://, gs://, az://) is packed into a local staging folder first, then
 ``publish_split`` uploads it: each shard followed by its ``.parts`` record, the index last. A run
@@ -39,6 +46,7 @@ class PackOptions:
     shard_size: int = 1000  # samples per shard
     max_side: int = 0  # re-encode as JPEG with the longer side at most this (0: keep the size)
     quality: int = 0  # JPEG quality when re-encoding (0: store the original bytes unless max_side)
+    shuffle_seed: int | None = 0  # samples shuffled across shards with this seed (None: the dataset's order)
 
 
 @dataclass
@@ -70,6 +78,18 @@ def _source(base, folder: str) -> tuple[list[tuple[str, int]], Callable[[int], t
     return [(f"{i:06d}.png", t) for i, t in enumerate(targets)], read_array
 
 
+def packing_order(names: list[tuple[str, int]], seed: int | None) -> list[int]:
+    """The dataset's sample indices in the order they go to the shards: shuffled by ``seed``, or as they are.
+
+    Sorted by a SHA-256 of (seed, name) rather than drawn from a seeded generator: neither NumPy nor
+    torch nor Python's random promises the same stream across releases, and resuming a pack needs the
+    same order on any version. It also depends on the names alone, not on how the source lists them.
+    """
+    if seed is None:
+        return list(range(len(names)))
+    return sorted(range(len(names)), key=lambda i: hashlib.sha256(f"{seed}/{names[i][0]}".encode()).digest())
+
+
 def reencode(data: bytes, opts: PackOptions) -> tuple[bytes, str]:
     """JPEG at ``quality`` (90 if unset), the longer side shrunk to ``max_side`` (never enlarged)."""
     with Image.open(io.BytesIO(data)) as img:
@@ -89,7 +109,9 @@ def pack_split(
     import webdataset  # the data extra
 
     base, classes = build_base_dataset(root, split, "pil")
-    names, read = _source(base, os.path.join(root, split))
+    source_names, read = _source(base, os.path.join(root, split))
+    order = packing_order(source_names, opts.shuffle_seed)  # row r holds the dataset's sample order[r]
+    names = [source_names[i] for i in order]
     folder = os.path.join(out, split)
     os.makedirs(os.path.join(folder, PARTS), exist_ok=True)
     starts = range(0, len(names), opts.shard_size)
@@ -105,7 +127,7 @@ def pack_split(
                 webdataset.TarWriter(f, user="", group="", mtime=0, encoder=False) as tar,
             ):
                 for r in rows:
-                    data, ext = read(r)
+                    data, ext = read(order[r])
                     if opts.max_side or opts.quality:
                         data, ext = reencode(data, opts)
                     tar.write({"__key__": key_of(r), ext: data, "cls": str(names[r][1]).encode()})
