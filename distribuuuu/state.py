@@ -1,4 +1,8 @@
-"""What a checkpoint holds of a run, and putting it back: training_state, save, resume, load_weights."""
+"""Saving a run and putting it back: save_training_checkpoint, find_checkpoint_to_resume, resume, load_weights.
+
+What a checkpoint holds is defined once, in components.py; this module decides when, where and in
+which format it is written, which checkpoint a run resumes, and what TRAIN.LOAD_OPT puts back.
+"""
 
 from __future__ import annotations
 
