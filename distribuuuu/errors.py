@@ -1,6 +1,12 @@
-"""Turning exceptions into the one-line messages the tools print (no dependencies, imported by all)."""
+"""One-line errors: CheckpointError, and exceptions turned into the lines the tools print.
+
+No dependencies: imported by all."""
 
 from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, read, verified or trusted; the message names the file."""
 
 
 def first_line(e: BaseException) -> str:

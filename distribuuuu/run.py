@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint as ckpt
+from distribuuuu.checkpoint_names import CKPT_DIR
 from distribuuuu.config import ConfigError
 from distribuuuu.data import (
     Split,
@@ -69,6 +69,9 @@ class Run:
     mixer: object = None
     extra_val: dict[str, Split] = field(default_factory=dict)  # TEST.EXTRA_DATASETS by split name
     state: TrainState = field(default_factory=TrainState)
+    # Further state checkpointed with the run (name -> Stateful: state_dict()/load_state_dict()), for
+    # a caller outside the package; the package's own is listed in components.run_components.
+    registered_state: dict[str, object] = field(default_factory=dict)
     preempt: PreemptionHandler | None = None
 
     @property
@@ -149,7 +152,7 @@ def prepare_outputs(
 def _prepare_out_dir(out_dir: str, training: bool = True) -> None:
     """Create OUT_DIR (and its checkpoints folder) and prove it writable, or raise a ConfigError naming it."""
     try:
-        os.makedirs(os.path.join(out_dir, ckpt.CKPT_DIR) if training else out_dir, exist_ok=True)
+        os.makedirs(os.path.join(out_dir, CKPT_DIR) if training else out_dir, exist_ok=True)
         probe = os.path.join(out_dir, f".write_test.{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")

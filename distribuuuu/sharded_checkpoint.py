@@ -4,9 +4,9 @@ A checkpoint is a directory ``ckpt_ep_003.dcp`` (``ckpt_ep_004_it_000050.dcp`` m
 DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files (model, optimizer, EMA tensors), ``extra.pt``
 (epoch, step, cfg, classes, per-rank RNG, scaler: small, non-tensor state) and ``manifest.json``:
 the size and SHA-256 of every other file, written last. It is written under a temporary name and
-renamed by rank 0 once every rank has finished and the manifest is on disk, so a crash leaves no
-directory with the final name; ``verify_sharded`` then rejects a directory whose files do not
-match the manifest (truncated, missing, flipped bits). Nothing is ever gathered on one rank.
+moved into place by rank 0 (``files.replace_dir``) once every rank has finished and the manifest
+is on disk, so a crash leaves no directory with the final name; ``verify_sharded`` then rejects a
+directory whose files do not match the manifest (truncated, missing, flipped bits). Nothing is ever gathered on one rank.
 
 DCP reshards on load: a checkpoint saved by W ranks loads into any number of ranks, sharded
 (FSDP2) or not (DDP, one process).
@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 
@@ -26,35 +25,34 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
 
-from distribuuuu.checkpoint import CheckpointError, checkpoint_name, find_resumable, list_checkpoints
+from distribuuuu import checkpoint_names as names
 from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
 from distribuuuu.ema import ModelEMA
-from distribuuuu.errors import first_line, os_error_in
+from distribuuuu.errors import CheckpointError, first_line, os_error_in
+from distribuuuu.files import atomic_write, replace_dir, temporary_name
+from distribuuuu.single_file import load_file, model_state_from, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
 MANIFEST, EXTRA, METADATA = "manifest.json", "extra.pt", ".metadata"
-_NAME = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?\.dcp$")
 
 
 def sharded_name(epoch: int, step_in_epoch: int = 0) -> str:
-    """``ckpt_ep_003.dcp``: today's single-file name with ``.dcp`` for ``.pth.tar``."""
-    return checkpoint_name(epoch, step_in_epoch).replace(".pth.tar", ".dcp")
+    """``ckpt_ep_003.dcp``: the single-file name with ``.dcp`` for ``.pth.tar``."""
+    return names.checkpoint_name(epoch, step_in_epoch, sharded=True)
 
 
 def list_sharded(ckpt_dir: str) -> list[str]:
     """Sharded checkpoint directories in ``ckpt_dir``, oldest first (temporaries never listed)."""
-    if not os.path.isdir(ckpt_dir):
-        return []
-
-    def order(name: str) -> tuple[int, int]:
-        epoch, step = _NAME.match(name).groups()
-        return int(epoch), int(step) if step else 1 << 62  # an epoch's end comes after its steps
-
-    names = sorted((n for n in os.listdir(ckpt_dir) if _NAME.match(n)), key=order)
-    return [os.path.join(ckpt_dir, n) for n in names]
+    return names.list_checkpoints(ckpt_dir, "sharded")
 
 
 def _file_digest(path: str) -> dict:
@@ -66,24 +64,64 @@ def _file_digest(path: str) -> dict:
     return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# ------------------------------------------------------------------------------------------------
+# What DCP saves of a model, an optimizer, an EMA: Stateful views, as torchtitan's ModelWrapper.
+# DCP calls state_dict() on each (on save, and on load for the tensors to load into), then
+# load_state_dict() with what it read. Keys are parameter names: a checkpoint loads on any sharding.
+# ------------------------------------------------------------------------------------------------
+class ModelShards(Stateful):
+    """A model's weights as DCP saves them: each rank its shards (FSDP2 DTensors), or whole tensors."""
+
+    def __init__(self, model: nn.Module):
+        # Buffers (BatchNorm statistics) are not sharded and differ per rank; DCP would keep any one
+        # rank's copy. Rank 0's, as in a single-file checkpoint; training-mode forwards never read them.
+        broadcast_buffers(model)
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_model_state_dict(self.model, state_dict)
 
 
-def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, ema: ModelEMA | None) -> dict:
-    """The tensors DCP saves and loads in place: FQN-keyed model/optimizer state (sharded under FSDP2)."""
-    if optimizer is None:
-        state = {"model": get_state_dict(model, [])[0]}
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
+class OptimizerShards(Stateful):
+    """An optimizer's state keyed by parameter name (not by position), each rank its shards."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class EMAShards(Stateful):
+    """The EMA's averaged weights, sharded as the model's (its update count is small state: ``ema_updates``)."""
+
+    def __init__(self, ema: ModelEMA):
+        broadcast_buffers(ema.module)
+        self.ema = ema
+
+    def state_dict(self) -> dict:
+        return self.ema.module.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.ema.module.load_state_dict(state_dict)
+
+
+def tensor_states(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema: ModelEMA | None = None
+) -> dict[str, Stateful]:
+    """The DCP views of a model and, if given, its optimizer and EMA, under the keys a checkpoint holds."""
+    states: dict[str, Stateful] = {"model": ModelShards(model)}
+    if optimizer is not None:
+        states["optimizer"] = OptimizerShards(model, optimizer)
     if ema is not None:
-        state["ema"] = ema.module.state_dict()
-    return state
+        states["ema"] = EMAShards(ema)
+    return states
 
 
 def _own_files(directory: str, rank: int) -> dict[str, dict]:
@@ -96,21 +134,21 @@ def _own_files(directory: str, rank: int) -> dict[str, dict]:
 def save_sharded(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict, ema: ModelEMA | None = None
 ) -> None:
+    """Write ``model``, ``optimizer`` and ``ema`` (if given) and ``extra`` to the directory ``path`` (collective)."""
+    save_states(path, tensor_states(model, optimizer, ema), dict(extra, ema_updates=ema.updates if ema else 0))
+
+
+def save_states(path: str, states: dict[str, Stateful], extra: dict) -> None:
     """Write a sharded checkpoint to the directory ``path``; every rank calls this (collective).
 
-    Each rank writes and hashes its own shard files; rank 0 writes ``extra`` (plus every rank's
-    entry of ``extra["rng"]`` if given as this rank's state), the manifest, then renames the
-    temporary directory to ``path``. Raises CheckpointError on every rank if any rank failed.
+    DCP writes the Stateful ``states``, each rank its own shard files, which it hashes; rank 0
+    writes ``extra`` (small, non-tensor state) and the manifest, then moves the temporary folder
+    to ``path``. Raises CheckpointError on every rank if any rank failed.
     """
-    tmp = broadcast_object(f"{path}.tmp.{os.getpid()}")  # rank 0's name: one directory for all
-    # Buffers (BatchNorm statistics) are not sharded and differ per rank; DCP would keep any one
-    # rank's copy. Rank 0's, as in a single-file checkpoint; training-mode forwards never read them.
-    for module in (model, ema.module if ema is not None else None):
-        if module is not None:
-            broadcast_buffers(module)
+    tmp = broadcast_object(_temporary_folder(path) if is_main_process() else None)  # one folder for all
     rank, error = get_rank(), None
     try:
-        dcp.save(_tensor_state(model, optimizer, ema), checkpoint_id=tmp)
+        dcp.save(states, checkpoint_id=tmp)
         files = _own_files(tmp, rank)
     # DCP's CheckpointException is a BaseException: named here, or it would escape with its traceback.
     except (Exception, CheckpointException) as e:  # reported collectively below: peers must not wait
@@ -119,12 +157,18 @@ def save_sharded(
     errors = [e for e, _ in gathered if e]
     if not errors and is_main_process():
         manifest = {name: d for _, f in gathered for name, d in f.items()}
-        errors = _finish(tmp, path, manifest, dict(extra, ema_updates=ema.updates if ema else 0))
+        errors = _finish(tmp, path, manifest, extra)
     errors = broadcast_object(errors)
     if errors:
         if is_main_process():
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{errors[0]}; earlier checkpoints are intact")
+
+
+def _temporary_folder(path: str) -> str:
+    """files.py's temporary name beside ``path`` (``.<name>.XXXX.part``), its folder created if need be."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return temporary_name(path)
 
 
 def _write_failure(e: BaseException, rank: int) -> str:
@@ -139,22 +183,18 @@ def _write_failure(e: BaseException, rank: int) -> str:
 
 
 def _finish(tmp: str, path: str, manifest: dict, extra: dict) -> list[str]:
-    """Rank 0: write extra.pt and the manifest (last), then rename ``tmp`` to ``path`` atomically."""
+    """Rank 0: write extra.pt and the manifest (last), then move ``tmp`` to ``path`` atomically."""
     try:
         with open(os.path.join(tmp, EXTRA), "wb") as f:  # a file object: torch.save then keeps the OSError
             torch.save(extra, f)
-        manifest[METADATA] = _file_digest(os.path.join(tmp, METADATA))
-        manifest[EXTRA] = _file_digest(os.path.join(tmp, EXTRA))
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump({"files": manifest}, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if os.path.exists(path):  # a re-save of the same step: the old one goes only once the new is whole
-            os.replace(path, aside := f"{path}.old.{os.getpid()}")
-            shutil.rmtree(aside)
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path) or ".")
+        manifest[METADATA] = _file_digest(os.path.join(tmp, METADATA))
+        manifest[EXTRA] = _file_digest(os.path.join(tmp, EXTRA))
+        # Inside the temporary folder already; atomic_write syncs the file and the folder.
+        with atomic_write(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump({"files": manifest}, f, indent=1, sort_keys=True)
+        replace_dir(tmp, path)  # a re-save of the same step: the old one goes only once the new is whole
     except Exception as e:  # returned, not raised: the other ranks wait for rank 0's verdict
         return [f"could not write checkpoint {path}: {_write_failure(e, 0)}"]
     return []
@@ -192,52 +232,41 @@ def read_extra(path: str) -> dict:
 def load_sharded(
     path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema: ModelEMA | None = None
 ) -> dict:
-    """Load ``path`` into this rank's shards of model/optimizer/EMA (collective); return the extra state.
-
-    The world size and the sharding may differ from the saving run's: DCP reads, for each local
-    shard, the pieces of the saved shards that overlap it. Verify first (``verify_sharded``, on
-    rank 0 in ``find_resumable_sharded``): DCP itself does not notice a damaged shard.
-    """
-    state = _tensor_state(model, optimizer, ema)
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as e:
-        raise CheckpointError(f"could not load sharded checkpoint {path}: {type(e).__name__}: {e}") from None
-    if optimizer is None:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    extra = read_extra(path)
+    """Load ``path`` into this rank's shards of model/optimizer/EMA (collective); return the extra state."""
+    extra = load_states(path, tensor_states(model, optimizer, ema))
     if ema is not None:
-        ema.module.load_state_dict(state["ema"])
         ema.updates = int(extra.get("ema_updates", 0))
     return extra
 
 
+def load_states(path: str, states: dict[str, Stateful]) -> dict:
+    """Load ``path`` into the Stateful ``states`` (collective); return the extra state.
+
+    The world size and the sharding may differ from the saving run's: DCP reads, for each local
+    shard, the pieces of the saved shards that overlap it. Verify first (``verify_sharded``, on
+    rank 0 when the checkpoint to resume is chosen): DCP itself does not notice a damaged shard.
+    """
+    try:
+        dcp.load(states, checkpoint_id=path)
+    except Exception as e:
+        raise CheckpointError(f"could not load sharded checkpoint {path}: {type(e).__name__}: {e}") from None
+    return read_extra(path)
+
+
 def list_any(ckpt_dir: str) -> list[str]:
     """Single-file and sharded checkpoints of ``ckpt_dir`` together, oldest first (a run may change format)."""
-
-    def order(path: str) -> tuple[int, int]:
-        epoch, step = re.match(r"ckpt_ep_(\d+)(?:_it_(\d+))?", os.path.basename(path)).groups()
-        return int(epoch), int(step) if step else 1 << 62
-
-    return sorted(list_checkpoints(ckpt_dir) + list_sharded(ckpt_dir), key=order)
+    return names.list_checkpoints(ckpt_dir, "any")
 
 
 def find_resumable_sharded(ckpt_dir: str) -> str | None:
     """The newest sharded checkpoint that verifies; broken newer ones are moved aside (main process only)."""
-    return find_resumable(ckpt_dir, listing=list_sharded, verify=verify_sharded)
+    return names.find_resumable(ckpt_dir, verify_sharded, "sharded")
 
 
 def prune_sharded(ckpt_dir: str, keep: int) -> None:
     """Delete all but the newest ``keep`` sharded checkpoints, and stale temporaries (main process only)."""
-    if not is_main_process():
-        return
-    for path in list_sharded(ckpt_dir)[:-keep]:
-        shutil.rmtree(path)
-    for name in os.listdir(ckpt_dir):
-        if ".dcp.tmp." in name:  # left by a crash mid-save; a save in progress is never pruned concurrently
-            shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
+    if is_main_process():
+        names.prune(ckpt_dir, keep, "sharded")
 
 
 def _optimizer_by_index(optim_state: dict) -> dict:
@@ -287,8 +316,6 @@ def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
 
 def to_single_file(dcp_dir: str, out_path: str) -> None:
     """Convert a sharded checkpoint to today's single checksummed file (one process, no process group)."""
-    from distribuuuu.checkpoint import save_checkpoint
-
     save_checkpoint(read_full_state(dcp_dir), out_path)
 
 
@@ -298,9 +325,7 @@ def from_single_file(path: str, dcp_dir: str, model: nn.Module, optimizer: torch
     They must be built as the run that wrote ``path`` built them (its cfg is in the file): the
     file numbers optimizer state by position, and only the optimizer knows each position's name.
     """
-    from distribuuuu.checkpoint import load_checkpoint, model_state_from
-
-    state = load_checkpoint(path)
+    state = load_file(path)
     model.load_state_dict(model_state_from(state))
     if optimizer is not None and state.get("optimizer"):
         optimizer.load_state_dict(state["optimizer"])

@@ -21,8 +21,8 @@ from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metric
 from torch import nn
 
 from distribuuuu import checkpoint as ckpt
+from distribuuuu import components, rng, state
 from distribuuuu import distributed as D
-from distribuuuu import rng, state
 from distribuuuu import run as run_setup
 from distribuuuu.config import load_cfg
 from distribuuuu.launch import DistEnv, LaunchError, detect_env, find_free_port, parse_slurm_nodelist, select_device
@@ -66,7 +66,7 @@ def test_resume_hands_the_rng_restore_cpu_states_whatever_the_runs_device(tmp_pa
     saved.state.step_in_epoch = 3
     state.save_training_checkpoint(saved)
     handed: list[dict] = []
-    monkeypatch.setattr(state, "restore_rng_state", handed.append)
+    monkeypatch.setattr(components, "restore_rng_state", handed.append)
     # A GPU run names its device "cuda"; "meta" stands in for any device that is not the CPU.
     on_another_device = dataclasses.replace(saved, env=DistEnv(device=torch.device("meta")))
     state.resume_or_load_weights(on_another_device, state.find_checkpoint_to_resume(saved.cfg)[0])

@@ -1,0 +1,92 @@
+"""The checkpoints folder: names, their one order, listing, the newest good one, pruning.
+
+Both formats share one naming: ``ckpt_ep_003`` after epoch 3, ``ckpt_ep_004_it_000050`` 50 steps
+into epoch 4, with ``.pth.tar`` for a single file and ``.dcp`` for a sharded (DCP) folder. Every
+lister, pruner and finder (and the tools) orders them through ``checkpoint_position``, so a run
+that changed format between starts still resumes from its newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from typing import Callable
+
+from distribuuuu.errors import CheckpointError
+from distribuuuu.files import PART
+
+logger = logging.getLogger(__name__)
+
+CKPT_DIR = "checkpoints"
+BEST_NAME = "best.pth.tar"  # the best weights as one file
+BEST_SHARDED = "best.dcp"  # under sharded checkpoints: the best weights (and EMA), no optimizer
+FILE, SHARDED = ".pth.tar", ".dcp"
+FORMATS = {"file": (FILE,), "sharded": (SHARDED,), "any": (FILE, SHARDED)}
+_NAME = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?(\.pth\.tar|\.dcp)$")
+# Temporaries a crash mid-save leaves: files.py's ``.<name>.XXXX.part``, and the ``<name>.tmp.<pid>``
+# and ``<name>.old.<pid>`` of earlier versions (old runs leave them behind too).
+_TEMPORARY = re.compile(
+    r"^(\.ckpt_ep_\d+(_it_\d+)?(\.pth\.tar|\.dcp)\..+" + re.escape(PART) + r"|ckpt_ep_.+\.(tmp|old)\.\d+)$"
+)
+
+
+def checkpoint_name(epoch: int, step_in_epoch: int = 0, sharded: bool = False) -> str:
+    """``ckpt_ep_003.pth.tar`` after epoch 3; ``ckpt_ep_004_it_000050.pth.tar`` 50 steps into epoch 4.
+
+    ``epoch`` is 1-based: the epoch that finished, or the one in progress; ``sharded`` gives the
+    ``.dcp`` folder's name.
+    """
+    stem = f"ckpt_ep_{epoch:03d}" + (f"_it_{step_in_epoch:06d}" if step_in_epoch else "")
+    return stem + (SHARDED if sharded else FILE)
+
+
+def checkpoint_position(name: str) -> tuple[int, int] | None:
+    """(epoch, step) a checkpoint's name stands for, to sort by; None if ``name`` is not a checkpoint's.
+
+    An epoch-end checkpoint of epoch e comes after every mid-epoch one of epoch e.
+    """
+    match = _NAME.match(os.path.basename(os.path.normpath(name)))
+    if match is None:
+        return None
+    epoch, step, _ = match.groups()
+    return int(epoch), int(step) if step else 1 << 62
+
+
+def list_checkpoints(ckpt_dir: str, fmt: str = "file") -> list[str]:
+    """Checkpoint paths in ``ckpt_dir``, oldest first: ``fmt`` "file", "sharded" or "any" (temporaries never)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    names = [n for n in os.listdir(ckpt_dir) if n.endswith(FORMATS[fmt]) and checkpoint_position(n)]
+    return [os.path.join(ckpt_dir, n) for n in sorted(names, key=checkpoint_position)]
+
+
+def find_resumable(ckpt_dir: str, verify: Callable[[str], object], fmt: str = "any") -> str | None:
+    """Return the newest checkpoint that ``verify`` accepts; move broken newer ones aside.
+
+    ``verify`` raises CheckpointError on a checkpoint that does not load or verify. Called on the
+    main process only; the caller shares the chosen path.
+    """
+    for path in reversed(list_checkpoints(ckpt_dir, fmt)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            aside = path + ".corrupt"
+            os.replace(path, aside)
+            logger.warning("%s; moved it aside to %s and trying the previous checkpoint", e, aside)
+    return None
+
+
+def prune(ckpt_dir: str, keep: int, fmt: str) -> None:
+    """Delete all but the newest ``keep`` checkpoints of format ``fmt``, and stale temporaries.
+
+    Rank 0 alone, between saves: a save in progress is never pruned concurrently.
+    """
+    for path in list_checkpoints(ckpt_dir, fmt)[:-keep]:
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    for name in os.listdir(ckpt_dir):
+        if _TEMPORARY.match(name):
+            path = os.path.join(ckpt_dir, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)

@@ -1,0 +1,345 @@
+"""A run's state defined once: the components a checkpoint holds, written and read in either format.
+
+Each component is a ``torch.distributed.checkpoint.stateful.Stateful`` (``state_dict()`` /
+``load_state_dict()``), as torchtitan's checkpointer keeps its ``states``: ``run_components``
+lists them, and both formats are written and read from that one list. A single file is the
+components' ``state_dict()`` entries merged into one flat dict (the keys the package has always
+written: "model", "epoch", "cfg", ...: the tools read them, and old files load unchanged). A DCP
+folder holds the tensors each rank has a shard of (a component's ``shards()``: model, optimizer,
+EMA) in DCP's shards, and every other entry in ``extra.pt``. Adding a piece of state is one
+component in ``run_components`` (or, from outside the package, one entry of ``Run.registered_state``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from yacs.config import CfgNode
+
+from distribuuuu import sharded_checkpoint as shards
+from distribuuuu.data.transforms import eval_preprocessing
+from distribuuuu.distributed import all_gather_object, is_main_process
+from distribuuuu.ema import ModelEMA
+from distribuuuu.errors import CheckpointError, first_line
+from distribuuuu.logger import get_logger
+from distribuuuu.rng import capture_rng_state, restore_rng_state
+from distribuuuu.single_file import model_state_from
+
+if TYPE_CHECKING:
+    from distribuuuu.run import Run
+
+logger = get_logger("state")
+
+
+class Component(Stateful):
+    """One piece of a run's state. ``state_dict()`` returns its entries of a checkpoint's flat dict;
+    ``load_state_dict()`` takes the whole dict and reads its entries (older checkpoints may lack some)."""
+
+    sharded = False  # its tensors are sharded over the ranks: a DCP folder holds them in DCP's shards
+    in_weights = False  # also in the best weights (best.pth.tar / best.dcp), which evaluation and fine-tuning read
+    resumes_training = False  # put back only under TRAIN.LOAD_OPT; the weights and the position always are
+
+    def shards(self) -> Stateful | None:
+        """A sharded component: what DCP saves of it, each rank its shard (None: nothing to save)."""
+        return None
+
+    def extra_state_dict(self) -> dict:
+        """A sharded component's small state, kept in extra.pt beside its shards."""
+        return {}
+
+    def load_extra_state_dict(self, extra: dict) -> None:
+        """Read what ``extra_state_dict`` kept (called before the shards are loaded)."""
+
+
+class Registered(Component):
+    """Any other Stateful (a counter, a data loader's state) under its own key: ``state[name]``."""
+
+    def __init__(self, name: str, stateful: Stateful):
+        self.name, self.stateful = name, stateful
+
+    def state_dict(self) -> dict:
+        return {self.name: self.stateful.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.name in state_dict:  # a checkpoint written before it was registered has none
+            self.stateful.load_state_dict(state_dict[self.name])
+
+
+class Model(Component):
+    """The model's weights: ``model``."""
+
+    sharded = in_weights = True
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.model.load_state_dict(model_state_from(state_dict))
+
+    def shards(self) -> Stateful:
+        return shards.ModelShards(self.model)
+
+
+_LOAD_OPT_HINT = "set TRAIN.LOAD_OPT False to resume from its weights only"
+
+
+class Optimizer(Component):
+    """The optimizer's state: ``optimizer``, numbered by position in a file, keyed by name in shards."""
+
+    sharded = resumes_training = True
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, name: str):
+        self.model, self.optimizer, self.name = model, optimizer, name
+
+    def state_dict(self) -> dict:
+        if hasattr(self.optimizer, "consolidate_state_dict"):  # ZeRO-1: gather the shards on rank 0 (collective)
+            self.optimizer.consolidate_state_dict(to=0)
+            return {"optimizer": self.optimizer.state_dict() if is_main_process() else None}
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """PyTorch checks only the parameter-group sizes: SGD's state loads into AdamW without
+        complaint and fails at the first step with a KeyError, so the optimizer's name is compared first."""
+        self.check_name(state_dict)
+        try:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(
+                f"its optimizer state does not fit this run ({first_line(e)}): {_LOAD_OPT_HINT}"
+            ) from None
+
+    def check_name(self, state_dict: dict) -> None:
+        """Raise CheckpointError if the checkpoint's optimizer (its config's) is another one than this run's."""
+        cfg = state_dict.get("cfg")
+        saved = CfgNode.load_cfg(cfg).get("OPTIM", {}).get("OPTIMIZER") if cfg else None
+        if saved and saved != self.name:
+            raise CheckpointError(
+                f"it holds {saved} optimizer state but OPTIM.OPTIMIZER is {self.name}: {_LOAD_OPT_HINT}"
+            )
+
+    def shards(self) -> Stateful:
+        return shards.OptimizerShards(self.model, self.optimizer)
+
+    def load_extra_state_dict(self, extra: dict) -> None:
+        self.check_name(extra)  # before DCP reads another optimizer's state into this one
+
+
+class EMA(Component):
+    """The averaged weights and their update count: ``ema`` (None without OPTIM.EMA_DECAY)."""
+
+    sharded = in_weights = resumes_training = True
+
+    def __init__(self, ema: ModelEMA | None):
+        self.ema = ema
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict() if self.ema is not None else None}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("ema") and self.ema is not None:
+            self.ema.load_state_dict(state_dict["ema"])
+
+    def shards(self) -> Stateful | None:
+        return shards.EMAShards(self.ema) if self.ema is not None else None
+
+    def extra_state_dict(self) -> dict:
+        return {"ema_updates": self.ema.updates if self.ema is not None else 0}
+
+    def load_extra_state_dict(self, extra: dict) -> None:
+        if self.ema is not None:
+            self.ema.updates = int(extra.get("ema_updates", 0))
+
+
+class Scaler(Component):
+    """fp16's loss scale: ``scaler`` (None when disabled)."""
+
+    resumes_training = True
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        self.scaler = scaler
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if state_dict.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state_dict["scaler"])
+
+
+class RNG(Component):
+    """Every rank's RNG states: ``rng`` (gathered: collective), restored on the saving run's world size."""
+
+    resumes_training = True
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def state_dict(self) -> dict:
+        return {"rng": all_gather_object(capture_rng_state())}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # On another world size the ranks' streams do not map one to one: each rank keeps its fresh seed.
+        if self.rank < len(state_dict["rng"]) and state_dict["world_size"] == self.world_size:
+            restore_rng_state(state_dict["rng"][self.rank])
+
+
+class Progress(Component):
+    """Epochs done and the best so far: ``epoch``, ``best_acc1``, ``best_weights``."""
+
+    in_weights = True
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def state_dict(self) -> dict:
+        s = self.run.state
+        return {"epoch": s.epoch, "best_acc1": s.best_acc1, "best_weights": s.best_weights}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        s = self.run.state
+        s.epoch, s.best_acc1 = state_dict["epoch"], state_dict["best_acc1"]
+        s.best_weights = state_dict.get("best_weights", "model")
+
+
+class Position(Component):
+    """Where in the epoch, and on which global batch: ``step_in_epoch``, ``samples_in_epoch`` (the global
+    sample position: resumable on any world size), ``global_batch``, ``steps_per_epoch``, ``world_size``."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def state_dict(self) -> dict:
+        run = self.run
+        return {
+            "step_in_epoch": run.state.step_in_epoch,
+            "samples_in_epoch": run.state.samples_in_epoch,
+            "global_batch": run.global_batch,
+            "steps_per_epoch": run.steps_per_epoch,
+            "world_size": run.env.world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """On another global batch, say what that changes (after Progress: the log names the epoch)."""
+        run, saved_batch = self.run, state_dict.get("global_batch") or saved_global_batch(state_dict)
+        run.state.step_in_epoch = state_dict["step_in_epoch"]
+        run.state.samples_in_epoch = state_dict.get("samples_in_epoch", state_dict["step_in_epoch"] * saved_batch)
+        if saved_batch != run.global_batch:
+            log_global_batch_change(run, saved_batch, state_dict)
+
+
+def saved_global_batch(state: dict) -> int:
+    """The global batch of a checkpoint written before it recorded one: from its config and world size."""
+    t = CfgNode.load_cfg(state["cfg"]).TRAIN
+    return t.BATCH_SIZE * t.ACCUM_STEPS * state["world_size"]
+
+
+def log_global_batch_change(run: Run, saved_batch: int, state: dict) -> None:
+    """Tell what resuming with another global batch does to the epoch and the LR schedule."""
+    t, o = run.cfg.TRAIN, run.cfg.OPTIM
+    scaled = f"scaled to {run.base_lr:.5g} (OPTIM.REFERENCE_BATCH)" if o.REFERENCE_BATCH else "unchanged"
+    logger.warning(
+        "global batch changed from %d (%d rank(s)) to %d (%d x %d rank(s) x %d accumulation): the epoch continues "
+        "at sample %d of its permutation, each sample of it once; %d steps/epoch instead of %d, and the LR schedule "
+        "continues at epoch %.4f (its position counts samples, not steps); base LR %s; RNG states are %s",
+        saved_batch, state["world_size"], run.global_batch, t.BATCH_SIZE, run.env.world_size, t.ACCUM_STEPS,
+        run.state.samples_in_epoch, run.steps_per_epoch, state["steps_per_epoch"],
+        run.schedule_step / run.steps_per_epoch, scaled,
+        "restored" if state["world_size"] == run.env.world_size else "re-seeded (another world size)",
+    )  # fmt: skip
+
+
+class Described(Component):
+    """What the run was (classes, architecture, config, evaluation preprocessing): written for the
+    tools (test_net, predict, export, fine-tuning) and for the resume's config comparison; a resume
+    keeps its own, so nothing is loaded back."""
+
+    in_weights = True  # what predict.py, export.py and test_net.py read of the best weights
+
+    def __init__(self, **entries):
+        self.entries = entries
+
+    def state_dict(self) -> dict:
+        return dict(self.entries)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+def run_components(run: Run) -> dict[str, Component]:
+    """The run's state, defined once: every component a checkpoint holds, in the order they load."""
+    components = {
+        "model": Model(run.model),
+        "progress": Progress(run),
+        "position": Position(run),  # after progress: its log names the epoch
+        "optimizer": Optimizer(run.model, run.optimizer, run.cfg.OPTIM.OPTIMIZER),
+        "ema": EMA(run.ema),
+        "scaler": Scaler(run.scaler),
+        "rng": RNG(run.env.rank, run.env.world_size),
+        "classes": Described(classes=run.train.classes),
+        "config": Described(arch=run.cfg.MODEL.ARCH, cfg=run.cfg.dump()),
+        # What validation did to the images: predict.py and export.py preprocess as it did
+        "preprocessing": Described(preprocessing=eval_preprocessing(run.cfg).as_dict()),
+    }
+    for name, stateful in run.registered_state.items():
+        components[name] = stateful if isinstance(stateful, Component) else Registered(name, stateful)
+    return components
+
+
+def to_restore(components: dict[str, Component], load_opt: bool) -> dict[str, Component]:
+    """The components a resume puts back: all of them under TRAIN.LOAD_OPT, else all but the training ones."""
+    return {name: c for name, c in components.items() if load_opt or not c.resumes_training}
+
+
+# ------------------------------------------------------------------------------------------------
+# The two formats, from the one list
+# ------------------------------------------------------------------------------------------------
+def file_states(components: dict[str, Component]) -> tuple[dict, dict]:
+    """A single file's flat dict of every component, and of the best weights' (collective: RNG, ZeRO)."""
+    parts = {name: c.state_dict() for name, c in components.items()}
+    full = {k: v for part in parts.values() for k, v in part.items()}
+    best = {k: v for name, part in parts.items() if components[name].in_weights for k, v in part.items()}
+    return full, best
+
+
+def load_file_state(components: dict[str, Component], state: dict, path: str) -> None:
+    """Load a single file's flat dict into ``components``; a CheckpointError names ``path``."""
+    for component in components.values():
+        try:
+            component.load_state_dict(state)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+
+
+def save_sharded_state(components: dict[str, Component], path: str) -> None:
+    """Write a DCP folder: the components' shards by DCP, everything else into extra.pt (collective)."""
+    states, extra = {}, {}
+    for name, c in components.items():
+        if not c.sharded:
+            extra.update(c.state_dict())
+            continue
+        extra.update(c.extra_state_dict())
+        if (view := c.shards()) is not None:
+            states[name] = view
+    shards.save_states(path, states, extra)
+
+
+def load_sharded_state(components: dict[str, Component], path: str) -> None:
+    """Load a DCP folder into ``components``: small state first (checks before DCP reads), then the shards."""
+    extra, states = shards.read_extra(path), {}
+    for name, c in components.items():
+        try:
+            if c.sharded:
+                c.load_extra_state_dict(extra)
+            else:
+                c.load_state_dict(extra)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+        if c.sharded and (view := c.shards()) is not None:
+            states[name] = view
+    shards.load_states(path, states)

@@ -1,0 +1,101 @@
+"""Single-file checkpoints: atomic, checksummed writes on rank 0; safe (weights_only) loads."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import re
+from typing import Any
+
+import torch
+
+from distribuuuu.distributed import is_main_process
+from distribuuuu.errors import CheckpointError, first_line, os_error_in
+from distribuuuu.files import atomic_write
+
+
+def _tensors(obj: Any):
+    """Yield every tensor in a nested dict/list structure, in a deterministic order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _tensors(obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+
+
+def state_checksum(state: dict) -> str:
+    """SHA-256 over the bytes of every tensor in the model/EMA/optimizer state.
+
+    torch.load accepts a file with flipped bits in tensor data without complaint; this catches it.
+    """
+    digest = hashlib.sha256()
+    for t in _tensors({k: state.get(k) for k in ("model", "ema", "optimizer")}):
+        t = t.detach().cpu().contiguous().reshape(-1)
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_checkpoint(state: dict, path: str) -> None:
+    """Write ``state`` to ``path`` atomically on the main process (other ranks return at once).
+
+    files.atomic_write writes beside the target, syncs, then renames over it: a crash or a full
+    disk mid-write leaves the previous file untouched and no temporary behind.
+    """
+    if not is_main_process():
+        return
+    state = dict(state, checksum=state_checksum(state))
+    try:
+        with atomic_write(path) as f:  # a file object: torch.save then keeps the OSError of a full disk
+            torch.save(state, f)
+    except Exception as e:
+        cause = os_error_in(e)  # torch.save raises a RuntimeError while handling the OSError of a full disk
+        if cause is not None:
+            raise CheckpointError(
+                f"could not write checkpoint {path}: {cause}; earlier checkpoints are intact"
+            ) from None
+        raise
+
+
+def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:
+    """Load a checkpoint file with ``weights_only=True`` (no code from the file runs) and verify its checksum."""
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint not found: {path}") from None
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refusing to load {path}: it holds objects that weights_only=True does not allow "
+            f"({first_line(e)[:200]}); if you trust its source, convert it once as the "
+            "README ('Safe loading') shows"
+        ) from None
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {path} is unreadable (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} does not hold a dict")
+    if verify and "checksum" in state and state_checksum(state) != state["checksum"]:
+        raise CheckpointError(f"checkpoint {path} fails its checksum: the file is corrupt")
+    return state
+
+
+def model_state_from(state: dict, kind: str = "model") -> dict:
+    """The model weights of a checkpoint (or of a bare state_dict), without wrapper prefixes.
+
+    ``kind`` picks the raw weights ("model") or the averaged ones ("ema"). ``module.`` (DDP) and
+    ``_orig_mod.`` (torch.compile) prefixes are stripped.
+    """
+    if kind == "ema":
+        if not state.get("ema"):
+            raise CheckpointError("MODEL.WEIGHTS_KIND is 'ema' but the checkpoint holds no EMA weights")
+        weights = state["ema"]["module"]
+    elif "model" in state and isinstance(state["model"], dict):
+        weights = state["model"]
+    elif "state_dict" in state:
+        weights = state["state_dict"]
+    else:
+        weights = state
+    return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in weights.items()}

@@ -1,0 +1,156 @@
+"""A run's state defined once: a component registered on a run is saved and resumed in both formats;
+one ordering of checkpoint names for every lister and pruner; no import circle among the checkpoint modules."""
+
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO
+from torch import nn
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu import run as run_setup
+from distribuuuu import sharded_checkpoint as shards
+from distribuuuu import state
+from distribuuuu.config import load_cfg
+from distribuuuu.launch import DistEnv
+from distribuuuu.logger import NullWriter
+from distribuuuu.models import register_model
+
+
+@register_model("run_state_cnn")
+def run_state_cnn(num_classes: int = 10, pretrained: bool = False) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+
+
+class Counter:
+    """A piece of state the package knows nothing of: torch's Stateful protocol, nothing more."""
+
+    def __init__(self, count: int = 0):
+        self.count = count
+
+    def state_dict(self) -> dict:
+        return {"count": self.count}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.count = state_dict["count"]
+
+
+def _run(out: Path, fmt: str, seed: int) -> run_setup.Run:
+    torch.manual_seed(seed)
+    opts = ["MODEL.ARCH", "run_state_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.WORKERS", "0"]
+    opts += ["OPTIM.EMA_DECAY", "0.9", "DIST.CKPT_FORMAT", fmt, "OUT_DIR", str(out)]
+    return run_setup.build_run(load_cfg(None, opts), DistEnv(), NullWriter())
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_component_registered_on_a_run_comes_back_from_either_format(tmp_path, fmt):
+    saved = _run(tmp_path, fmt, seed=0)
+    saved.registered_state["counter"] = Counter(7)
+    saved.state.epoch, saved.state.step_in_epoch = 1, 3
+    path = state.save_training_checkpoint(saved)
+    assert os.path.isdir(path) == (fmt == "sharded")
+    assert ckpt.load_checkpoint(path)["counter"] == {"count": 7}, "the tools see it too, as a flat key"
+
+    resumed = _run(tmp_path, fmt, seed=1)  # other initial weights: what comes back is the checkpoint's
+    resumed.registered_state["counter"] = Counter()
+    state.resume_or_load_weights(resumed, path)
+    assert resumed.registered_state["counter"].count == 7
+    assert (resumed.state.epoch, resumed.state.step_in_epoch) == (1, 3)
+    for name, tensor in saved.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], tensor), name
+    for name, tensor in saved.ema.module.state_dict().items():
+        assert torch.equal(resumed.ema.module.state_dict()[name], tensor), name
+
+
+def test_a_checkpoint_written_before_a_component_was_registered_still_resumes(tmp_path):
+    path = state.save_training_checkpoint(_run(tmp_path, "file", seed=0))
+    resumed = _run(tmp_path, "file", seed=1)
+    resumed.registered_state["counter"] = Counter(5)
+    state.resume_or_load_weights(resumed, path)
+    assert resumed.registered_state["counter"].count == 5, "nothing saved: the component keeps its own"
+
+
+# What evaluation, prediction, export and fine-tuning read of the best weights: no optimizer, RNG or position.
+BEST_KEYS = {"model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "preprocessing"}
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_the_best_weights_hold_what_the_tools_read_and_no_training_state(tmp_path, fmt):
+    run = _run(tmp_path, fmt, seed=0)
+    state.save_training_checkpoint(run, is_best=True)
+    best = ckpt.load_checkpoint(str(tmp_path / (ckpt.BEST_NAME if fmt == "file" else ckpt.BEST_SHARDED)))
+    assert set(best) - {"checksum", "optimizer"} == BEST_KEYS and best.get("optimizer") is None
+    assert best["classes"] == run.train.classes and best["cfg"] == run.cfg.dump()
+
+
+def _expected_order(names: list[str]) -> list[str]:
+    """Epoch by epoch; within an epoch the steps in order, and the epoch's end after all of them."""
+
+    def key(name: str) -> tuple[int, float]:
+        stem = name.removesuffix(".pth.tar").removesuffix(".dcp").removeprefix("ckpt_ep_")
+        epoch, _, step = stem.partition("_it_")
+        return int(epoch), float(step) if step else float("inf")
+
+    return sorted(names, key=key)
+
+
+def test_every_lister_and_pruner_orders_checkpoint_names_alike(tmp_path):
+    files = [ckpt.checkpoint_name(e, s) for e, s in [(2, 0), (10, 0), (3, 7), (3, 0), (3, 12), (1, 5)]]
+    folders = [ckpt.checkpoint_name(e, s, sharded=True) for e, s in [(3, 9), (2, 100), (11, 0)]]
+    assert folders == [shards.sharded_name(3, 9), shards.sharded_name(2, 100), shards.sharded_name(11)]
+    for name in files:
+        ckpt.save_checkpoint({"model": {}}, str(tmp_path / name))
+    for name in folders:
+        os.makedirs(tmp_path / name)
+    decoys = ["best.pth.tar", "ckpt_ep_004.pth.tar.corrupt", "ckpt_ep_005.pth.tar.tmp.77", "ckpt_ep_006.dcp.tmp.8"]
+    decoys += [".ckpt_ep_007.pth.tar.x1y2.part", ".ckpt_ep_008.dcp.a_b.part", "ckpt_ep_009.dcp.old.12"]
+    for name in decoys:
+        (tmp_path / name).write_bytes(b"")
+
+    def listed(paths: list[str]) -> list[str]:
+        return [os.path.basename(p) for p in paths]
+
+    assert listed(ckpt.list_checkpoints(str(tmp_path))) == _expected_order(files)
+    assert listed(shards.list_sharded(str(tmp_path))) == _expected_order(folders)
+    assert listed(shards.list_any(str(tmp_path))) == _expected_order(files + folders)
+    assert ckpt.find_resumable(str(tmp_path), verify=lambda path: None) == str(tmp_path / _expected_order(folders)[-1])
+
+    ckpt.prune_checkpoints(str(tmp_path), keep=2)
+    shards.prune_sharded(str(tmp_path), keep=1)
+    left = sorted(os.listdir(tmp_path))
+    kept = _expected_order(files)[-2:] + _expected_order(folders)[-1:]
+    assert left == sorted(kept + ["best.pth.tar", "ckpt_ep_004.pth.tar.corrupt"]), (
+        "stale temporaries of both namings go"
+    )
+
+
+CHECKPOINT_MODULES = ("checkpoint", "checkpoint_names", "single_file", "sharded_checkpoint", "components", "state")
+
+
+def _imports(module: str) -> set[str]:
+    """The distribuuuu modules ``module`` imports anywhere in its body (function-level imports included)."""
+    tree = ast.parse((REPO / "distribuuuu" / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("distribuuuu"):
+            parts = node.module.split(".")
+            found |= {alias.name for alias in node.names} if parts == ["distribuuuu"] else {parts[1]}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("distribuuuu.")}
+    return found
+
+
+def test_the_checkpoint_modules_import_in_one_direction():
+    graph = {m: _imports(m) & set(CHECKPOINT_MODULES) for m in CHECKPOINT_MODULES}
+
+    def reaches(start: str, goal: str, seen: frozenset = frozenset()) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
+
+    circles = [m for m in CHECKPOINT_MODULES if reaches(m, m)]
+    assert not circles, f"import circle through {circles}: {graph}"
+    assert not reaches("sharded_checkpoint", "checkpoint") and not reaches("single_file", "sharded_checkpoint")
