@@ -23,7 +23,6 @@ from distribuuuu.models import has_batchnorm
 
 logger = logging.getLogger(__name__)
 
-STRATEGIES = ("ddp", "fsdp", "hsdp")
 
 # Containers whose children are a model's repeated blocks: torchvision ResNet ``layerN``, ViT
 # ``encoder.layers``, ConvNeXt/EfficientNet/MobileNet/Swin ``features``, RegNet ``blockN``;
