@@ -249,7 +249,7 @@ _C.OPTIM.WEIGHT_DECAY_NORM_BIAS = False
 _C.OPTIM.NO_WEIGHT_DECAY = []
 # LR multiplier of the classifier head (fine-tuning a new head: e.g. 10)
 _C.OPTIM.HEAD_LR_MULT = 1.0
-# Layer-wise LR decay: block i of N gets LR x LAYER_DECAY ** (N + 1 - i) (ViT/ConvNeXt; 0 disables)
+# Layer-wise LR decay: block i of N gets LR x LAYER_DECAY ** (N + 1 - i) (the blocks FSDP wraps; 0 disables)
 _C.OPTIM.LAYER_DECAY = 0.0
 # AdamW and LAMB betas
 _C.OPTIM.BETAS = [0.9, 0.999]
