@@ -34,7 +34,8 @@ import urllib.request
 
 import numpy as np
 
-from distribuuuu.data.datasets import BadImageError, DataError, EncodedSamples
+from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.errors import BadImageError, DataError
 
 INDEX = "index.json"
 KIND = "wids-shard-index-v1"
