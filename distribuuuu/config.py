@@ -250,7 +250,7 @@ _C.OPTIM.WEIGHT_DECAY_NORM_BIAS = False
 _C.OPTIM.NO_WEIGHT_DECAY = []
 # LR multiplier of the classifier head (fine-tuning a new head: e.g. 10)
 _C.OPTIM.HEAD_LR_MULT = 1.0
-# Layer-wise LR decay: block i of N gets LR x LAYER_DECAY ** (N + 1 - i) (ViT/ConvNeXt; 0 disables)
+# Layer-wise LR decay: block i of N gets LR x LAYER_DECAY ** (N + 1 - i) (the blocks FSDP wraps; 0 disables)
 _C.OPTIM.LAYER_DECAY = 0.0
 # AdamW and LAMB betas
 _C.OPTIM.BETAS = [0.9, 0.999]
@@ -405,7 +405,7 @@ def _configs_that_exist() -> str:
 
 def _merge(config: CN, data: dict, source: str) -> None:
     """Merge nested ``data`` into ``config`` with yacs's type checks; unknown keys get a suggestion."""
-    for key in _flat_keys(data):
+    for key in flatten(data):
         if key not in _ALL_KEYS and key not in _C:  # a whole section given a value: yacs names the type
             close = difflib.get_close_matches(key, _ALL_KEYS, n=1, cutoff=0.6)
             hint = f": did you mean {close[0]}?" if close else ""
@@ -448,15 +448,35 @@ def _unflatten(pairs: dict[str, Any]) -> dict:
     return nested
 
 
-def _flat_keys(node: dict, prefix: str = "") -> list[str]:
-    keys = []
+def flatten(node: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"TRAIN": {"BATCH_SIZE": 32}}`` -> ``{"TRAIN.BATCH_SIZE": 32}``; a CfgNode is a dict too."""
+    flat: dict[str, Any] = {}
     for name, value in node.items():
         key = f"{prefix}{name}"
-        keys += _flat_keys(value, key + ".") if isinstance(value, dict) else [key]
-    return keys
+        flat.update(flatten(value, key + ".") if isinstance(value, dict) else {key: value})
+    return flat
 
 
-_ALL_KEYS = _flat_keys(_C)
+def config_diff(old: dict, new: dict) -> list[tuple[str, Any, Any]]:
+    """(key, old value, new value) for every key of ``new`` whose value differs in ``old``, sorted by key.
+
+    Both are nested (a CfgNode or a YAML file's dict); a key ``old`` lacks has None there. A tuple
+    and a list with the same items are equal: yacs keeps tuples, YAML reads lists.
+    """
+    before = flatten(old)
+    return [(k, before.get(k), v) for k, v in sorted(flatten(new).items()) if _plain(before.get(k)) != _plain(v)]
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """``KEY: old -> new`` for every key of ``current`` whose value differs in ``saved`` (what a resume logs)."""
+    return [f"{key}: {old!r} -> {value!r}" for key, old, value in config_diff(saved, current)]
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+_ALL_KEYS = list(flatten(_C))
 
 
 # Distribuuuu's own YAML files write these two keys as null: no weights, and an unseeded run
@@ -685,12 +705,18 @@ def _has_decode_jpeg() -> bool:
     return importlib.util.find_spec("torchcodec") is not None or hasattr(torchvision.io, "decode_jpeg")
 
 
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote(root: str) -> bool:
+    """A dataset root that is a URL (http(s)://, s3://, gs://, az://, ...), anything but a local path."""
+    return bool(_URL.match(root)) and not root.startswith("file://")
+
+
 def check_dataset_paths(c: CN) -> None:
     """Raise ConfigError naming a dataset folder that does not exist (unless DUMMY_INPUT)."""
     if c.MODEL.DUMMY_INPUT:
         return
-    from distribuuuu.data.remote import is_remote  # only here: the config module stays light
-
     for key, root, split in (
         ("TRAIN.DATASET", c.TRAIN.DATASET, c.TRAIN.SPLIT),
         ("TEST.DATASET", c.TEST.DATASET, c.TEST.SPLIT),

@@ -6,12 +6,12 @@ import csv
 import io
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from distribuuuu.distributed import all_gather_object, all_reduce_sum, is_main_process
+from distribuuuu.files import write_bytes
 from distribuuuu.plots import PLOT_INSTALL
 
 logger = logging.getLogger(__name__)
@@ -117,8 +117,7 @@ def save_predictions(
     for index, target, topk in rows:
         path = paths[index] if index < len(paths) else ""
         writer.writerow([index, path, class_names[target], *(class_names[c] for c in topk)])
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return _write_atomic(Path(out_dir) / f"{prefix}_predictions.csv", out.getvalue().encode())
+    return _write(Path(out_dir) / f"{prefix}_predictions.csv", out.getvalue().encode())
 
 
 def per_class_accuracy(matrix: torch.Tensor) -> torch.Tensor:
@@ -155,14 +154,13 @@ def save_evaluation(out_dir: str | Path, prefix: str, matrix: torch.Tensor, clas
     if not is_main_process():
         return []
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = [
-        _write_atomic(out_dir / f"{prefix}_confusion.csv", confusion_csv(matrix, class_names).encode()),
-        _write_atomic(out_dir / f"{prefix}_per_class.json", per_class_json(matrix, class_names).encode()),
+        _write(out_dir / f"{prefix}_confusion.csv", confusion_csv(matrix, class_names).encode()),
+        _write(out_dir / f"{prefix}_per_class.json", per_class_json(matrix, class_names).encode()),
     ]
     png = confusion_png(matrix, class_names)
     if png is not None:
-        written.append(_write_atomic(out_dir / f"{prefix}_confusion.png", png))
+        written.append(_write(out_dir / f"{prefix}_confusion.png", png))
     return written
 
 
@@ -192,9 +190,6 @@ def confusion_png(matrix: torch.Tensor, class_names: list[str]) -> bytes | None:
     return buffer.getvalue()
 
 
-def _write_atomic(path: Path, data: bytes) -> Path:
-    """Write to a temporary file beside ``path``, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def _write(path: Path, data: bytes) -> Path:
+    write_bytes(str(path), data)  # atomic: a reader never sees half a file
     return path

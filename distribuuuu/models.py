@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import logging
@@ -186,17 +185,16 @@ def zero_init_residual(model: nn.Module) -> int:
 
 
 def enable_grad_checkpointing(model: nn.Module) -> int:
-    """Recompute the repeated blocks' activations in the backward pass instead of storing them.
+    """Recompute the blocks' activations in the backward pass instead of storing them.
 
-    timm models switch it on themselves (``set_grad_checkpointing``). Elsewhere the repeated
-    blocks are the children of every ``nn.Sequential`` made of two or more composite modules of
-    one class (ResNet's ``layerN``, ViT's ``encoder.layers``, ConvNeXt's stages); each block's
-    forward runs under ``torch.utils.checkpoint`` (non-reentrant). Return the number of blocks.
+    timm models switch it on themselves (``set_grad_checkpointing``). Elsewhere each block of
+    ``find_blocks`` runs its forward under ``torch.utils.checkpoint`` (non-reentrant). Return the
+    number of blocks.
     """
     if hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
         return -1
-    blocks = repeated_blocks(model)
+    blocks = find_blocks(model)
     if not blocks:
         raise ConfigError(f"MODEL.GRAD_CHECKPOINT: no repeated blocks found in {type(model).__name__}")
     for block in blocks:
@@ -204,26 +202,54 @@ def enable_grad_checkpointing(model: nn.Module) -> int:
     return len(blocks)
 
 
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """In each ``nn.Sequential``, the children of its most frequent composite class (two or more of
-    them; a Sequential such as a stage is a container, not a block), outermost first: a block's insides
-    are not blocks."""
-    chosen: list[tuple[str, nn.Module]] = []
-    for name, seq in model.named_modules():
-        if not isinstance(seq, nn.Sequential) or any(name.startswith(f"{n}.") for n, _ in chosen):
-            continue
-        composite = [
-            (f"{name}.{n}", c)
-            for n, c in seq.named_children()
-            if not isinstance(c, nn.Sequential)
-            and next(c.children(), None) is not None
-            and next(c.parameters(), None) is not None
-        ]
-        kinds = collections.Counter(type(c) for _, c in composite)
-        if kinds and kinds.most_common(1)[0][1] >= 2:
-            kind = kinds.most_common(1)[0][0]
-            chosen += [(n, c) for n, c in composite if type(c) is kind]
-    return [c for _, c in chosen]
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, in forward order (see ``named_blocks``)."""
+    return [block for _, block in named_blocks(model)]
+
+
+def named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the model's repeated blocks, in forward order: the one finder behind FSDP
+    wrapping, gradient checkpointing and layer-wise LR decay.
+
+    A model may name its own with a ``fsdp_blocks`` attribute (modules) or method (returning them).
+    Otherwise a block is a module with parameters and children of its own that sits in a container
+    (``nn.Sequential``/``nn.ModuleList`` or a subclass, looked through as a stage, as are
+    torchvision's ``Conv2dNormActivation`` stems): ResNet's BasicBlocks, ViT's encoder blocks,
+    ConvNeXt's CNBlocks, EfficientNet's MBConvs. A candidate that holds two or more blocks of one
+    class is a stage, and those blocks are taken instead (timm's ``stages.N.blocks.M``). Leaves and
+    downsampling layers (plain containers, or a module beside stages, as Swin's PatchMerging) are no
+    blocks: FSDP leaves them to the root, layer decay gives them the next block's layer. Written
+    here because neither torchvision nor timm has one finder for all models (timm's
+    ``group_matcher`` is timm-only).
+    """
+    own = getattr(model, "fsdp_blocks", None)
+    if own is not None:
+        names = {id(m): name for name, m in model.named_modules()}
+        return [(names[id(m)], m) for m in (own() if callable(own) else own)]
+    return _blocks_below(model, "", _is_container(model))
+
+
+def _blocks_below(module: nn.Module, prefix: str, in_container: bool) -> list[tuple[str, nn.Module]]:
+    stages, candidates, found = [], [], []  # in forward order; candidates beside stages are dropped below
+    for name, child in module.named_children():
+        path = prefix + name
+        if _is_container(child):
+            blocks = _blocks_below(child, path + ".", True)
+            stages += blocks
+        elif in_container and next(child.children(), None) is not None and next(child.parameters(), None) is not None:
+            inner = _blocks_below(child, path + ".", False)
+            is_stage = len(inner) >= 2 and len({type(m) for _, m in inner}) == 1
+            blocks = inner if is_stage else [(path, child)]
+            (stages if is_stage else candidates).extend(blocks)
+        else:
+            blocks = _blocks_below(child, path + ".", False)
+        found += blocks
+    # Beside stages that hold blocks, a module of its own is a transition (Swin's PatchMerging), not a block.
+    return [b for b in found if not (stages and b in candidates)]
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Sequential, nn.ModuleList))
 
 
 def _checkpointed(block: nn.Module, forward: Callable, *args, **kwargs):

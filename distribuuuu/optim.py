@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 
 import torch
 from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
+from distribuuuu.models import named_blocks
 
 
 def param_groups(
@@ -54,30 +54,22 @@ def param_groups(
     return [g for k, g in groups.items() if g["params"] or k == (True, 1.0)]
 
 
-# Block-level prefixes, tried in order at the start of a parameter name: torchvision ViT,
-# torchvision ConvNeXt's CNBlocks (not its downsampling layers), timm ConvNeXt / Swin, timm ViT.
-LAYER_PATTERNS = (
-    r"encoder\.layers\.encoder_layer_\d+\.",
-    r"features\.\d+\.\d+\.(?=block\.|layer_scale)",
-    r"(?:stages|layers)\.\d+\.blocks\.\d+\.",
-    r"blocks\.\d+\.",
-)
-
-
-def layer_ids(model: nn.Module, patterns: tuple[str, ...] = LAYER_PATTERNS) -> tuple[dict[str, int], int]:
+def layer_ids(model: nn.Module) -> tuple[dict[str, int], int]:
     """Map each parameter name to its layer for layer-wise LR decay; return it and the block count.
 
-    Blocks are numbered 1..N in parameter order (the order of the forward pass in torchvision
-    and timm). Parameters before the first block (patch/stem embedding, class token, position
-    embedding) are layer 0; those between blocks (ConvNeXt's downsampling) go with the next block;
-    those after the last (final norm, head) are layer N + 1, as in BEiT / MAE. Written here because
+    The blocks are ``models.named_blocks``'s (the ones FSDP wraps and checkpointing recomputes),
+    numbered 1..N in parameter order (the order of the forward pass in torchvision and timm).
+    Parameters before the first block (patch/stem embedding, class token, position embedding) are
+    layer 0; those between blocks (ConvNeXt's downsampling) go with the next block; those after
+    the last (final norm, head) are layer N + 1, as in BEiT / MAE. Written here because
     torchvision models have no ``group_matcher`` (timm's layer-decay helper needs one).
     """
+    blocks = {name for name, _ in named_blocks(model)}
     names = [name for name, _ in model.named_parameters()]
-    prefixes = [next((m.group(0) for pat in patterns if (m := re.match(pat, name))), None) for name in names]
+    prefixes = [_block_of(name, blocks) for name in names]
     order = list(dict.fromkeys(p for p in prefixes if p is not None))
     if not order:
-        raise ValueError(f"layer-wise LR decay: no blocks found in {type(model).__name__} (patterns {patterns})")
+        raise ValueError(f"layer-wise LR decay: no blocks found in {type(model).__name__}")
     block = {prefix: i + 1 for i, prefix in enumerate(order)}
     ids, pending, seen_block = {}, [], False
     for name, prefix in zip(names, prefixes):
@@ -93,6 +85,12 @@ def layer_ids(model: nn.Module, patterns: tuple[str, ...] = LAYER_PATTERNS) -> t
         ids[name] = block[prefix]
     ids.update({name: len(order) + 1 for name in pending})
     return ids, len(order)
+
+
+def _block_of(parameter: str, blocks: set[str]) -> str | None:
+    """The block whose name prefixes ``parameter`` (``encoder.layers.encoder_layer_3``), or None."""
+    parts = parameter.split(".")
+    return next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in blocks), None)
 
 
 def head_parameter_names(model: nn.Module) -> set[str]:

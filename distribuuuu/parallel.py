@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Iterable
 
 import torch
@@ -23,17 +22,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from distribuuuu.launch import DistEnv
-from distribuuuu.models import has_batchnorm
+from distribuuuu.models import find_blocks, has_batchnorm
 
 logger = logging.getLogger(__name__)
-
-STRATEGIES = ("ddp", "fsdp", "hsdp")
-
-# Containers whose children are a model's repeated blocks: torchvision ResNet ``layerN``, ViT
-# ``encoder.layers``, ConvNeXt/EfficientNet/MobileNet/Swin ``features``, RegNet ``blockN``;
-# timm ``blocks``, ``stages.N.blocks``, ``layers.N.blocks``.
-_CONTAINER = re.compile(r"(^|\.)(layer\d+|layers|blocks|features|block\d+)$")
-_PLAIN = (nn.Sequential, nn.ModuleList)
 
 
 def build_mesh(strategy: str, world_size: int, local_world_size: int, device_type: str = "cpu") -> DeviceMesh:
@@ -72,44 +63,6 @@ def mixed_precision_policy(precision: str, model: nn.Module) -> MixedPrecisionPo
         return None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks, outermost first: its own ``fsdp_blocks`` if it names them, else found.
-
-    A registered model names its own with an ``fsdp_blocks`` attribute (modules) or method
-    (returning them). Otherwise the children of the containers ``_CONTAINER`` matches are taken,
-    descending through plain Sequential/ModuleList stages and into a child that holds a deeper
-    matching container (timm Swin's ``layers.N.blocks``), so that blocks, not whole stages, win.
-    """
-    own = getattr(model, "fsdp_blocks", None)
-    if own is not None:
-        return list(own() if callable(own) else own)
-    return _find(model, "")
-
-
-def _find(module: nn.Module, prefix: str) -> list[nn.Module]:
-    found: list[nn.Module] = []
-    for name, child in module.named_children():
-        path = prefix + name
-        if _CONTAINER.search(path) and isinstance(child, _PLAIN):
-            found += _children_as_blocks(child, path)
-        else:
-            found += _find(child, path + ".")
-    return found
-
-
-def _children_as_blocks(container: nn.Module, path: str) -> list[nn.Module]:
-    found: list[nn.Module] = []
-    for name, child in container.named_children():
-        deeper = _find(child, f"{path}.{name}.")
-        if deeper:
-            found += deeper  # a stage holding its own ``blocks``: shard those, not the stage
-        elif type(child) in _PLAIN:
-            found += _children_as_blocks(child, f"{path}.{name}")  # a stage: its children are blocks
-        elif any(True for _ in child.children()) and any(True for _ in child.parameters()):
-            found.append(child)  # leaves (a lone Linear or LayerNorm of a head) stay with the root
-    return found
 
 
 def shard_model(

@@ -24,7 +24,7 @@ class MetricsError(Exception):
 
 
 @dataclass
-class Run:
+class RecordedRun:
     """The de-duplicated records of one run, keyed by (split, weights), sorted by epoch."""
 
     label: str
@@ -67,10 +67,10 @@ def dedupe(records: list[Record]) -> dict[tuple[str, str], list[Record]]:
     return series
 
 
-def load_run(out_dir: str, label: str | None) -> Run:
+def load_run(out_dir: str, label: str | None) -> RecordedRun:
     path = os.path.join(out_dir, METRICS_FILE)
     name = label or os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
-    return Run(label=name, series=dedupe(read_records(path)))
+    return RecordedRun(label=name, series=dedupe(read_records(path)))
 
 
 def xy(records: list[Record], key: str) -> tuple[list[float], list[float]]:
@@ -90,7 +90,7 @@ def plot_series(ax: Any, records: list[Record], key: str, style: dict[str, Any])
         ax.plot(xs, ys, **style)
 
 
-def draw_run(axes: Any, run: Run, color: str) -> None:
+def draw_run(axes: Any, run: RecordedRun, color: str) -> None:
     """Draw one run's curves on the four axes (loss, top-1, lr, images/s)."""
     train, val, ema = run.get("train"), run.get("val"), run.get("val", "ema")
     thin = {"color": color, "linewidth": 1.2, "alpha": 0.75}
@@ -120,7 +120,7 @@ def style_axes(axes: Any) -> None:
     axes[2].ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
 
 
-def make_figure(plt: Any, runs: Sequence[Run]) -> Any:
+def make_figure(plt: Any, runs: Sequence[RecordedRun]) -> Any:
     fig, grid = plt.subplots(2, 2, figsize=(12, 8.5))
     axes = grid.flatten()
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -132,7 +132,7 @@ def make_figure(plt: Any, runs: Sequence[Run]) -> Any:
     return fig
 
 
-def save_plot(runs: Sequence[Run], output: str) -> str:
+def save_plot(runs: Sequence[RecordedRun], output: str) -> str:
     """Draw ``runs`` into the PNG ``output`` with the Agg backend; raise ImportError without matplotlib."""
     import matplotlib
 

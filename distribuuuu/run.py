@@ -24,14 +24,15 @@ from distribuuuu.distributed import check_group, format_rank_table, is_dist, ran
 from distribuuuu.ema import ModelEMA
 from distribuuuu.heartbeat import stall_seconds
 from distribuuuu.launch import DistEnv
-from distribuuuu.logger import get_logger, make_writer, setup_logging
+from distribuuuu.logger import get_logger, setup_logging
 from distribuuuu.losses import build_criterion, inverse_frequency_weights
 from distribuuuu.manifest import record_start
-from distribuuuu.models import build_model, count_parameters, has_batchnorm
+from distribuuuu.models import build_model, count_parameters, find_blocks, has_batchnorm
 from distribuuuu.optim import build_optimizer, freeze, scaled_base_lr
-from distribuuuu.parallel import broadcast_parameters, build_mesh, find_blocks, mixed_precision_policy, shard_model
+from distribuuuu.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
 from distribuuuu.preemption import PreemptionHandler
 from distribuuuu.progress import show_progress_bar
+from distribuuuu.records import make_writer
 from distribuuuu.rng import seed_everything
 
 logger = get_logger("run")

@@ -23,7 +23,7 @@ from distribuuuu.components import (
     save_sharded_state,
     to_restore,
 )
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, config_changes
 from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
 from distribuuuu.distributed import rank0_decides
 from distribuuuu.logger import get_logger
@@ -128,19 +128,6 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> ResumePoint:
             + (" (TRAIN.LOAD_OPT False continues from its weights with the new optimizer)" if new_optimizer else "")
         )
     return ResumePoint(path, changes, loaded[path]["epoch"])
-
-
-def config_changes(saved: CfgNode, current: CfgNode, prefix: str = "") -> list[str]:
-    """``KEY: old -> new`` for every key whose value differs between two configs."""
-    changes = []
-    for name, value in current.items():
-        key = f"{prefix}{name}"
-        old = saved.get(name) if isinstance(saved, dict) else None
-        if isinstance(value, CfgNode):
-            changes += config_changes(old if isinstance(old, dict) else CfgNode(), value, key + ".")
-        elif old != value and not (isinstance(old, (list, tuple)) and list(old) == list(value)):
-            changes.append(f"{key}: {old!r} -> {value!r}")
-    return changes
 
 
 def log_config_changes(path: str | None, changes: list[str]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from distribuuuu.config import get_cfg_defaults
+from distribuuuu.config import config_diff, get_cfg_defaults
 from distribuuuu.plots import METRICS_FILE, PLOT_INSTALL, dedupe, load_run, read_records, save_plot
 
 SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
@@ -44,25 +44,16 @@ def summarize(out_dir: str) -> Summary:
     s.train_s = sum(r["time_s"] for r in train)
     s.val_s = sum(r["time_s"] for recs in vals.values() for r in recs)
     s.images_per_s = sum(r["samples"] for r in train) / s.train_s if s.train_s else 0.0
-    s.config_changes = config_changes(os.path.join(out_dir, "config.yaml"))
+    s.config_changes = changes_from_defaults(os.path.join(out_dir, "config.yaml"))
     return s
 
 
-def config_changes(path: str) -> list[tuple[str, object, object]]:
+def changes_from_defaults(path: str) -> list[tuple[str, object, object]]:
     """(key, default, value) for every key of the run's config.yaml that differs from the defaults."""
     if not os.path.isfile(path):
         return []
     with open(path) as f:
-        saved = _flat(yaml.safe_load(f) or {})
-    defaults = _flat(yaml.safe_load(get_cfg_defaults().dump()))
-    return [(k, defaults.get(k), v) for k, v in sorted(saved.items()) if defaults.get(k) != v]
-
-
-def _flat(node: dict, prefix: str = "") -> dict:
-    out: dict = {}
-    for name, value in node.items():
-        out.update(_flat(value, f"{prefix}{name}.") if isinstance(value, dict) else {f"{prefix}{name}": value})
-    return out
+        return config_diff(get_cfg_defaults(), yaml.safe_load(f) or {})
 
 
 def format_summary(s: Summary) -> str:

@@ -1,4 +1,4 @@
-"""Experiment trackers (W&B, MLflow) behind the metrics writer: optional, rank 0 only, never fatal.
+"""Experiment trackers (W&B, MLflow) behind the metrics writer (records.py): optional, rank 0 only, never fatal.
 
 The metrics writer hands every tracker the scalars it writes to TensorBoard, each with its x
 axis (``epoch`` for the per-epoch records, ``global_step`` for the PRINT_FREQ windows). A tracker
@@ -10,18 +10,18 @@ same tracker runs, as metrics.jsonl does.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
-from typing import Any, Protocol
+from typing import Protocol
 
 import yaml
 from yacs.config import CfgNode
 
+from distribuuuu.config import flatten
 from distribuuuu.errors import first_line
+from distribuuuu.logger import get_logger
 
-# Not get_logger: logger.py imports this module, and its logger is the same object by name.
-logger = logging.getLogger("distribuuuu.tracking")
+logger = get_logger("tracking")
 RUN_IDS_FILE = "trackers.json"
 
 
@@ -38,15 +38,6 @@ class Tracker(Protocol):
 def cfg_dict(cfg: CfgNode) -> dict:
     """The merged config as plain nested Python values (what the trackers store)."""
     return yaml.safe_load(cfg.dump())
-
-
-def flat_cfg(node: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"TRAIN": {"BATCH_SIZE": 32}}`` -> ``{"TRAIN.BATCH_SIZE": 32}``."""
-    flat: dict[str, Any] = {}
-    for name, value in node.items():
-        key = f"{prefix}{name}"
-        flat.update(flat_cfg(value, key + ".") if isinstance(value, dict) else {key: value})
-    return flat
 
 
 class WandbTracker:
@@ -105,7 +96,7 @@ class MlflowTracker:
         self.run_id = run_id
         # Params are immutable in MLflow: a resumed run adds the keys it lacks; config.yaml is the
         # artifact that always holds the latest merged config.
-        params = [Param(k, str(v)[:6000]) for k, v in flat_cfg(cfg_dict(cfg)).items() if k not in logged]
+        params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg_dict(cfg)).items() if k not in logged]
         for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
             self.client.log_batch(run_id, params=params[start : start + 100])
         self.client.log_text(run_id, cfg.dump(), "config.yaml")

@@ -21,7 +21,7 @@ from distribuuuu.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, batched, build_train_split, build_val_split, jpeg
 from distribuuuu.data.batched import BatchDecoder, EncodedSample, collate_encoded, decode_stats
-from distribuuuu.data.datasets import decode_image_bytes
+from distribuuuu.data.encoded import decode_image_bytes
 from distribuuuu.data.loader import DeviceLoader
 from distribuuuu.launch import DistEnv
 

@@ -6,10 +6,20 @@ import os
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import TRAIN, assert_ok, python, read_metrics, run, torchrun
 
 from distribuuuu.cli import parse_args
-from distribuuuu.config import ConfigError, dump_cfg, get_cfg_defaults, load_cfg, validate_cfg
+from distribuuuu.config import (
+    ConfigError,
+    config_changes,
+    config_diff,
+    dump_cfg,
+    flatten,
+    get_cfg_defaults,
+    load_cfg,
+    validate_cfg,
+)
 
 EXIT_BAD_INPUT = 2
 ERROR_PREFIX = "distribuuuu: error:"
@@ -231,3 +241,26 @@ def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_writt
     assert not {"val/samples", "train/step", "train/samples"} & tags, "bookkeeping stays in metrics.jsonl"
     [point] = events.Scalars("val/top1")
     assert (point.step, point.value) == (1, pytest.approx(val["top1"]))
+
+
+def test_flatten_gives_every_key_once_with_its_value():
+    defaults = get_cfg_defaults()
+    flat = flatten(defaults)
+    assert flat["OPTIM.BASE_LR"] == defaults.OPTIM.BASE_LR and flat["TRAIN.BATCH_SIZE"] == defaults.TRAIN.BATCH_SIZE
+    sections = [k for k, v in defaults.items() if isinstance(v, dict)]
+    assert sum(len(flatten(defaults[s])) for s in sections) + len(defaults) - len(sections) == len(flat)
+
+
+def test_config_diff_names_exactly_the_changed_keys_and_a_yaml_list_equals_a_yacs_tuple(tmp_path):
+    opts = ["OPTIM.BASE_LR", "0.5", "TRAIN.BATCH_SIZE", "7", "OUT_DIR", str(tmp_path)]
+    changed = load_cfg(opts=opts)
+    dump_cfg(changed, str(tmp_path))
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    defaults = get_cfg_defaults()
+    expected = [("OPTIM.BASE_LR", defaults.OPTIM.BASE_LR, 0.5), ("OUT_DIR", defaults.OUT_DIR, str(tmp_path))]
+    expected.append(("TRAIN.BATCH_SIZE", defaults.TRAIN.BATCH_SIZE, 7))
+    assert config_diff(defaults, saved) == expected
+    assert config_diff(saved, changed) == []
+    assert config_changes(defaults, changed)[0] == f"OPTIM.BASE_LR: {defaults.OPTIM.BASE_LR!r} -> 0.5"
+    # A value given as a tuple (yacs keeps what the command line's literal was) equals its YAML list.
+    assert config_diff({"A": {"B": [1, 2]}}, {"A": {"B": (1, 2)}, "C": 3}) == [("C", None, 3)]

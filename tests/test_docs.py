@@ -11,7 +11,7 @@ from helpers import REPO, assert_ok, run, torchrun
 
 from distribuuuu import utils
 from distribuuuu.checkpoint import load_checkpoint
-from distribuuuu.config import get_cfg_defaults
+from distribuuuu.config import flatten, get_cfg_defaults
 
 sys.path.insert(0, str(REPO / "tools"))
 import config_reference  # noqa: E402
@@ -21,14 +21,6 @@ DOCS = REPO / "docs"
 CONFIG_REFERENCE = DOCS / "config-reference.md"
 # Markdown links and images: [text](target) / ![alt](target); the target ends at ")" or a title.
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-
-
-def _flat_keys(node, prefix: str = "") -> list[str]:
-    keys = []
-    for name, value in node.items():
-        key = f"{prefix}{name}"
-        keys += _flat_keys(value, key + ".") if hasattr(value, "items") else [key]
-    return keys
 
 
 def _bash_blocks(text: str) -> list[str]:
@@ -53,7 +45,7 @@ def _pages() -> list:
 
 def test_the_config_reference_documents_every_config_key():
     page = CONFIG_REFERENCE.read_text()
-    missing = [k for k in _flat_keys(get_cfg_defaults()) if f"`{k}`" not in page]
+    missing = [k for k in flatten(get_cfg_defaults()) if f"`{k}`" not in page]
     assert not missing, f"{CONFIG_REFERENCE.name} lacks these config keys (run tools/config_reference.py): {missing}"
     # Defaults and comments too: the page holds the generated table verbatim.
     assert config_reference.reference_table() in page, f"{CONFIG_REFERENCE.name} is stale: regenerate its table"

@@ -12,8 +12,10 @@ from helpers import truncated_jpeg
 from PIL import Image
 
 from distribuuuu.config import get_cfg_defaults
-from distribuuuu.data.datasets import BadImageError, decode_image_bytes, load_image, seeded_cpu_rng
+from distribuuuu.data.datasets import seeded_cpu_rng
 from distribuuuu.data.draft import decode_reduced
+from distribuuuu.data.encoded import decode_image_bytes, load_image
+from distribuuuu.data.errors import BadImageError
 from distribuuuu.data.transforms import build_train_transform, build_val_transform
 
 

@@ -29,8 +29,8 @@ import torch
 from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
-from distribuuuu.logger import CURVES, MetricsWriter
 from distribuuuu.models import register_model
+from distribuuuu.records import CURVES, MetricsWriter
 
 EXPORT = str(REPO / "tools" / "export.py")
 SUMMARIZE = str(REPO / "tools" / "summarize.py")

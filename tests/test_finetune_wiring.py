@@ -18,10 +18,10 @@ from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import dataset_targets
 from distribuuuu.data.samplers import WeightedDistributedSampler
 from distribuuuu.launch import DistEnv
-from distribuuuu.logger import NullWriter
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import register_model
 from distribuuuu.optim import lr_at, set_lr
+from distribuuuu.records import NullWriter
 from distribuuuu.rng import seed_everything
 from distribuuuu.run import build_run
 from distribuuuu.trainer import train_epoch, train_step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -11,14 +12,16 @@ from torch import nn
 
 from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.parallel import build_mesh, find_blocks, mixed_precision_policy
+from distribuuuu.models import enable_grad_checkpointing, find_blocks, named_blocks
+from distribuuuu.optim import layer_ids
+from distribuuuu.parallel import build_mesh, mixed_precision_policy
 from tests.helpers import REPO, assert_ok, clean_env, run, torchrun
 
 JOB = str(REPO / "tests" / "scripts" / "fsdp_job.py")
 
 
 def _meta_model(arch: str) -> nn.Module:
-    if arch in ("swin_t", "regnet_y_400mf"):  # their constructors read tensor values: not on "meta"
+    if arch in ("swin_t", "regnet_y_400mf", "maxvit_t"):  # their constructors read tensor values: not on "meta"
         return torchvision.models.get_model(arch, num_classes=10)
     with torch.device("meta"):  # no weights allocated: the module tree is all that is looked at
         return torchvision.models.get_model(arch, num_classes=10)
@@ -35,14 +38,28 @@ def _meta_model(arch: str) -> nn.Module:
         ("mobilenet_v3_small", "InvertedResidual", 11),
         ("swin_t", "SwinTransformerBlock", 12),
         ("regnet_y_400mf", "ResBottleneckBlock", 16),
+        ("shufflenet_v2_x0_5", "InvertedResidual", 16),
+        ("maxvit_t", "MaxVitLayer", 11),
     ],
 )
 def test_blocks_of_torchvision_models_are_their_residual_or_encoder_blocks(arch, block_class, count):
-    blocks = find_blocks(_meta_model(arch))
-    names = [type(b).__name__ for b in blocks]
-    assert names.count(block_class) == count, names
-    # Besides the blocks only stems/last convs of ``features`` and Swin's downsampling may be units.
-    assert set(names) <= {block_class, "Conv2dNormActivation", "PatchMerging"}, set(names)
+    names = [type(b).__name__ for b in find_blocks(_meta_model(arch))]
+    # Stems, last convs and downsampling (ConvNeXt's, Swin's PatchMerging) are no blocks: they stay with the root.
+    assert names == [block_class] * count, names
+
+
+@pytest.mark.parametrize(
+    "arch", ["resnet18", "vit_b_16", "convnext_tiny", "swin_t", "efficientnet_b0", "regnet_y_400mf"]
+)
+def test_fsdp_gradient_checkpointing_and_layer_decay_see_the_same_blocks(arch):
+    model = _meta_model(arch)
+    blocks = named_blocks(model)
+    ids, num_layers = layer_ids(model)
+    assert num_layers == len(blocks)
+    for layer, (name, block) in enumerate(blocks, 1):  # block i's parameters are layer i, in forward order
+        assert {ids[f"{name}.{p}"] for p, _ in block.named_parameters()} == {layer}, name
+    assert enable_grad_checkpointing(model) == len(blocks)
+    assert all(isinstance(block.forward, functools.partial) for _, block in blocks), "every block recomputes"
 
 
 def test_timm_blocks_not_stages():

@@ -26,8 +26,8 @@ from distribuuuu import distributed as D
 from distribuuuu import run as run_setup
 from distribuuuu.config import load_cfg
 from distribuuuu.launch import DistEnv, LaunchError, detect_env, find_free_port, parse_slurm_nodelist, select_device
-from distribuuuu.logger import NullWriter
 from distribuuuu.models import register_model
+from distribuuuu.records import NullWriter
 
 FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
 DIGITS = str(REPO / "data" / "digits")

@@ -25,8 +25,8 @@ from distribuuuu import trainer
 from distribuuuu.config import load_cfg
 from distribuuuu.distributed import all_reduce_sum, cleanup_distributed, setup_distributed
 from distribuuuu.launch import DistEnv
-from distribuuuu.logger import NullWriter
 from distribuuuu.models import register_model
+from distribuuuu.records import NullWriter
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",

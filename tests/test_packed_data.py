@@ -104,13 +104,17 @@ def _assert_interrupted_pack_resumes_to(reference: Path, opts: PackOptions, tmp_
     with pytest.raises(KeyboardInterrupt):
         pack_split(str(DIGITS), "train", str(tmp_path), opts, interrupt_after_two)
     assert not (tmp_path / "train" / "index.json").exists(), "the index is written last"
+    # What a killed run leaves: half-written shards and records under temporary names.
     (tmp_path / "train" / "shard-000002.tar.part").write_bytes(b"half a shard from a killed run")
+    (tmp_path / "train" / ".shard-000003.tar.k1ll3d.part").write_bytes(b"half a shard from a killed run")
+    (tmp_path / "train" / ".parts" / ".000003.json.k1ll3d.part").write_text('{"fingerprint": ')
     again = pack_split(str(DIGITS), "train", str(tmp_path), opts)
     assert (again.shards, again.written) == (5, 3), "the two finished shards are kept, the rest written"
     names = sorted(p.name for p in (reference / "train").iterdir() if p.is_file())
     assert names == sorted(p.name for p in (tmp_path / "train").iterdir() if p.is_file())
     for name in names:
         assert (tmp_path / "train" / name).read_bytes() == (reference / "train" / name).read_bytes(), name
+    assert not list((tmp_path / "train").rglob("*.part")), "the killed run's temporary files are gone"
     assert pack_split(str(DIGITS), "train", str(tmp_path), opts).written == 0, "a finished pack is kept"
 
 

@@ -36,9 +36,9 @@ from distribuuuu.config import get_cfg_defaults, load_cfg  # noqa: E402
 from distribuuuu.data import build_batch_mixer  # noqa: E402
 from distribuuuu.ema import ModelEMA  # noqa: E402
 from distribuuuu.launch import DistEnv  # noqa: E402
-from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
+from distribuuuu.records import NullWriter  # noqa: E402
 
 DIGITS = REPO / "data" / "digits"
 

@@ -29,9 +29,9 @@ from distribuuuu import run as run_setup
 from distribuuuu import state
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.launch import DistEnv
-from distribuuuu.logger import NullWriter
 from distribuuuu.models import register_model
 from distribuuuu.optim import lr_at
+from distribuuuu.records import NullWriter
 
 FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
 DIGITS = REPO / "data" / "digits"

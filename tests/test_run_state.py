@@ -18,8 +18,8 @@ from distribuuuu import sharded_checkpoint as shards
 from distribuuuu import state
 from distribuuuu.config import load_cfg
 from distribuuuu.launch import DistEnv
-from distribuuuu.logger import NullWriter
 from distribuuuu.models import register_model
+from distribuuuu.records import NullWriter
 
 
 @register_model("run_state_cnn")

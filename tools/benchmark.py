@@ -45,11 +45,11 @@ from distribuuuu.data import DataError, build_train_split, build_train_transform
 from distribuuuu.distributed import all_reduce_sum, barrier, broadcast_object, cleanup_distributed, setup_distributed  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.launch import DistEnv, LaunchError  # noqa: E402
-from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.optim import LAMB, LARS, freeze, lr_at, optimizer_groups, set_lr  # noqa: E402
 from distribuuuu.parallel import autocast, gradient_sync, local_state_bytes, to_device  # noqa: E402
+from distribuuuu.records import NullWriter  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
 from distribuuuu.validation import validate  # noqa: E402
 

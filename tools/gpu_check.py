@@ -60,9 +60,9 @@ from distribuuuu.distributed import (  # noqa: E402
 )
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.launch import DistEnv, LaunchError, detect_env, detect_env_rank  # noqa: E402
-from distribuuuu.logger import NullWriter  # noqa: E402
 from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
+from distribuuuu.records import NullWriter  # noqa: E402
 from distribuuuu.rng import seed_everything  # noqa: E402
 from distribuuuu.state import resume_or_load_weights, save_training_checkpoint  # noqa: E402
 

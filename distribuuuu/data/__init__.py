@@ -1,7 +1,8 @@
 """Data: datasets, transforms, samplers and loaders."""
 
 from distribuuuu.data.classes import map_classes
-from distribuuuu.data.datasets import BadImageError, DataError, load_image
+from distribuuuu.data.encoded import load_image
+from distribuuuu.data.errors import BadImageError, DataError
 from distribuuuu.data.loader import (
     Split,
     build_extra_val_splits,

@@ -26,16 +26,9 @@ from torchvision import tv_tensors
 from torchvision.transforms.v2.functional import to_image
 
 from distribuuuu.data import jpeg
-from distribuuuu.data.datasets import (
-    JPEG_SUFFIXES,
-    BadImageError,
-    CheckedImageFolder,
-    EncodedSamples,
-    decode_image_bytes,
-    readable,
-    sample_seed,
-    seeded_cpu_rng,
-)
+from distribuuuu.data.datasets import CheckedImageFolder, readable, sample_seed, seeded_cpu_rng
+from distribuuuu.data.encoded import JPEG_SUFFIXES, EncodedSamples, decode_image_bytes
+from distribuuuu.data.errors import BadImageError
 
 logger = logging.getLogger("distribuuuu.data")
 

@@ -14,7 +14,7 @@ import logging
 
 from torch.utils.data import Dataset
 
-from distribuuuu.data.datasets import DataError
+from distribuuuu.data.errors import DataError
 
 logger = logging.getLogger("distribuuuu.data")
 

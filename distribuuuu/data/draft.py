@@ -18,7 +18,7 @@ from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-from distribuuuu.data.datasets import BadImageError
+from distribuuuu.data.errors import BadImageError
 
 REDUCTIONS = (8, 4, 2)  # libjpeg's DCT scales below 1
 

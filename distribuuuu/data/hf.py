@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-from distribuuuu.data.datasets import BadImageError, DataError, EncodedSamples
+from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.errors import BadImageError, DataError
 
 _MAGIC = ((b"\xff\xd8", "jpg"), (b"\x89PNG", "png"), (b"RIFF", "webp"), (b"GIF8", "gif"), (b"BM", "bmp"))
 

@@ -15,12 +15,12 @@ from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
     CheckedImageFolder,
-    EncodedSamples,
     SeededTransformDataset,
     SyntheticDataset,
     build_base_dataset,
     collate_skipping_bad,
 )
+from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
     RepeatedAugmentationSampler,

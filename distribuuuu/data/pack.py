@@ -7,13 +7,13 @@ The index lists the samples in the shards' order (sample i is row i: the reader 
 its row by its place in that list); ``shuffle_seed=None`` keeps the dataset's own order.
 
 A run is idempotent and resumable. Samples go to shards ``shard_size`` at a time. Each finished
-shard is written under a temporary name,
-renamed, then recorded in ``.parts/shard-N.json`` with a fingerprint of what it holds (sample
-names, targets, encoding options). A second run skips every shard whose record matches and whose
-file has the recorded size, rewrites the others, and writes index.json last. Tar headers carry
-fixed times and owners (webdataset's TarWriter with mtime 0), so a shard's bytes depend on its
-samples alone, and the shuffle is a function of the seed and the sample names alone: an
-interrupted run, run again, produces the same shards as an uninterrupted one.
+shard is written under a temporary name and renamed (files.atomic_write), then recorded in
+``.parts/shard-N.json`` with a fingerprint of what it holds (sample names, targets, encoding
+options). A second run removes the temporary files a killed run left, skips every shard whose record
+matches and whose file has the recorded size, rewrites the others, and writes index.json last. Tar
+headers carry fixed times and owners (webdataset's TarWriter with mtime 0), so a shard's bytes
+depend on its samples alone, and the shuffle is a function of the seed and the sample names alone:
+an interrupted run, run again, produces the same shards as an uninterrupted one.
 
 An object-store output (s3://, gs://, az://) is packed into a local staging folder first, then
 ``publish_split`` uploads it: each shard followed by its ``.parts`` record, the index last. A run
@@ -36,6 +36,7 @@ from PIL import Image
 from distribuuuu.data.datasets import DataError, build_base_dataset
 from distribuuuu.data.packed import INDEX, KIND, key_of, md5_of
 from distribuuuu.data.remote import join, read_bytes, upload
+from distribuuuu.files import PART, atomic_write
 
 SHARD = "shard-{:06d}.tar"
 PARTS = ".parts"
@@ -114,6 +115,7 @@ def pack_split(
     names = [source_names[i] for i in order]
     folder = os.path.join(out, split)
     os.makedirs(os.path.join(folder, PARTS), exist_ok=True)
+    _remove_temporaries(folder)
     starts = range(0, len(names), opts.shard_size)
     shardlist, written = [], 0
     for n, start in enumerate(starts):
@@ -122,16 +124,12 @@ def pack_split(
         path, record_path = os.path.join(folder, SHARD.format(n)), os.path.join(folder, PARTS, f"{n:06d}.json")
         record = _read_record(record_path)
         if not (record and record["fingerprint"] == fingerprint and _size(path) == record["filesize"]):
-            with (
-                open(path + ".part", "wb") as f,
-                webdataset.TarWriter(f, user="", group="", mtime=0, encoder=False) as tar,
-            ):
+            with atomic_write(path) as f, webdataset.TarWriter(f, user="", group="", mtime=0, encoder=False) as tar:
                 for r in rows:
                     data, ext = read(order[r])
                     if opts.max_side or opts.quality:
                         data, ext = reencode(data, opts)
                     tar.write({"__key__": key_of(r), ext: data, "cls": str(names[r][1]).encode()})
-            os.replace(path + ".part", path)
             record = {"fingerprint": fingerprint, "filesize": _size(path), "md5sum": md5_of(path)}
             _write_json(record_path, record)
             written += 1
@@ -165,9 +163,16 @@ def _read_record(path: str) -> dict | None:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    with open(path + ".part", "w") as f:
+    with atomic_write(path, "w") as f:
         json.dump(obj, f)
-    os.replace(path + ".part", path)
+
+
+def _remove_temporaries(folder: str) -> None:
+    """Remove the temporary files a killed run left behind (a finished write renames its own away)."""
+    for where in (folder, os.path.join(folder, PARTS)):
+        for name in os.listdir(where):
+            if name.endswith(PART):
+                os.unlink(os.path.join(where, name))
 
 
 def publish_split(folder: str, url: str) -> int:

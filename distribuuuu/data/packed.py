@@ -33,7 +33,8 @@ import tempfile
 
 import numpy as np
 
-from distribuuuu.data.datasets import DataError, EncodedSamples
+from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.errors import DataError
 from distribuuuu.data.remote import BadShardError, download, is_remote, join, read_bytes
 
 INDEX = "index.json"

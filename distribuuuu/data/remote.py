@@ -21,7 +21,6 @@ import hashlib
 import http.client
 import os
 import random
-import re
 import time
 import urllib.error
 import urllib.request
@@ -30,13 +29,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from distribuuuu import files
-from distribuuuu.data.datasets import BadImageError, DataError
+from distribuuuu.config import is_remote  # defined with the keys it checks; used here for every URL
+from distribuuuu.data.errors import BadImageError, DataError
 from distribuuuu.errors import first_line
 
 HTTP_PREFIXES = ("http://", "https://")
 TIMEOUT_S = 60  # per HTTP request (connect, and each read): a dead server is an error, never a hang
 BLOCK = 1 << 20  # bytes per read: the memory a download holds, whatever the shard size
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class BadShardError(BadImageError):
@@ -69,11 +68,6 @@ class Retry:
 
 
 RETRY = Retry()  # tests swap in a tiny backoff
-
-
-def is_remote(root: str) -> bool:
-    """A URL with a scheme (http(s)://, s3://, gs://, az://, ...), anything but a local path."""
-    return bool(_SCHEME.match(root)) and not root.startswith("file://")
 
 
 def join(base: str, name: str) -> str:

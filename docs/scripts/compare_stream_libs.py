@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmark import make_photo_folder  # noqa: E402
 
 from distribuuuu.config import get_cfg_defaults  # noqa: E402
-from distribuuuu.data.datasets import decode_image_bytes, seeded_cpu_rng  # noqa: E402
+from distribuuuu.data.datasets import seeded_cpu_rng  # noqa: E402
+from distribuuuu.data.encoded import decode_image_bytes  # noqa: E402
 from distribuuuu.data.pack import PackOptions, pack_split  # noqa: E402
 from distribuuuu.data.packed import PackedDataset  # noqa: E402
 from distribuuuu.data.transforms import build_train_transform  # noqa: E402
