@@ -201,6 +201,13 @@ _C.DATA.SHARD_CACHE = ""
 # read a few shards at a time (a URL's shards arrive as needed); exact, resumable, any world
 # size (docs/packed-data.md, "Shard-aware order")
 _C.DATA.SHUFFLE_WINDOW = 0
+# Bytes of a URL TRAIN.DATASET's shards kept in DATA.SHARD_CACHE at most (0: unbounded, every shard
+# kept): shards the DATA.SHUFFLE_WINDOW order has read are evicted, one download a shard per node,
+# shared by its ranks and workers; needs DATA.SHUFFLE_WINDOW > 0 and room for two windows; local
+# datasets are read in place (docs/packed-data.md, "Bounded shard cache")
+_C.DATA.SHARD_CACHE_LIMIT = 0
+# With DATA.SHARD_CACHE_LIMIT: shards downloaded ahead of need, past the window being read and the next
+_C.DATA.SHARD_PREFETCH = 2
 # Number of synthetic samples per split when MODEL.DUMMY_INPUT is on
 _C.DATA.DUMMY_SIZE = 1024
 
@@ -593,6 +600,11 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DATA.SHUFFLE_WINDOW", ((lambda v, c: v == 0 or c.TRAIN.SAMPLER == "default"),
                              "needs TRAIN.SAMPLER default (the repeated and weighted samplers draw their own "
                              "order): set DATA.SHUFFLE_WINDOW 0")),
+    ("DATA.SHARD_CACHE_LIMIT", _NON_NEGATIVE),
+    ("DATA.SHARD_CACHE_LIMIT", ((lambda v, c: v == 0 or c.DATA.SHUFFLE_WINDOW > 0),
+                                "needs DATA.SHUFFLE_WINDOW > 0 (a global permutation reads every shard at once): "
+                                "set DATA.SHUFFLE_WINDOW or DATA.SHARD_CACHE_LIMIT 0")),
+    ("DATA.SHARD_PREFETCH", _NON_NEGATIVE),
     ("OPTIM.OPTIMIZER", _choice(OPTIMIZERS)),
     ("OPTIM.MAX_EPOCH", _POSITIVE),
     ("OPTIM.LR_POLICY", _choice(LR_POLICIES)),

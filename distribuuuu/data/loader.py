@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
+from distribuuuu.data import remote
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
@@ -28,6 +29,7 @@ from distribuuuu.data.samplers import (
     ShardWindowSampler,
     WeightedDistributedSampler,
 )
+from distribuuuu.data.shard_cache import ProgressReporter, ShardCache, ShardCacheError, ShardOrder
 from distribuuuu.data.transforms import build_normalize, build_train_transform, build_val_transform
 from distribuuuu.launch import DistEnv
 from distribuuuu.losses import inverse_frequency_weights
@@ -143,7 +145,9 @@ def _train_sampler(cfg: CfgNode, env: DistEnv, dataset: Dataset, num_classes: in
         return WeightedDistributedSampler(class_weights[targets], env.world_size, env.rank, cfg.RNG_SEED)
     if cfg.DATA.SHUFFLE_WINDOW:
         shards = _sample_shards(cfg, dataset)
-        return ShardWindowSampler(dataset, env.world_size, env.rank, cfg.RNG_SEED, shards, cfg.DATA.SHUFFLE_WINDOW)
+        sampler = ShardWindowSampler(dataset, env.world_size, env.rank, cfg.RNG_SEED, shards, cfg.DATA.SHUFFLE_WINDOW)
+        _bound_shard_cache(cfg, env, getattr(dataset, "base", dataset), sampler)
+        return sampler
     return ResumableDistributedSampler(dataset, env.world_size, env.rank, seed=cfg.RNG_SEED)
 
 
@@ -162,6 +166,27 @@ def _sample_shards(cfg: CfgNode, dataset: Dataset) -> list[int]:
             "one: set DATA.SHUFFLE_WINDOW 0"
         )
     return base.sample_shards()
+
+
+def _bound_shard_cache(cfg: CfgNode, env: DistEnv, base: Dataset, sampler: ShardWindowSampler) -> None:
+    """DATA.SHARD_CACHE_LIMIT: read a URL's shards through a bounded node-local cache that follows
+    the sampler's order (data/shard_cache.py); local shards are read in place, with nothing to cache."""
+    if not cfg.DATA.SHARD_CACHE_LIMIT or not getattr(base, "remote", False):
+        return
+    order = ShardOrder(base.shard_samples(), cfg.RNG_SEED, cfg.DATA.SHUFFLE_WINDOW)
+    depth = cfg.TRAIN.WORKERS * cfg.TRAIN.PREFETCH_FACTOR  # batches a loader may have in flight
+    # The samples the node's readers may be between: the batches in flight, the one being read,
+    # and one step of skew between ranks, on every rank.
+    in_flight = (depth + 2) * cfg.TRAIN.BATCH_SIZE * env.world_size
+    try:
+        cache = ShardCache(
+            base.files.cache_dir, base.shard_files(), remote.download, cfg.DATA.SHARD_CACHE_LIMIT,
+            cfg.DATA.SHARD_PREFETCH, order, in_flight, env.local_rank, env.local_world_size,
+        )  # fmt: skip
+    except ShardCacheError as e:
+        raise ConfigError(str(e)) from None
+    base.read_through(cache)
+    sampler.on_progress = ProgressReporter(cache, cfg.TRAIN.BATCH_SIZE, depth, env.world_size)
 
 
 def dataset_targets(dataset: Dataset) -> torch.Tensor:

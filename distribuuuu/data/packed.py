@@ -19,11 +19,15 @@ checksums. Here a download (``remote.download``) is streamed to disk, retried an
 under a temporary name, is checked against the index's size and MD5, and only then takes its
 final name; a local shard is read in place, its
 size checked against the index (a truncated shard is named, not half-read), through a symbolic
-link in the cache folder (wids writes its lock file beside the file it opens).
+link in the cache folder (wids writes its lock file beside the file it opens). The ranks and
+workers of a node that need a shard at once share one download (a lock file per shard). With
+DATA.SHARD_CACHE_LIMIT the training split reads through a bounded cache instead
+(``read_through``, data/shard_cache.py).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import io
@@ -36,10 +40,12 @@ import numpy as np
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.errors import DataError
 from distribuuuu.data.remote import BadShardError, download, is_remote, join, read_bytes
+from distribuuuu.data.shard_cache import ShardCache, ShardCacheError, ShardFile, fetch_once
 
 INDEX = "index.json"
 KIND = "wids-shard-index-v1"
 IMAGE_EXTS = ("jpg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm", "pbm")
+LRU_SIZE = 4  # shards each reader keeps open (memory-mapped)
 
 
 def index_location(root: str, split: str) -> str:
@@ -81,18 +87,20 @@ def md5_of(path: str) -> str:
 
 
 class _ShardFiles:
-    """wids's ``localname`` hook: the local file of a shard URL, fetched and checked first."""
+    """wids's ``localname`` hook: the local file of a shard URL, fetched (once per node) and checked first."""
 
     def __init__(self, shards: list[dict], cache_dir: str):
         self.by_url = {s["url"]: s for s in shards}
         self.cache_dir = cache_dir
 
+    def local_path(self, url: str) -> str:
+        """Where the cache folder keeps shard ``url`` (or its link, for a local shard)."""
+        return os.path.join(self.cache_dir, hashlib.sha256(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url))
+
     def __call__(self, url: str) -> str:
         desc = self.by_url[url]
         os.makedirs(self.cache_dir, exist_ok=True)
-        local = os.path.join(
-            self.cache_dir, hashlib.sha256(url.encode()).hexdigest()[:16] + "-" + os.path.basename(url)
-        )
+        local = self.local_path(url)
         if not is_remote(url):
             # A symbolic link, not a copy: wids locks "<local>.lock" beside the file it opens, and
             # the dataset's own folder may be read-only.
@@ -102,8 +110,12 @@ class _ShardFiles:
                 os.symlink(os.path.abspath(url), tmp)
                 os.replace(tmp, local)
             return local
-        if not os.path.isfile(local) or os.path.getsize(local) != desc["filesize"]:  # absent, or another version
-            download(url, local, desc["filesize"], desc["md5sum"])
+
+        def is_ready() -> bool:  # absent, or another version of the shard
+            return os.path.isfile(local) and os.path.getsize(local) == desc["filesize"]
+
+        # The node's ranks and workers share one download: the others wait for it, then read the file.
+        fetch_once(self.cache_dir, local, is_ready, lambda: download(url, local, desc["filesize"], desc["md5sum"]))
         return local
 
     @staticmethod
@@ -114,6 +126,38 @@ class _ShardFiles:
             raise BadShardError(f"shard {path} cannot be read: {e}") from None
         if size != desc["filesize"]:
             raise BadShardError(f"shard {path} is {size} bytes, the index says {desc['filesize']} (truncated?)")
+
+
+class _CachedShards:
+    """wids's ``LRUShards`` for a bounded cache (DATA.SHARD_CACHE_LIMIT): each shard is opened by
+    the cache, under the shard's lock, so an eviction cannot remove it between the check and the
+    open (wids's own path would then fetch it again with ``curl``); ``lru_size`` stay open."""
+
+    def __init__(self, cache: ShardCache, urls: list[str], lru_size: int):
+        self.cache, self.shard_of, self.lru_size = cache, {u: i for i, u in enumerate(urls)}, lru_size
+        self.lru: collections.OrderedDict = collections.OrderedDict()
+        self.accesses = self.misses = 0  # what wids's miss-rate warning reads
+
+    def get_shard(self, url: str):
+        from wids.wids import IndexedTarSamples
+
+        self.accesses += 1
+        if url in self.lru:
+            self.lru.move_to_end(url)
+            return self.lru[url]
+        self.misses += 1
+        stream = self.cache.open(self.shard_of[url])
+        self.lru[url] = IndexedTarSamples(path=stream.name, stream=stream)
+        while len(self.lru) > self.lru_size:
+            self.lru.popitem(last=False)[1].close()
+        return self.lru[url]
+
+    def clear(self) -> None:
+        while self.lru:
+            self.lru.popitem()[1].close()
+
+    def __len__(self) -> int:
+        return len(self.lru)
 
 
 def default_cache_dir(root: str) -> str:
@@ -137,18 +181,29 @@ class PackedDataset(EncodedSamples):
         super().__init__([(name, int(t)) for name, t in index["samples"]], list(index["classes"]), decoder)
         base = self.location.rsplit("/", 1)[0]
         shards = [dict(s, url=join(base, s["url"])) for s in index["shardlist"]]
+        self.remote = is_remote(root)
+        self.files = _ShardFiles(shards, cache_dir or default_cache_dir(root))
         with contextlib.redirect_stderr(io.StringIO()):  # wids prints a summary line on every construction
-            self.shards = wids.ShardListDataset(
-                shards,
-                localname=_ShardFiles(shards, cache_dir or default_cache_dir(root)),
-                transformations=[],
-                lru_size=4,
-            )
+            self.shards = wids.ShardListDataset(shards, localname=self.files, transformations=[], lru_size=LRU_SIZE)
+
+    def shard_files(self) -> list[ShardFile]:
+        """Each shard's URL, its place in the cache folder, its size and MD5 (the index's)."""
+        return [
+            ShardFile(s["url"], self.files.local_path(s["url"]), s["filesize"], s["md5sum"]) for s in self.shards.shards
+        ]
+
+    def shard_samples(self) -> list[int]:
+        """How many samples each shard holds (the index's)."""
+        return [s["nsamples"] for s in self.shards.shards]
+
+    def read_through(self, cache: ShardCache) -> None:
+        """Read the shards through a bounded cache (DATA.SHARD_CACHE_LIMIT) instead of wids's unbounded one."""
+        self.shards.cache = _CachedShards(cache, [s["url"] for s in self.shards.shards], LRU_SIZE)
 
     def read_row(self, row: int, name: str) -> tuple[bytes, str]:
         try:
             sample = self.shards[row]
-        except BadShardError:
+        except (BadShardError, ShardCacheError):
             raise
         except Exception as e:  # wids parses the tar lazily: a damaged one fails here
             raise BadShardError(f"shard {self._shard_url(row)} (sample {row}, {name}) does not read: {e}") from None
