@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import io
 import json
 import multiprocessing
 import os
+import random
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -57,13 +59,21 @@ def shard_sizes(packed: Path, split: str = "train") -> list[int]:
 
 
 class CountingServer(http.server.ThreadingHTTPServer):
-    """Serves a folder under any /nodeK/ prefix and counts the bytes of each (node, file) it sends."""
+    """Serves a folder under any /nodeK/ prefix and counts the bytes of each (node, file) it sends.
 
-    def __init__(self, folder: Path):
+    ``requests`` counts the downloads of each file that reached its last byte. A ``flaky`` server,
+    on train shards, honours Range requests (206), cuts every fifth response half-way through its
+    body (the client sees a short body) and answers 503 to about one request in ten (seeded), as
+    an object store under load does.
+    """
+
+    def __init__(self, folder: Path, flaky: bool = False):
         super().__init__(("127.0.0.1", 0), functools.partial(_CountingHandler, directory=str(folder)))
         self.sent: Counter = Counter()
         self.requests: Counter = Counter()
         self.lock = threading.Lock()
+        self.flaky, self.responses, self.faults = flaky, 0, Counter()
+        self.random = random.Random(0)
 
     def url(self, node: int = 0) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}/node{node}"
@@ -73,6 +83,14 @@ class CountingServer(http.server.ThreadingHTTPServer):
 
     def shard_requests(self, node: int, prefix: str = "train/shard-") -> Counter:
         return Counter({path: n for (k, path), n in self.requests.items() if k == node and path.startswith(prefix)})
+
+    def next_fault(self) -> str:
+        """What the flaky server does with the next shard request: "503", "cut" or "" (serve it)."""
+        with self.lock:
+            self.responses += 1
+            fault = "503" if self.random.random() < 0.1 else "cut" if self.responses % 5 == 0 else ""
+            self.faults[fault] += 1
+            return fault
 
 
 class _CountingHandler(http.server.SimpleHTTPRequestHandler):
@@ -86,19 +104,37 @@ class _CountingHandler(http.server.SimpleHTTPRequestHandler):
     def translate_path(self, path: str) -> str:
         return super().translate_path("/" + path.split("/", 2)[2])
 
-    def copyfile(self, source, outputfile) -> None:
+    def do_GET(self) -> None:
+        if not (self.server.flaky and self._node_and_path()[1].startswith("train/shard-")):
+            return super().do_GET()
+        fault = self.server.next_fault()
+        if fault == "503":
+            self.send_error(503)
+            return
+        data = Path(self.translate_path(self.path)).read_bytes()
+        start = int(self.headers.get("Range", "bytes=0-").removeprefix("bytes=").split("-")[0])
+        self.send_response(206 if start else 200)
+        if start:
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        end = start + (len(data) - start) // 2 if fault == "cut" else len(data)
+        self.copyfile(io.BytesIO(data[start:end]), self.wfile, complete=end == len(data))
+
+    def copyfile(self, source, outputfile, complete: bool = True) -> None:
         key = self._node_and_path()
-        with self.server.lock:
-            self.server.requests[key] += 1
         while block := source.read(1 << 16):
             outputfile.write(block)
             with self.server.lock:
                 self.server.sent[key] += len(block)
+        if complete:
+            with self.server.lock:
+                self.server.requests[key] += 1
 
 
 @contextlib.contextmanager
-def counting_server(folder: Path) -> Iterator[CountingServer]:
-    server = CountingServer(folder)
+def counting_server(folder: Path, flaky: bool = False) -> Iterator[CountingServer]:
+    server = CountingServer(folder, flaky)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -265,9 +301,11 @@ def test_local_dataset_is_read_in_place_whatever_the_limit(packed, tmp_path):
 @pytest.mark.slow
 def test_two_nodes_download_one_copy_an_epoch_each_within_the_limit_and_train_as_from_disk(packed, tmp_path):
     """Two torchrun agents as two nodes of 2 ranks and 2 workers each, each node with its own
-    cache folder, read one HTTP server: each node downloads every shard once or twice in 2 epochs
-    (one copy of the split an epoch, not one per rank or worker), its cache stays within the
-    limit, and the metrics of 2 epochs equal a 4-process run reading the shards from disk."""
+    cache folder, read one flaky HTTP server (every fifth response cut half-way, a 503 now and
+    then): each node downloads every shard once or twice in 2 epochs (one copy of the split an
+    epoch, not one per rank or worker; a cut download resumes with a Range request, so the bytes
+    stay one copy), its cache stays within the limit, and the metrics of 2 epochs equal a
+    4-process run reading the shards from disk."""
     sizes = shard_sizes(packed)
     # The least the cache accepts: (2 workers x prefetch 1 + 2) x 16 x 4 ranks = 256 positions in
     # flight touch at most 1 + ceil(256 / 112) = 4 windows of 2 shards (the last shard holds 56).
@@ -276,7 +314,7 @@ def test_two_nodes_download_one_copy_an_epoch_each_within_the_limit_and_train_as
     common += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PREFETCH_FACTOR", "1", "DATA.SHARD_PREFETCH", "1"]
     disk = ["OUT_DIR", str(tmp_path / "disk"), "TRAIN.DATASET", str(packed), *common]
     disk_run = run(torchrun(4, TRAIN, *disk), timeout=300, env=clean_env())
-    with counting_server(packed) as server, PeakSize(tmp_path / "cache0", tmp_path / "cache1") as peak:
+    with counting_server(packed, flaky=True) as server, PeakSize(tmp_path / "cache0", tmp_path / "cache1") as peak:
         nodes = [
             ["OUT_DIR", str(tmp_path / "http"), "TRAIN.DATASET", server.url(k), *common]
             + ["DATA.SHARD_CACHE", str(tmp_path / f"cache{k}"), "DATA.SHARD_CACHE_LIMIT", str(limit)]
@@ -285,6 +323,7 @@ def test_two_nodes_download_one_copy_an_epoch_each_within_the_limit_and_train_as
         results = two_nodes(2, TRAIN, nodes, timeout=300)
     for result in (disk_run, *results):
         assert_ok(result)
+    assert server.faults["cut"] > 0 and server.faults["503"] > 0, f"the server misbehaved: {server.faults}"
     for node in (0, 1):
         fetched = server.shard_requests(node)
         assert set(fetched) == {f"train/shard-{k:06d}.tar" for k in range(len(sizes))}
