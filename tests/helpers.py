@@ -264,11 +264,8 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve_folder(folder: Path | str) -> Iterator[str]:
-    """``folder`` served by a real HTTP server on 127.0.0.1 (a thread of this process, shut down
-    after): its URL."""
-    handler = functools.partial(_QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def serving(server: http.server.HTTPServer) -> Iterator[str]:
+    """Run ``server`` (bound to 127.0.0.1) in a thread of this process; its URL; shut down after."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -277,6 +274,15 @@ def serve_folder(folder: Path | str) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_folder(folder: Path | str) -> Iterator[str]:
+    """``folder`` served by a real HTTP server on 127.0.0.1 (a thread of this process, shut down
+    after): its URL."""
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
+        yield url
 
 
 def python(script: str, *args: str) -> list[str]:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
+from helpers import serving
 
 from distribuuuu.data import DataError, remote
 from distribuuuu.data.packed import BadShardError, _ShardFiles
@@ -92,14 +93,8 @@ def scripted_server(files: dict[str, bytes], script: Script) -> Iterator[str]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _ScriptedHandler)
     server.daemon_threads = True
     server.script, server.files = script, files
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with serving(server) as url:
+        yield url
 
 
 def _blob(megabytes: float) -> bytes:

@@ -24,7 +24,7 @@ from stat import S_ISREG
 
 import pytest
 import torch
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
+from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, serving, torchrun, two_nodes
 from test_sampler_resume import window_stretches
 
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
@@ -135,14 +135,8 @@ class _CountingHandler(http.server.SimpleHTTPRequestHandler):
 @contextlib.contextmanager
 def counting_server(folder: Path, flaky: bool = False) -> Iterator[CountingServer]:
     server = CountingServer(folder, flaky)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(server):
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
 
 
 class PeakSize:
