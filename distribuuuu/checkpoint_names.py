@@ -25,7 +25,7 @@ BEST_SHARDED = "best.dcp"  # under sharded checkpoints: the best weights (and EM
 FILE, SHARDED = ".pth.tar", ".dcp"
 FORMATS = {"file": (FILE,), "sharded": (SHARDED,), "any": (FILE, SHARDED)}
 _NAME = re.compile(r"^ckpt_ep_(\d+)(?:_it_(\d+))?(\.pth\.tar|\.dcp)$")
-# Temporaries a crash mid-save leaves: files.py's ``.<name>.XXXX.part``, and the ``<name>.tmp.<pid>``
+# Temporaries a crash mid-save leaves: files.py's ``.<name>.<random>.part``, and the ``<name>.tmp.<pid>``
 # and ``<name>.old.<pid>`` of earlier versions (old runs leave them behind too).
 _TEMPORARY = re.compile(
     r"^(\.ckpt_ep_\d+(_it_\d+)?(\.pth\.tar|\.dcp)\..+" + re.escape(PART) + r"|ckpt_ep_.+\.(tmp|old)\.\d+)$"

@@ -166,7 +166,7 @@ def save_states(path: str, states: dict[str, Stateful], extra: dict) -> None:
 
 
 def _temporary_folder(path: str) -> str:
-    """files.py's temporary name beside ``path`` (``.<name>.XXXX.part``), its folder created if need be."""
+    """files.py's temporary name beside ``path`` (``.<name>.<random>.part``), its folder created if need be."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return temporary_name(path)
 
