@@ -21,11 +21,13 @@ longer than ``stall_s``, then recovering) costs a line, never a run that would h
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from typing import Callable
 
 import torch.distributed as dist
@@ -40,10 +42,21 @@ _DONE = "done"  # the last value of a rank that stopped beating on purpose (clea
 _position: Callable[[], str] = str
 
 
-def report_position(where: Callable[[], str]) -> None:
-    """Send ``where()`` (e.g. "epoch 2, step 40") with this rank's heartbeats from now on."""
+@contextlib.contextmanager
+def reporting_position(where: Callable[[], str]) -> Iterator[None]:
+    """Send ``where()`` (e.g. "epoch 2, step 40") with this rank's heartbeats while inside.
+
+    A context, not a setter: ``where`` closes over the run (its model, and through DDP's reducer or
+    FSDP's state, the process group). Left in a module global, it kept the process group alive past
+    ``destroy_process_group``, and gloo's threads then ended during interpreter shutdown, which
+    aborts the process now and then ("terminate called without an active exception").
+    """
     global _position
-    _position = where
+    previous, _position = _position, where
+    try:
+        yield
+    finally:
+        _position = previous
 
 
 def stall_seconds(stall_s: float, timeout_s: float) -> float:

@@ -17,7 +17,7 @@ from yacs.config import CfgNode
 from distribuuuu.config import check_dataset_paths
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
-from distribuuuu.heartbeat import report_position
+from distribuuuu.heartbeat import reporting_position
 from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
@@ -222,14 +222,15 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
     try:
         with naming_failed_collectives(env, cfg.DIST.TIMEOUT_S, lambda: run.state if run else TrainState()):
             run = build_run(cfg, env, writer)
-            report_position(lambda: f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}")  # for stalls
-            resume_or_load_weights(run, resume_from)
-            with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
-                last_val = train_epochs(run)
-            run.writer.summarize()  # rank 0 (the others hold a NullWriter): summary.md and the plot
+            with reporting_position(lambda: f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"):
+                resume_or_load_weights(run, resume_from)
+                with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
+                    last_val = train_epochs(run)
+                run.writer.summarize()  # rank 0 (the others hold a NullWriter): summary.md and the plot
             return last_val
     finally:
         writer.close()
+        run = None  # its model holds the process group: let it go with the group, not at interpreter exit
         if cleanup:
             cleanup_distributed()
 

@@ -2,12 +2,16 @@
 
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# A process the tests start that dies of a fatal signal (a C++ abort in a collective library, say)
+# prints every thread's Python stack: what a rare failure in CI leaves to read.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 from processes import pytest_configure, pytest_sessionfinish  # noqa: E402, F401  (hooks: no process outlives the tests)
 

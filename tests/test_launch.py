@@ -35,6 +35,7 @@ ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs b
 # Counted on disk, not copied from a run: 361, divisible by neither 2 nor 3.
 VAL_IMAGES = sum(1 for p in (REPO / "data" / "digits" / "val").rglob("*") if p.is_file())
 UTILS_JOB = str(REPO / "tests" / "scripts" / "utils_job.py")
+TEARDOWN_JOB = str(REPO / "tests" / "scripts" / "teardown_job.py")
 
 
 def _split(records: list[dict], split: str) -> list[dict]:
@@ -145,6 +146,19 @@ def test_test_net_without_weights_exits_2_naming_model_weights(tmp_path):
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("distribuuuu: error:") and "MODEL.WEIGHTS" in lines[0], lines
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_train_model_ends_its_process_group_before_it_returns(tmp_path):
+    """Nothing of the run (the stall reporter's view of it held DDP, whose reducer holds the group)
+    may keep the process group alive past train_model: its gloo threads then ended during interpreter
+    shutdown, which now and then aborted a rank that had trained to the end ("terminate called
+    without an active exception")."""
+    result = run(torchrun(2, TEARDOWN_JOB, *ONE_EPOCH, "OUT_DIR", str(tmp_path)), timeout=300, env=clean_env())
+    assert_ok(result)
+    left = [line for line in result.stdout.splitlines() if line.startswith("gloo threads left:")]
+    assert left == ["gloo threads left: []"] * 2, result.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------
