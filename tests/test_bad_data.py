@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
+from helpers import FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
 from PIL import Image
 
 from distribuuuu import cli, trainer
@@ -19,7 +19,7 @@ PER_CLASS = {"train": 8, "val": 2}
 GOOD_TRAIN = 10 * PER_CLASS["train"]
 # Batch 9 with 80 good images + 1 bad: 9 full batches, so drop_last never hides the bad one.
 SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "9"]
-SMALL += ["TRAIN.PRINT_FREQ", "3", "OPTIM.WARMUP_EPOCHS", "0"]
+SMALL += ["TRAIN.PRINT_FREQ", "3", "OPTIM.WARMUP_EPOCHS", "0", "MODEL.ARCH", FAST_ARCH]
 
 
 pytestmark = pytest.mark.usefixtures("plain_logging")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
+from helpers import FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
 from PIL import Image
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
@@ -128,7 +128,7 @@ def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_pa
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
         args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
-        args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5"]
+        args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", FAST_ARCH]  # a small model will do
         assert_ok(run(python(TRAIN, *args), timeout=300, env=clean_env()))
         return read_metrics(out), model_state_from(load_checkpoint(str(out / "checkpoints" / "ckpt_ep_002.pth.tar")))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import FAST, FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
@@ -37,7 +37,7 @@ SUMMARIZE = str(REPO / "tools" / "summarize.py")
 VAL = REPO / "data" / "digits" / "val"
 PRINT_FREQ, STEPS_PER_EPOCH = 5, 11  # 361 val images (the train split here) / batch 32
 RUN_OPTS = [
-    "TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
+    "MODEL.ARCH", FAST_ARCH, "TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
     "TRAIN.PRINT_FREQ", str(PRINT_FREQ), "OPTIM.WEIGHT_DECAY", "0.0001",
 ]  # fmt: skip
 # Synthetic images: no decoding, for the tests that only need the loop to run.

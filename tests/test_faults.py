@@ -347,7 +347,7 @@ def test_stopped_rank_is_named_by_its_missing_heartbeat_before_the_collective_ti
     # names a stalled rank must not depend on the collective's error. Rank 1 stops itself (SIGSTOP:
     # its heartbeat thread stops with it) 2 s after step 5 (its heartbeat has sent that position by
     # then, however fast the steps), while rank 0 waits in the next all-reduce.
-    timeout_s, stall_s = 20, 3
+    timeout_s, stall_s = 14, 3
     out = tmp_path / "run"
     cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "DIST.TIMEOUT_S", str(timeout_s), "DIST.STALL_S", str(stall_s))
     env = dict(ENV, FAULT_SIGNAL_AT_STEP="5", FAULT_SIGNAL_DELAY_S="2", FAULT_SIGNAL="SIGSTOP", FAULT_SIGNAL_RANK="1")
@@ -357,8 +357,13 @@ def test_stopped_rank_is_named_by_its_missing_heartbeat_before_the_collective_ti
     with Job(cmd, tmp_path / "logs", env=env) as job:
         job.wait_until(lambda: named.search(job.out.read_text()), 300, "the line naming rank 1")
         named_at = time.monotonic()
-        result = job.finish(timeout_s + 120)
+        stopped = job.workers()[1]
+        job.wait_until(lambda: "distribuuuu: error: rank 0" in job.err.read_text(), timeout_s + 60, "rank 0's error")
         ended_after = time.monotonic() - named_at
+        # A stopped process keeps torchrun's SIGTERM pending: continue it, or torchrun waits 30 s
+        # more before its SIGKILL.
+        os.kill(stopped, signal.SIGCONT)
+        result = job.finish(120)
     print(f"the job ended {ended_after:.1f}s after the line naming rank 1 (DIST.TIMEOUT_S={timeout_s})")
     assert result.returncode != 0, job.tail()
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "sent no heartbeat" in line]
@@ -366,9 +371,11 @@ def test_stopped_rank_is_named_by_its_missing_heartbeat_before_the_collective_ti
     assert re.fullmatch(
         rf"rank 1 on {re.escape(socket.gethostname())}, last beat at epoch 1, step \d+", named.search(lines[0])[1]
     )
-    # Named within a few beats of the stop, long before the 20 s collective timeout ended the job.
+    # Named within a few beats of the stop, long before the collective timeout ended the job.
     assert ended_after > timeout_s / 2, job.tail()
-    assert re.search(r"distribuuuu: error: rank 0: .* failed \(DIST.TIMEOUT_S=20\)", result.stderr), job.tail()
+    assert re.search(rf"distribuuuu: error: rank 0: .* failed \(DIST.TIMEOUT_S={timeout_s}\)", result.stderr), (
+        job.tail()
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -155,7 +155,9 @@ def test_train_model_ends_its_process_group_before_it_returns(tmp_path):
     may keep the process group alive past train_model: its gloo threads then ended during interpreter
     shutdown, which now and then aborted a rank that had trained to the end ("terminate called
     without an active exception")."""
-    result = run(torchrun(2, TEARDOWN_JOB, *ONE_EPOCH, "OUT_DIR", str(tmp_path)), timeout=300, env=clean_env())
+    dummy = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16"]  # the loop, not the data
+    cmd = torchrun(2, TEARDOWN_JOB, *ONE_EPOCH, *dummy, "OUT_DIR", str(tmp_path))
+    result = run(cmd, timeout=300, env=clean_env())
     assert_ok(result)
     left = [line for line in result.stdout.splitlines() if line.startswith("gloo threads left:")]
     assert left == ["gloo threads left: []"] * 2, result.stdout[-2000:]
