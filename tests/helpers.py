@@ -34,6 +34,9 @@ TEST = str(REPO / "tools" / "test_net.py")
 FAST_ARCH = "shufflenet_v2_x0_5"
 EVAL_FAST = ["MODEL.ARCH", FAST_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]  # evaluate a FAST run's model
 FAST = [*EVAL_FAST, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
+# Synthetic images: no decoding, for the tests that only need the loop to run.
+DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "64",
+              "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "1"]  # fmt: skip
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import DUMMY_OPTS, FAST, FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
@@ -40,9 +40,6 @@ RUN_OPTS = [
     "MODEL.ARCH", FAST_ARCH, "TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
     "TRAIN.PRINT_FREQ", str(PRINT_FREQ), "OPTIM.WEIGHT_DECAY", "0.0001",
 ]  # fmt: skip
-# Synthetic images: no decoding, for the tests that only need the loop to run.
-DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "64",
-              "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "1"]  # fmt: skip
 TRACKERS = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(name)]
 
 

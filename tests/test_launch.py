@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    DUMMY_OPTS,
     EVAL_FAST,
     FAST,
     REPO,
@@ -155,8 +156,7 @@ def test_train_model_ends_its_process_group_before_it_returns(tmp_path):
     may keep the process group alive past train_model: its gloo threads then ended during interpreter
     shutdown, which now and then aborted a rank that had trained to the end ("terminate called
     without an active exception")."""
-    dummy = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16"]  # the loop, not the data
-    cmd = torchrun(2, TEARDOWN_JOB, *ONE_EPOCH, *dummy, "OUT_DIR", str(tmp_path))
+    cmd = torchrun(2, TEARDOWN_JOB, *EVAL_FAST, *DUMMY_OPTS, "OUT_DIR", str(tmp_path))  # the loop, not the data
     result = run(cmd, timeout=300, env=clean_env())
     assert_ok(result)
     left = [line for line in result.stdout.splitlines() if line.startswith("gloo threads left:")]
