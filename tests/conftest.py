@@ -13,7 +13,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # prints every thread's Python stack: what a rare failure in CI leaves to read.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
-from processes import pytest_configure, pytest_sessionfinish  # noqa: E402, F401  (hooks: no process outlives the tests)
+import processes  # noqa: E402
+import zygote  # noqa: E402
+from processes import pytest_configure  # noqa: E402, F401  (a hook: tags the session's processes)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """No process outlives the tests: the zygote server ends (killing what it forked and still
+    runs), then anything else the tests started and left fails the session (tests/processes.py)."""
+    global _zygote_account
+    _zygote_account = zygote.stop()
+    processes.pytest_sessionfinish(session, exitstatus)
+
+
+_zygote_account = ""
 
 
 @pytest.fixture
@@ -110,6 +123,8 @@ def recipe_run(background_runs):
 
 def pytest_terminal_summary(terminalreporter):
     """The versions and the CPU a run's results come from, at the end of every run (``-q`` too)."""
+    if _zygote_account:  # how many launches were forked, and which were started fresh, and why
+        terminalreporter.write_line("zygote: " + _zygote_account.strip().replace("\n", "\nzygote: "))
     terminalreporter.write_line(_versions())
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import processes
+import zygote
 from PIL import Image
 
 from distribuuuu.launch import find_free_port
@@ -53,9 +54,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a session of its own; kill it and every process it started if it outlives ``timeout``."""
-    with Started(cmd, env, cwd) as started:
+def run(
+    cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own; kill it and every process it started if it outlives ``timeout``.
+
+    ``python script.py``/``python -m module`` launches are forked from a server that has torch
+    imported already (tests/zygote.py), unless ``fresh``: the same process, without 3-6 s of start-up.
+    """
+    with Started(cmd, env, cwd, fresh=fresh) as started:
         return started.result(timeout)
 
 
@@ -159,7 +166,8 @@ def background(cmd: list[str], env: dict | None = None) -> Started:
     runs, waits on timeouts and rendezvous) instead of holding both of them for minutes of its own.
 
     Idle priority is Linux's ``SCHED_IDLE``: the job gets a core only when nothing else wants it
-    (a weight of 3 against a normal process's 1024); its processes inherit it. The foreground keeps priority but still runs slower while
+    (a weight of 3 against a normal process's 1024); its processes inherit it (forked by the
+    zygote: set again in each child). The foreground keeps priority but still runs slower while
     the job shares the machine (caches, the host's cores): the gain is the idle time filled, less
     that. A rank may wait long for its peer while the foreground is busy: give such a job generous
     timeouts.
@@ -168,20 +176,35 @@ def background(cmd: list[str], env: dict | None = None) -> Started:
 
 
 class Started:
-    """``cmd`` started in a session of its own, its output kept in temporary files; ``result`` waits
-    for it, ``close`` kills it if still running. Every process it starts, in whatever session
-    (torchrun's workers lead their own), carries its tag (tests/processes.py) and dies with it."""
+    """``cmd`` started in a session of its own (forked by the zygote unless ``fresh``, see ``run``),
+    its output kept in temporary files; ``result`` waits for it, ``close`` kills it if still running.
 
-    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, idle: bool = False):
+    Every fresh process it starts, in whatever session (torchrun's workers lead their own), carries
+    its tag (tests/processes.py) and dies with it. A forked launch leads a session the kill takes
+    whole, and the zygote kills a forked torchrun worker when its (tagged) client dies."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, idle=False, fresh=False):
         self.tag = processes.new_launch_tag()
         env = {**(env or clean_env()), processes.LAUNCH_VAR: self.tag}
+        if zygote.ENABLED:
+            env[zygote.ADDRESS_VAR] = zygote.address()  # torchrun's workers reach the server too
+        if idle:
+            env[zygote.IDLE_VAR] = "1"
         self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
         self._result: subprocess.CompletedProcess | None = None
-        self._proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],
-            start_new_session=True, preexec_fn=_become_idle if idle else None,
-        )  # fmt: skip
-        self.pid = self._proc.pid
+        self._launch, self._code = None, None
+        if zygote.forkable(cmd) and not fresh:
+            with open(os.devnull) as null:
+                launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), *(f.fileno() for f in self._files)))
+            self._launch = launch if launch.pid else None  # 0: refused, start it fresh
+        if self._launch is not None:
+            self._proc, self.pid = None, self._launch.pid
+        else:
+            self._proc = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=self._files[0], stderr=self._files[1],
+                start_new_session=True, preexec_fn=zygote.become_idle if idle else None,
+            )  # fmt: skip
+            self.pid = self._proc.pid
 
     def __enter__(self) -> Started:
         return self
@@ -193,9 +216,8 @@ class Started:
         """Wait at most ``timeout`` seconds from now; the finished process, or AssertionError (with
         its output and the processes it left) after killing it and them."""
         if self._result is None:
-            try:
-                code = self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+            code = self._wait(timeout)
+            if code is None:
                 left = self._kill()
                 out, err = self._output()
                 raise _timed_out(self.cmd, timeout, out, err, left) from None
@@ -211,15 +233,23 @@ class Started:
     def _output(self) -> tuple[str, str]:
         return tuple(f.seek(0) or f.read().decode(errors="replace") for f in self._files)
 
+    def _wait(self, timeout: float | None) -> int | None:
+        if self._code is None and self._launch is not None:
+            self._code = self._launch.wait(timeout)
+        elif self._code is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._code = self._proc.wait(timeout)
+        return self._code
+
     def _kill(self) -> list[processes.Process]:
+        running = self._code is None and self._launch is not None
+        forked = [processes.Process(self.pid, "(forked) " + " ".join(self.cmd))] if running else []
+        if running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
         left = processes.kill_tagged(processes.LAUNCH_VAR, self.tag)
-        self._proc.wait()
-        return left
-
-
-def _become_idle() -> None:
-    """Run at idle CPU priority (SCHED_IDLE): only on a core that nothing else wants."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        self._wait(None)
+        return forked + left
 
 
 def _timed_out(cmd: list[str], timeout: float, out: str, err: str, killed: list) -> AssertionError:
@@ -231,10 +261,12 @@ def _timed_out(cmd: list[str], timeout: float, out: str, err: str, killed: list)
 
 
 def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list[str]:
-    """A torchrun command line on 127.0.0.1 with a free port (``extra``: torchrun options)."""
+    """A torchrun command line on 127.0.0.1 with a free port (``extra``: torchrun options). Its
+    workers are forked by the zygote when the command runs through ``run``/``Started``, and are
+    fresh interpreters started by torchrun otherwise (tests/zygote.py's worker client)."""
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={find_free_port()}", *extra, script, *args,
+        f"--master_port={find_free_port()}", *zygote.torchrun_options(), *extra, *zygote.torchrun_worker(script), *args,
     ]  # fmt: skip
 
 
@@ -249,7 +281,7 @@ def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: floa
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
             f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
-            script, *node_args[rank],
+            *zygote.torchrun_options(), *zygote.torchrun_worker(script), *node_args[rank],
         ]  # fmt: skip
         results[rank] = run(cmd, timeout=timeout)
 
