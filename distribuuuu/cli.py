@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Callable
@@ -27,6 +28,8 @@ EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher enviro
 # Errors raised identically on every rank: rank 0 alone prints them, so they appear once.
 _SAME_ON_EVERY_RANK = (ConfigError, DataError, LaunchError, CheckpointError, NonFiniteLossError)
 _KNOWN = _SAME_ON_EVERY_RANK + (BadImageError, CollectiveError)
+# Set by ``spawn`` in each worker: the file that hands the worker's error line to the parent.
+_SPAWN_ERROR_VAR = "DISTRIBUUUU_SPAWN_ERROR_FILE"
 
 
 def parse_args(argv: Sequence[str] | None = None, description: str = "") -> argparse.Namespace:
@@ -85,12 +88,20 @@ def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
 
 
 def _print_error(message: str, every_rank: bool = False) -> None:
-    """Print ``distribuuuu: error: message`` (on rank 0 alone unless ``every_rank``) and hand it to torchrun."""
+    """Print ``distribuuuu: error: message`` (on rank 0 alone unless ``every_rank``) and hand it to
+    torchrun, or to ``spawn``'s parent."""
     line = f"distribuuuu: error: {message}"
     _write_elastic_error_file(line)
-    # Under a launcher every rank hits the same error: rank 0 alone reports it.
-    if every_rank or detect_env_rank() == 0:
+    spawned = os.environ.get(_SPAWN_ERROR_VAR)
+    # Under a launcher every rank hits the same error: rank 0 alone reports it. Under ``spawn`` the
+    # parent does, for the worker that failed first: the others are stopped then, rank 0 perhaps
+    # before it printed.
+    printed = every_rank or (detect_env_rank() == 0 and not spawned)
+    if printed:
         print(line, file=sys.stderr, flush=True)
+    if spawned:
+        with open(spawned, "w") as f:  # read once the worker has exited: no reader sees it half-written
+            json.dump({"line": line, "printed": printed}, f)
 
 
 def _write_elastic_error_file(line: str) -> None:
@@ -133,7 +144,7 @@ def _launcher_in_env() -> str:
     return ""
 
 
-def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, cfg: CfgNode) -> None:
+def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, cfg: CfgNode, errors: str) -> None:
     """One worker: the variables torchrun would set, then ``main(cfg)``; exits with its code."""
     os.environ.update(
         RANK=str(local_rank),
@@ -143,6 +154,7 @@ def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, cfg: C
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    os.environ[_SPAWN_ERROR_VAR] = os.path.join(errors, f"{local_rank}.json")
     code = run_main(main, cfg)
     if code:
         sys.exit(code)
@@ -154,18 +166,29 @@ def spawn(main: Callable[[CfgNode], object], nproc: int, cfg: CfgNode) -> int:
     Preemption signals that reach this parent are forwarded to the workers (as torchrun does), so
     they checkpoint and exit with EXIT_PREEMPTED instead of dying with the parent.
     """
+    with tempfile.TemporaryDirectory(prefix="distribuuuu-spawn-") as errors:
+        return _join(_start_workers(main, nproc, cfg, errors), errors)
+
+
+def _start_workers(main: Callable[[CfgNode], object], nproc: int, cfg: CfgNode, errors: str):
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(
-        _spawn_worker, args=(nproc, find_free_port(), main, cfg), nprocs=nproc, join=False, start_method="spawn"
-    )
+    args = (nproc, find_free_port(), main, cfg, errors)
+    return mp.start_processes(_spawn_worker, args=args, nprocs=nproc, join=False, start_method="spawn")
+
+
+def _join(context, errors: str) -> int:
+    """Wait for the workers; the exit code of the first to fail, its error line printed once."""
+    import torch.multiprocessing as mp
+
     previous = _forward_signals([p.pid for p in context.processes])
     try:
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
         if e.exit_code and e.exit_code > 0:
-            return e.exit_code  # the worker has printed its own error line
+            _print_worker_error(os.path.join(errors, f"{e.error_index}.json"))
+            return e.exit_code
         print(f"distribuuuu: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_FAILED
     except mp.ProcessRaisedException as e:
@@ -175,6 +198,17 @@ def spawn(main: Callable[[CfgNode], object], nproc: int, cfg: CfgNode) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _print_worker_error(path: str) -> None:
+    """The line a failed worker handed over (``_print_error``), unless it printed it itself."""
+    try:
+        with open(path) as f:
+            error = json.load(f)
+    except (OSError, ValueError):  # no known error (it printed what it had), or none written
+        return
+    if not error["printed"]:
+        print(error["line"], file=sys.stderr, flush=True)
 
 
 def _forward_signals(pids: list[int]) -> dict:

@@ -105,3 +105,30 @@ def test_spawn_with_a_bad_config_exits_2_and_prints_the_error_once(tmp_path, bad
     assert result.returncode == 2, result.stderr
     assert result.stderr.count(message) == 1, result.stderr
     assert "Traceback" not in result.stderr
+
+
+# rank 1 fails at once; rank 0 is still busy when spawn stops it, so it never reaches its error.
+FIRST_FAILS = """
+import os, sys, time
+from distribuuuu import cli
+from distribuuuu.config import load_cfg
+from distribuuuu.data import DataError
+from distribuuuu.launch import RankLaunchError
+
+def main(cfg):
+    if os.environ["RANK"] == "1":
+        raise {error}("rank 1 fails first")
+    time.sleep(120)
+
+if __name__ == "__main__":
+    sys.exit(cli.spawn(main, 2, load_cfg()))
+"""
+
+
+@pytest.mark.parametrize("error", ["DataError", "RankLaunchError"])  # printed by rank 0 / by every rank
+def test_a_spawned_worker_that_fails_first_has_its_error_printed_once(tmp_path, error):
+    script = tmp_path / "first_fails.py"
+    script.write_text(FIRST_FAILS.format(error=error))
+    result = run(python(str(script)), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("distribuuuu: error: rank 1 fails first") == 1, result.stderr
