@@ -54,6 +54,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def lone_env(**extra: str) -> dict[str, str]:
+    """``clean_env`` for a process that runs alone: no ``OMP_NUM_THREADS``, so torch takes a thread
+    per core (cores / local processes). For runs whose numbers are not compared bit for bit with
+    a run of another thread count (a kernel's sums may round otherwise with more threads)."""
+    env = clean_env(**extra)
+    del env["OMP_NUM_THREADS"]
+    return env
+
+
 def run(
     cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO, fresh: bool = False
 ) -> subprocess.CompletedProcess:
@@ -160,19 +169,18 @@ def _captured_fds() -> Iterator[tuple[_Captured, _Captured]]:
             c.file.close()
 
 
-def background(cmd: list[str], env: dict | None = None) -> Started:
-    """Start ``cmd`` now at idle CPU priority, to be waited for later (``result``): a long run (an
-    accuracy run) that fills the cores the other tests leave idle (~30% of the suite: single-process
-    runs, waits on timeouts and rendezvous) instead of holding both of them for minutes of its own.
+def background(cmd: list[str], env: dict | None = None, idle: bool = True) -> Started:
+    """Start ``cmd`` now, to be waited for later (``result``): a long run (an accuracy run) that
+    goes on while this process does other work.
 
-    Idle priority is Linux's ``SCHED_IDLE``: the job gets a core only when nothing else wants it
-    (a weight of 3 against a normal process's 1024); its processes inherit it (forked by the
-    zygote: set again in each child). The foreground keeps priority but still runs slower while
-    the job shares the machine (caches, the host's cores): the gain is the idle time filled, less
-    that. A rank may wait long for its peer while the foreground is busy: give such a job generous
+    ``idle``: at idle CPU priority, Linux's ``SCHED_IDLE``: the job gets a core only when nothing
+    else wants it (a weight of 3 against a normal process's 1024); its processes inherit it (forked
+    by the zygote: set again in each child). The foreground keeps priority but still runs slower
+    while the job shares the machine (caches, the host's cores; 2-3x slower on a 2-vCPU AMD EPYC).
+    A rank may wait long for its peer while the foreground is busy: give such a job generous
     timeouts.
     """
-    return Started(cmd, env, idle=True)
+    return Started(cmd, env, idle=idle)
 
 
 class Started:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, read_metrics
+from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, lone_env, read_metrics
 from PIL import Image
 from yacs.config import CfgNode
 
@@ -156,13 +156,13 @@ def test_numeric_val_folders_evaluate_like_the_training_names_and_predict_names_
     data = ["TRAIN.DATASET", str(named), "TEST.DATASET", str(named), "MODEL.NUM_CLASSES", "12"]
     data += ["MODEL.ARCH", "resnet18"]
     out = tmp_path / "out"
-    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *FAST, *data))
+    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *FAST, *data, env=lone_env()))  # alone: both cores
     weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))
 
     def evaluate(root: Path, *extra: str) -> dict:
         ev_out = tmp_path / f"eval_{root.name}"
         args = ["OUT_DIR", str(ev_out), *FAST, *data, "TEST.DATASET", str(root)]
-        assert_ok(in_process(TEST, *args, "MODEL.WEIGHTS", weights, *extra))
+        assert_ok(in_process(TEST, *args, "MODEL.WEIGHTS", weights, *extra, env=lone_env()))
         [record] = [r for r in read_metrics(ev_out) if r["split"] == "test"]
         return record
 

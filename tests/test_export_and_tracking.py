@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DUMMY_OPTS, FAST, FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import DUMMY_OPTS, FAST, FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, lone_env, python, read_metrics, run
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
@@ -48,8 +48,7 @@ def resumed_run(tmp_path_factory) -> Path:
     """Epoch 1 (TRAIN.STOP_AFTER_EPOCHS 1), then a resumed process for epoch 2, with the installed trackers."""
     out = tmp_path_factory.mktemp("tracked")
     opts = [*RUN_OPTS, "OUT_DIR", str(out), "LOG.TRACKERS", repr(TRACKERS)]
-    env = clean_env()
-    del env["OMP_NUM_THREADS"]  # a lone process may use both cores
+    env = lone_env()
     assert_ok(run(python(TRAIN, *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=900, env=env))
     assert_ok(run(python(TRAIN, *opts), timeout=900, env=env))
     return out
@@ -298,8 +297,7 @@ def eval_keys_run(tmp_path_factory) -> Path:
     from distribuuuu.sharded_checkpoint import to_single_file
 
     out = tmp_path_factory.mktemp("eval_keys")
-    env = clean_env()
-    del env["OMP_NUM_THREADS"]  # a lone process may use both cores
+    env = lone_env()
     assert_ok(run(python(TRAIN, *EVAL_KEYS_OPTS, "OUT_DIR", str(out)), timeout=600, env=env))
     to_single_file(str(out / "best.dcp"), str(out / "best.pth.tar"))
     return out

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zygote
 from helpers import FAST, REPO, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu import checkpoint as ckpt
@@ -59,13 +60,21 @@ class Job:
 
     torchrun starts each worker in its own session, so killing torchrun's process group alone
     would leave them running: their pids are remembered and their groups killed too.
+
+    ``forked_workers``: torchrun's workers (``helpers.torchrun``'s zygote clients) are forked by the
+    zygote; the pids torchrun and ``workers`` know are then their clients', which pass on every
+    signal but SIGSTOP and SIGCONT (SIGKILL: the zygote kills a worker whose client died).
+    Otherwise each client becomes its worker, a fresh interpreter.
     """
 
-    def __init__(self, cmd: list[str], log_dir: Path, env: dict | None = None):
+    def __init__(self, cmd: list[str], log_dir: Path, env: dict | None = None, forked_workers: bool = False):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out, self.err = log_dir / "stdout.txt", log_dir / "stderr.txt"
+        env = dict(env or ENV)
+        if forked_workers and zygote.ENABLED:
+            env[zygote.ADDRESS_VAR] = zygote.address()
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=out, stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
         self.seen: set[int] = set()
 
     def __enter__(self) -> Job:
@@ -192,8 +201,19 @@ def reference_two(tmp_path_factory) -> dict:
 def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *rdzv, FAULT, "OUT_DIR", str(out), *TWO]
-    with Job(cmd, tmp_path / "logs") as job:
+    worker = [*zygote.torchrun_options(), *zygote.torchrun_worker(FAULT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        *rdzv,
+        *worker,
+        "OUT_DIR",
+        str(out),
+        *TWO,
+    ]
+    with Job(cmd, tmp_path / "logs", forked_workers=True) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         first_round = job.workers()
         os.kill(first_round[1], signal.SIGKILL)
@@ -209,8 +229,19 @@ def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights
 def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights(tmp_path, reference_two):
     out = tmp_path / "run"
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *rdzv, FAULT, "OUT_DIR", str(out), *TWO]
-    with Job([*cmd, "DIST.STRATEGY", "fsdp"], tmp_path / "logs") as job:
+    worker = [*zygote.torchrun_options(), *zygote.torchrun_worker(FAULT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        *rdzv,
+        *worker,
+        "OUT_DIR",
+        str(out),
+        *TWO,
+    ]
+    with Job([*cmd, "DIST.STRATEGY", "fsdp"], tmp_path / "logs", forked_workers=True) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         os.kill(job.workers()[1], signal.SIGKILL)
         result = job.finish(400)
@@ -229,7 +260,7 @@ def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights
 @pytest.mark.slow
 def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "preempted") as job:
+    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "preempted", forked_workers=True) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         # Signal the workers as Slurm does (every process of the step): torchrun then reports
         # their exit codes. (Signalling torchrun works too: it forwards SIGTERM to the workers.)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import REPO, TRAIN, assert_ok, lone_env, python, read_metrics, run
 
 pytestmark = pytest.mark.slow  # every test uses the checkpoint of a 2-epoch training run
 
@@ -27,9 +27,7 @@ TRAIN_OPTS = [
 def trained(tmp_path_factory) -> tuple[Path, dict[str, float]]:
     """One single-process run on data/digits: its last checkpoint and val top-1 per weights kind."""
     out = tmp_path_factory.mktemp("predict_run")
-    env = clean_env()
-    del env["OMP_NUM_THREADS"]  # a lone process may use both cores
-    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *TRAIN_OPTS), timeout=600, env=env))
+    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *TRAIN_OPTS), timeout=600, env=lone_env()))
     val = {r["weights"]: r["top1"] for r in read_metrics(out) if r["split"] == "val" and r["epoch"] == EPOCHS}
     # Far above the 10% of chance, so that preprocessing not taken from the checkpoint would show;
     # not a higher floor: after 2 epochs the accuracy depends on the CPU (94.2% here, 59% after epoch 1).

@@ -639,7 +639,7 @@ RECIPE = str(REPO / "config" / "digits_recipe.yaml")
 
 @pytest.mark.slow
 def test_the_digits_recipe_reaches_98_percent_under_torchrun_two_processes(recipe_run, tmp_path):
-    out, result = recipe_run  # conftest: run in the background since the session started
+    out, result = recipe_run  # conftest: started beside the digits run, when the first of their tests ran
     assert_ok(result)
     epochs = load_cfg(RECIPE).OPTIM.MAX_EPOCH
     val = [r for r in read_metrics(out) if r["split"] == "val"]
