@@ -197,23 +197,17 @@ def reference_two(tmp_path_factory) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Killed, preempted and stalled ranks (2-process gloo jobs under torchrun)
 # ------------------------------------------------------------------------------------------------
+def _restartable_job(out: Path, *args: str) -> list[str]:
+    """A 2-rank fault_train job that torchrun restarts once, with the c10d rendezvous (see ENV)."""
+    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *rdzv]
+    return [*torchrun, *zygote.torchrun_options(), *zygote.torchrun_worker(FAULT), "OUT_DIR", str(out), *TWO, *args]
+
+
 @pytest.mark.slow
 def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
-    worker = [*zygote.torchrun_options(), *zygote.torchrun_worker(FAULT)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        *rdzv,
-        *worker,
-        "OUT_DIR",
-        str(out),
-        *TWO,
-    ]
-    with Job(cmd, tmp_path / "logs", forked_workers=True) as job:
+    with Job(_restartable_job(out), tmp_path / "logs", forked_workers=True) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         first_round = job.workers()
         os.kill(first_round[1], signal.SIGKILL)
@@ -228,20 +222,7 @@ def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights
 @pytest.mark.slow
 def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
-    worker = [*zygote.torchrun_options(), *zygote.torchrun_worker(FAULT)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        *rdzv,
-        *worker,
-        "OUT_DIR",
-        str(out),
-        *TWO,
-    ]
-    with Job([*cmd, "DIST.STRATEGY", "fsdp"], tmp_path / "logs", forked_workers=True) as job:
+    with Job(_restartable_job(out, "DIST.STRATEGY", "fsdp"), tmp_path / "logs", forked_workers=True) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         os.kill(job.workers()[1], signal.SIGKILL)
         result = job.finish(400)
