@@ -194,14 +194,15 @@ class Started:
     def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, idle=False, fresh=False):
         self.tag = processes.new_launch_tag()
         env = {**(env or clean_env()), processes.LAUNCH_VAR: self.tag}
-        if zygote.ENABLED:
-            env[zygote.ADDRESS_VAR] = zygote.address()  # torchrun's workers reach the server too
+        server = zygote.address()
+        if server:
+            env[zygote.ADDRESS_VAR] = server  # torchrun's workers reach the server too
         if idle:
             env[zygote.IDLE_VAR] = "1"
         self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
         self._result: subprocess.CompletedProcess | None = None
         self._launch, self._code = None, None
-        if zygote.forkable(cmd) and not fresh:
+        if server and zygote.forkable(cmd) and not fresh:
             with open(os.devnull) as null:
                 launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), *(f.fileno() for f in self._files)))
             self._launch = launch if launch.pid else None  # 0: refused, start it fresh

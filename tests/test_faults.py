@@ -71,7 +71,7 @@ class Job:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out, self.err = log_dir / "stdout.txt", log_dir / "stderr.txt"
         env = dict(env or ENV)
-        if forked_workers and zygote.ENABLED:
+        if forked_workers and zygote.address():
             env[zygote.ADDRESS_VAR] = zygote.address()
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)

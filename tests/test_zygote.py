@@ -91,3 +91,37 @@ def test_forkable_takes_only_this_interpreter_running_a_script_or_a_module():
     assert zygote.forkable([sys.executable, "-m", "torch.distributed.run", "x.py"]) == zygote.ENABLED
     assert not zygote.forkable([sys.executable, "-c", "print(1)"])
     assert not zygote.forkable(["bash", "x.sh"])
+
+
+BROKEN_SERVER = """
+import sys
+import helpers, zygote
+
+assert zygote.address() == "", "the server imported a torchvision that cannot be imported"
+result = helpers.run(helpers.python(sys.argv[1]), env=helpers.clean_env(PYTHONPATH=""))
+print("launch", result.returncode, result.stdout.strip())
+print("account", zygote.stop().strip().splitlines()[-1])
+"""
+
+
+@needs_fork
+def test_a_server_that_cannot_start_leaves_every_launch_to_run_fresh(tmp_path):
+    """A preloaded module that fails to import (here a torchvision that raises) stops the server,
+    not the tests: each launch then starts a fresh interpreter, and the session's account says so."""
+    import os
+    import subprocess
+
+    from helpers import REPO
+
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "torchvision.py").write_text("raise ImportError('broken on purpose')\n")
+    (tmp_path / "main.py").write_text(BROKEN_SERVER)
+    (tmp_path / "hello.py").write_text("print('hello')\n")
+    path = os.pathsep.join([str(tmp_path / "fake"), str(REPO / "tests"), str(REPO)])
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "main.py"), str(tmp_path / "hello.py")],
+        env=clean_env(PYTHONPATH=path), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "launch 0 hello" in done.stdout
+    assert "account the server did not start (exit 1); every launch runs fresh" in done.stdout, done.stdout

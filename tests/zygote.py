@@ -66,6 +66,7 @@ _START_ENV = dict(os.environ)  # the server's, before its imports add their own 
 _lock = threading.Lock()
 _server: subprocess.Popen | None = None
 _log = None
+_failed = ""  # why the server could not start: launches run fresh
 _address = ""
 
 
@@ -90,9 +91,12 @@ def torchrun_worker(script: str) -> list[str]:
 
 
 def address() -> str:
-    """The server's socket path; the server starts on first use and ends with ``stop``."""
+    """The server's socket path, or "" if forking is off or the server could not start (every
+    launch then runs fresh; ``stop`` says why). The server starts on first use, ends with ``stop``."""
     global _server, _address, _log
     with _lock:
+        if not ENABLED or _failed:
+            return ""
         if _server is None:
             _address = os.path.join(tempfile.mkdtemp(prefix="distribuuuu-zygote-"), "socket")
             # Without OMP_NUM_THREADS the server's default thread count is a fresh interpreter's.
@@ -103,8 +107,15 @@ def address() -> str:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_log, env=env,
             )  # fmt: skip
             if _server.stdout.readline() != b"ready\n":
-                raise RuntimeError(f"the zygote server did not start (exit {_server.wait()})")
+                _fail(f"the server did not start (exit {_server.wait()}); every launch runs fresh")
+                return ""
         return _address
+
+
+def _fail(reason: str) -> None:
+    global _failed
+    _failed = reason
+    print(f"zygote.py: {reason}", file=sys.stderr, flush=True)
 
 
 def stop(timeout: float = 60) -> str:
@@ -113,7 +124,7 @@ def stop(timeout: float = 60) -> str:
     global _server
     with _lock:
         if _server is None:
-            return ""
+            return _failed
         _server.stdin.close()
         try:
             _server.wait(timeout)
@@ -124,7 +135,7 @@ def stop(timeout: float = 60) -> str:
         _log.seek(0)
         account = _log.read().decode(errors="replace")
         _log.close()
-        return account
+        return account + (_failed and f"{_failed}\n")
 
 
 class Launch:
