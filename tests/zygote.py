@@ -18,9 +18,9 @@ where a subprocess would:
 
 Each child takes the request's environment, working directory, argv and ``sys.path``, leads a
 session of its own, runs the script as ``__main__`` and then leaves through the interpreter's own
-exit path (the server's frames left first, then ``SystemExit`` or an error raised to the top): threading's exit hooks and the
-joining of non-daemon threads, ``atexit``, the flushing of the streams, the exit code or the
-traceback, exactly as a fresh interpreter ends. (The first version of this server re-created that
+exit path (the server's frames left first, then ``SystemExit`` or an error raised to the top):
+threading's exit hooks and the joining of non-daemon threads, ``atexit``, the flushing of the
+streams, the exit code or the traceback, exactly as a fresh interpreter ends. (The first version of this server re-created that
 ending by hand, skipped threading's exit hooks and so hung on the idle worker threads that
 ``torch.compile``'s thread pool leaves behind.)
 
@@ -30,7 +30,8 @@ its own in a variable that torch, OpenMP or Python read at start-up (``_STARTUP_
 whose ``sys.path`` would import ``distribuuuu`` from elsewhere. The OpenMP thread count is set from
 ``OMP_NUM_THREADS`` in the child, and Python's and numpy's global generators are reseeded as a
 fresh interpreter's are. Forked processes share the server's string-hash seed, where fresh ones each
-draw their own. ``DISTRIBUUUU_TEST_FORK=0`` starts every process as a fresh interpreter.
+draw their own. ``DISTRIBUUUU_TEST_FORK=0`` starts every process as a fresh interpreter, and so
+does a server that cannot start (``stop``'s account then says why).
 
 Standard library only at the top: the worker client runs with ``python -S``.
 """
