@@ -8,8 +8,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import time
 
 import pytest
+import torch
 from helpers import REPO, assert_ok, python, run
 
 BENCH = str(REPO / "tools" / "benchmark.py")
@@ -101,10 +103,15 @@ def test_tools_drive_the_trainer_through_its_public_functions(tool):
         assert not re.search(pattern, source), f"{tool} matches {pattern}: {re.search(pattern, source).group(0)}"
 
 
-def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
+def _benchmark_module():
     spec = importlib.util.spec_from_file_location("benchmark_tool", BENCH)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
+    tool = _benchmark_module()
     assert tool.main(["--what", "train", "TRAIN.NO_SUCH_KEY", "1"]) == 2  # in-process: fails before any set-up
     assert "unknown config key TRAIN.NO_SUCH_KEY" in capsys.readouterr().err
 
@@ -121,3 +128,30 @@ def test_memory_table_shows_fsdp_holding_half_of_ddps_state_per_rank_on_2_ranks(
     for ddp, fsdp in zip(mib["ddp"], mib["fsdp"]):
         assert fsdp == pytest.approx(ddp / 2, rel=0.01)  # resnet18's tensors split evenly, up to padding
     assert mib["ddp+zero1"][:2] == mib["ddp"][:2] and mib["ddp+zero1"][2] == pytest.approx(mib["ddp"][2] / 2, rel=0.02)
+
+
+class _SlowSamples(torch.utils.data.Dataset):
+    """Each sample takes ``seconds`` of a worker's time (asleep, so the machine's load hardly matters)."""
+
+    def __init__(self, n: int, seconds: float):
+        self.n, self.seconds = n, seconds
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        time.sleep(self.seconds)
+        return torch.zeros(1), i
+
+
+def test_the_data_rate_is_what_the_workers_sustain_not_the_queue_they_filled_before_the_timer():
+    """4 workers, 4 samples of 20 ms a batch: the closed form is 4 x 4 / 0.08 s = 200 images/s.
+    Asked for 2 batches, fewer than a round of the workers, the old window timed batches decoded
+    while the first one was (thousands of images/s on this loader)."""
+    workers, batch, seconds = 4, 4, 0.02
+    loader = torch.utils.data.DataLoader(
+        _SlowSamples(200, seconds), batch_size=batch, num_workers=workers, prefetch_factor=2
+    )
+    rate, images = _benchmark_module().steady_rate(loader, timed=2, workers=workers, queued=2 * workers)
+    assert images == workers * batch, "the window is rounded up to one whole round of the workers"
+    assert rate == pytest.approx(workers / seconds, rel=0.25)

@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# One lent GPU, one call: the acceptance check, the digits runs in each GPU mode, test_net.py's
+# reproduction of the logged top-1, and the ResNet-50 benchmark; logs and a summary under $OUT.
+#
+#   OUT=/tmp/gpu bash docs/scripts/gpu_session.sh            # on a machine with one CUDA GPU
+#   GPU_SESSION_EPOCHS=1 GPU_SESSION_BENCH_OPTS="MODEL.ARCH resnet18 TRAIN.IM_SIZE 32 TRAIN.BATCH_SIZE 16 \
+#     DATA.DUMMY_SIZE 512" OUT=/tmp/gpu bash docs/scripts/gpu_session.sh   # a dry run on a CPU
+#
+# The machine of this workplace has torch and torchvision but not yacs, webdataset or wids: their
+# wheels travel in .whl/ (see the device tool's README); elsewhere `pip install -e ".[data]"` first.
+# The digits runs share the GPU and the CPU cores, so their images/s are not throughput figures:
+# only the benchmark, which runs alone at the end, is.
+set -u
+OUT=${OUT:-/tmp/gpu_session}
+EPOCHS=${GPU_SESSION_EPOCHS:-10}
+STAGES=${GPU_SESSION_STAGES:-check,digits,bench}  # also: compile (the benchmark compiled), data (data path)
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+W=$(mktemp -d /tmp/gpu_session.XXXXXX)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2  # 7 runs share the cores
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+START=$SECONDS
+stamp() { echo "[$((SECONDS - START)) s] $*" | tee -a "$OUT/summary.txt"; }
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, torchvision, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "torchvision", torchvision.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())'
+  echo "$(nproc --all) CPU cores"
+} 2>&1 | tee -a "$OUT/summary.txt"
+
+# 1. The acceptance check, alone on the GPU.
+if has check; then
+stamp "gpu_check"
+timeout 240 torchrun --standalone --nproc_per_node=1 tools/gpu_check.py >"$OUT/gpu_check.log" 2>&1
+echo "gpu_check exit $?" >>"$OUT/gpu_check.log"
+grep -E "^gpu_check|PASS|FAIL|SKIP|exit" "$OUT/gpu_check.log" | tee -a "$OUT/summary.txt"
+fi
+
+# 2. The digits runs, side by side (README's command with one process, then each mode).
+if has digits; then
+python3 tools/pack_dataset.py data/digits "$W/packed_jpeg" --quality 95 >"$W/pack.log" 2>&1 || cat "$W/pack.log"
+stamp "digits runs: $EPOCHS epochs each"
+declare -A RUNS=(
+  [fp32]=""
+  [bf16]="TRAIN.PRECISION bf16"
+  [fp16]="TRAIN.PRECISION fp16"
+  [cl_compile]="TRAIN.CHANNELS_LAST True TRAIN.COMPILE True"
+  [fsdp]="DIST.STRATEGY fsdp"
+  [batched]="DATA.DECODER batched TRAIN.DATASET $W/packed_jpeg TEST.DATASET $W/packed_jpeg"
+  [recipe_bf16]="--cfg config/digits_recipe.yaml TRAIN.PRECISION bf16 TRAIN.CHANNELS_LAST True"
+)
+for name in "${!RUNS[@]}"; do
+  # shellcheck disable=SC2086  # the options are words
+  timeout 300 torchrun --standalone --nproc_per_node=1 tools/train_net.py ${RUNS[$name]} \
+    OUT_DIR "$W/$name" OPTIM.MAX_EPOCH "$EPOCHS" TRAIN.WORKERS 2 >"$OUT/run_$name.log" 2>&1 &
+done
+wait
+for name in "${!RUNS[@]}"; do
+  python3 - "$W/$name" "$name" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, os, sys
+out, name = sys.argv[1:]
+path = os.path.join(out, "metrics.jsonl")
+rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+val = [r for r in rows if r["split"] == "val" and r.get("weights", "model") == "model"]
+if not val:
+    print(f"{name:<12} no val line (see run_{name}.log)")
+else:
+    best = max(val, key=lambda r: r["top1"])
+    train_s = sum(r["time_s"] for r in rows if r["split"] == "train")
+    print(f"{name:<12} epochs {len(val)}  last top1 {val[-1]['top1']:.2f}  best {best['top1']:.2f} (ep {best['epoch']})  train {train_s:.0f} s")
+EOF
+done
+
+# 3. test_net.py reproduces the logged top-1 (single file and the fsdp run's sharded best.dcp).
+stamp "test_net"
+for name in fp32 fsdp; do
+  best=$(ls -d "$W/$name"/best.pth.tar "$W/$name"/best.dcp 2>/dev/null | head -1)
+  timeout 120 torchrun --standalone --nproc_per_node=1 tools/test_net.py OUT_DIR "$W/$name" MODEL.WEIGHTS "$best" \
+    >"$OUT/test_net_$name.log" 2>&1
+  python3 - "$W/$name" "$name" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys
+out, name = sys.argv[1:]
+rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+val = [r for r in rows if r["split"] == "val" and r.get("weights", "model") == "model"]
+test = [r for r in rows if r["split"] == "test"]
+best = max(val, key=lambda r: r["top1"])["top1"]
+print(f"test_net {name}: test top1 {test[-1]['top1'] if test else 'missing'} vs logged best val {best}")
+EOF
+done
+fi
+
+# 4. Throughput, the GPU alone: resnet50 at 224 px, batch 256, bf16 + channels_last, synthetic data.
+R50="MODEL.ARCH resnet50 MODEL.NUM_CLASSES 1000 TRAIN.BATCH_SIZE 256 TRAIN.IM_SIZE 224 TEST.IM_SIZE 224"
+R50="$R50 TRAIN.PRECISION bf16 TRAIN.CHANNELS_LAST True MODEL.DUMMY_INPUT True DATA.DUMMY_SIZE 12800 TRAIN.WORKERS 8"
+bench() {  # NAME TIMEOUT BENCHMARK-ARGS...: the GPU alone
+  local name=$1 limit=$2
+  shift 2
+  stamp "benchmark $name"
+  # shellcheck disable=SC2086
+  timeout "$limit" python3 tools/benchmark.py --json "$OUT/benchmark.jsonl" "$@" OUT_DIR "$W/bench" \
+    ${GPU_SESSION_BENCH_OPTS:-} >"$OUT/benchmark_$name.log" 2>&1
+  echo "benchmark $name exit $?" >>"$OUT/benchmark_$name.log"
+  grep -E "^(train|ratio|data|decode|decode_pipeline|packed|eval) |exit" "$OUT/benchmark_$name.log" | tee -a "$OUT/summary.txt"
+}
+# shellcheck disable=SC2086
+has bench && bench r50 150 --what train,plain --steps 20 --warmup 20 --repeats 7 $R50
+# shellcheck disable=SC2086
+has compile && bench r50_compile 170 --what train,plain --steps 20 --warmup 20 --repeats 5 $R50 TRAIN.COMPILE True
+has data && bench decode 150 --what decode --photos 2048 --data-batches 120 --workers 15
+stamp "done"
+rm -rf "$W"
