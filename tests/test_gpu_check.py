@@ -67,6 +67,14 @@ def test_the_work_dir_is_required_exactly_when_ranks_span_several_nodes():
     tool.check_work_dir("", DistEnv())
 
 
+def _one_rank(monkeypatch) -> DistEnv:
+    """This process as a job of one gloo rank on the CPU, as torchrun --nproc_per_node=1 would set it up."""
+    launch = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    for key, value in {**launch, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}.items():
+        monkeypatch.setenv(key, value)
+    return setup_distributed("gloo")
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("plain_logging")
 def test_the_resume_check_trains_in_the_tools_process_group_and_leaves_stdout_to_the_table(
@@ -74,10 +82,7 @@ def test_the_resume_check_trains_in_the_tools_process_group_and_leaves_stdout_to
 ):
     """gpu_check's public path into the trainer: train_model(cfg, cleanup=False) with LOG.CONSOLE False."""
     tool = _tool()
-    launch = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    for key, value in {**launch, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}.items():
-        monkeypatch.setenv(key, value)
-    env = setup_distributed("gloo")
+    env = _one_rank(monkeypatch)
     try:
         ctx = tool.Context(env, str(tmp_path))
         cfg = tool.make_cfg(ctx, "run", "MODEL.ARCH", tool.TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "128")
@@ -135,3 +140,18 @@ def test_a_failure_on_any_rank_fails_the_row_and_names_the_rank():
     merged = tool.merge_ranks([ok, bad, ok])
     assert (merged.status, merged.seconds, merged.detail) == ("FAIL", 2.5, "rank 1: TypeError: boom")
     assert tool.merge_ranks([ok, ok]).detail == "fine"
+
+
+@pytest.mark.usefixtures("plain_logging")
+def test_the_fsdp_checkpoint_check_runs_on_a_single_rank_as_on_a_one_gpu_machine(tmp_path, monkeypatch):
+    """One GPU is where most users first run the tool: fsdp on one rank trains the plain model and
+    writes DCP folders, so that check runs there (it was a SKIP row); the sharded scaler's skips."""
+    tool = _tool()
+    ctx = tool.Context(_one_rank(monkeypatch), str(tmp_path))
+    try:
+        rows = {name: tool.run_check(name, check, ctx) for name, check in tool.CHECKS if name.startswith("fsdp")}
+    finally:
+        cleanup_distributed()
+    dcp, scaler = rows["fsdp + sharded checkpoint"], rows["fsdp fp16 ShardedGradScaler"]
+    assert dcp.status == "PASS" and "plain model (1 rank" in dcp.detail, dcp
+    assert scaler.status == "SKIP" and "GradScaler (the fp16 row)" in scaler.detail, scaler
