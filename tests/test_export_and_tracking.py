@@ -242,6 +242,12 @@ def pytorch_logits(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs, model(inputs)
 
 
+def onnx_graph(prefix):
+    import onnx
+
+    return onnx.load(f"{prefix}.onnx").graph
+
+
 @pytest.mark.slow
 def test_onnx_and_torch_export_agree_with_pytorch_on_every_val_image(resumed_run, exported):
     import onnxruntime
@@ -250,6 +256,9 @@ def test_onnx_and_torch_export_agree_with_pytorch_on_every_val_image(resumed_run
     inputs, reference = pytorch_logits(resumed_run / "best.pth.tar")
     assert len(inputs) == 361
     session = onnxruntime.InferenceSession(f"{prefix}.onnx", providers=["CPUExecutionProvider"])
+    graph = onnx_graph(prefix)
+    shapes = [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in (*graph.input, *graph.output)]
+    assert shapes == [["batch", 3, 16, 16], ["batch", 10]], "a named dynamic batch dimension, as deployers read it"
     for batch in (1, 7):  # the batch dimension is dynamic
         for start in (0, 7, 354):
             out = session.run(["logits"], {"images": inputs[start : start + batch].numpy()})[0]

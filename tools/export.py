@@ -77,25 +77,35 @@ def preprocessing(p: EvalPreprocessing, arch: str, classes: list, weights: str) 
     }
 
 
-def export_onnx(model: nn.Module, example: torch.Tensor, path: str, meta: dict) -> None:
-    """ONNX with a dynamic batch dimension (torch.onnx's dynamo exporter), metadata in metadata_props."""
+def export_onnx(program: torch.export.ExportedProgram, path: str, meta: dict) -> None:
+    """ONNX from the traced program (torch.onnx's dynamo exporter takes it as it is, so the model
+    is traced once for both formats), metadata in metadata_props."""
     import onnx
 
-    batch = torch.export.Dim("batch", min=1, max=65536)
     torch.onnx.export(
-        model, (example,), path, input_names=[INPUT], output_names=[OUTPUT], dynamo=True,
-        dynamic_shapes=({0: batch},), external_data=False, verbose=False,
-    )  # fmt: skip
+        program, (), path, input_names=[INPUT], output_names=[OUTPUT], dynamo=True, external_data=False, verbose=False
+    )
     proto = onnx.load(path)
+    name_batch_dimension(proto.graph)
     onnx.helper.set_model_props(proto, {"distribuuuu.preprocessing": json.dumps(meta)})
     onnx.save(proto, path)
 
 
-def export_program(model: nn.Module, example: torch.Tensor, path: str, meta: dict) -> None:
+def name_batch_dimension(graph) -> None:
+    """Name the batch dimension "batch" wherever the exporter gave it its symbol's name (s0, s77)."""
+    symbol = graph.input[0].type.tensor_type.shape.dim[0].dim_param
+    for value in (*graph.input, *graph.output, *graph.value_info):
+        for dim in value.type.tensor_type.shape.dim:
+            if symbol and dim.dim_param == symbol:
+                dim.dim_param = "batch"
+
+
+def export_program(model: nn.Module, example: torch.Tensor, path: str, meta: dict) -> torch.export.ExportedProgram:
     """A torch.export program with a dynamic batch dimension, preprocessing in its extra files."""
     batch = torch.export.Dim("batch", min=1, max=65536)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
     torch.export.save(program, path, extra_files={"preprocessing.json": json.dumps(meta)})
+    return program
 
 
 @contextlib.contextmanager
@@ -168,8 +178,8 @@ def export(args: argparse.Namespace) -> int:
         raise ExportError(f"--out: cannot create the folder of {prefix}: {e.strerror or e}") from None
     try:
         with quiet_torch_logs():
-            export_program(model, example, prefix + ".pt2", meta)
-            export_onnx(model, example, prefix + ".onnx", meta)
+            program = export_program(model, example, prefix + ".pt2", meta)
+            export_onnx(program, prefix + ".onnx", meta)
     except ImportError as e:
         raise ExportError(f"{e.name or e} is not installed: pip install 'distribuuuu[export]'") from None
     except Exception as e:  # noqa: BLE001 - torch.export/onnx raise many types; the user needs one line
