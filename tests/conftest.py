@@ -46,11 +46,13 @@ def plain_logging():
 
 
 # ------------------------------------------------------------------------------------------------
-# The accuracy runs: the tests that read them run last; the runs start together when the first of
-# those tests needs one (DISTRIBUUUU_TEST_ACCURACY_RUNS=last, the default), or with the session at
-# idle CPU priority (=background). Measured on a 2-vCPU AMD EPYC, full suite: "last" 30 min 27 s,
-# "background" 31 min 56 s; the background runs slowed the foreground tests 2-3x while they ran
-# (docs/development.md).
+# The accuracy runs: the tests that read them run last; the runs start together at normal priority
+# when the first test that mostly waits (marked "waits": the fault tests, which sit out timeouts
+# and restarts with the cores half idle) begins, so that they fill those idle cores; or when the
+# first test that needs a run begins, if no waiting test was selected (DISTRIBUUUU_TEST_ACCURACY_RUNS
+# =last, the default); or with the session at idle CPU priority (=background). Measured on a 2-vCPU
+# AMD EPYC, full suite: "last" (then without the overlap) 30 min 27 s, "background" 31 min 56 s; the
+# background runs slowed the foreground tests 2-3x while they ran (docs/development.md).
 # ------------------------------------------------------------------------------------------------
 # A background job's rank may wait long for its peer while the foreground holds the CPU.
 PATIENT = ["DIST.TIMEOUT_S", "3600", "DIST.INIT_CHECK_TIMEOUT_S", "3600"]
@@ -92,31 +94,60 @@ def _recipe_run(tmp_path_factory, idle: bool):
 ACCURACY_RUN_STARTS = {"digits_run": _digits_run, "recipe_run": _recipe_run}
 
 
+def _waits(item) -> bool:
+    return item.get_closest_marker("waits") is not None
+
+
+def _reads_a_run(item) -> bool:
+    return not ACCURACY_RUN_STARTS.keys().isdisjoint(item.fixturenames)
+
+
 def pytest_collection_modifyitems(items):
-    """The tests of the accuracy runs go last (in their order): the runs start when the first of
-    them needs one, or have had the whole session in the background."""
-    items.sort(key=lambda item: not ACCURACY_RUN_STARTS.keys().isdisjoint(item.fixturenames))
+    """The tests of the accuracy runs go last (in their order), just after the waiting tests: the
+    runs start when the first waiting test does, else when the first test needs one."""
+    items.sort(key=lambda item: 2 if _reads_a_run(item) else 1 if _waits(item) else 0)
+
+
+class AccuracyRuns(dict):
+    """{name: a function that waits for the run and returns what it made}; ``start()`` starts every
+    run the session needs (once) without waiting."""
+
+    def __init__(self, waits: dict, start=lambda: None):
+        super().__init__(waits)
+        self.start = start
 
 
 @pytest.fixture(scope="session", autouse=True)
 def accuracy_runs(request, tmp_path_factory):
     """Each accuracy run that a selected test needs (none in the quick tier), started as
-    ``ACCURACY_RUNS`` says: {name: a function that waits for the run and returns what it made}."""
+    ``ACCURACY_RUNS`` says."""
     needed = sorted({name for item in request.session.items for name in item.fixturenames} & ACCURACY_RUN_STARTS.keys())
     with contextlib.ExitStack() as stack:
         if ACCURACY_RUNS == "background":
-            yield {name: stack.enter_context(ACCURACY_RUN_STARTS[name](tmp_path_factory, idle=True)) for name in needed}
+            yield AccuracyRuns(
+                {name: stack.enter_context(ACCURACY_RUN_STARTS[name](tmp_path_factory, idle=True)) for name in needed}
+            )
             return
-        started = {}  # "last": all of them at once, at normal priority, when the first test needs one
+        started = {}  # "last": all of them at once, at normal priority
 
-        def start(name):
+        def start():
             if not started:
                 started.update(
                     {n: stack.enter_context(ACCURACY_RUN_STARTS[n](tmp_path_factory, idle=False)) for n in needed}
                 )
+
+        def wait(name):
+            start()
             return started[name]()
 
-        yield {name: functools.partial(start, name) for name in needed}
+        yield AccuracyRuns({name: functools.partial(wait, name) for name in needed}, start)
+
+
+@pytest.fixture(autouse=True)
+def _accuracy_runs_beside_waiting_tests(request, accuracy_runs):
+    """A test marked "waits" starts the accuracy runs, to run beside it on the cores it leaves idle."""
+    if _waits(request.node):
+        accuracy_runs.start()
 
 
 @pytest.fixture(scope="session")
