@@ -79,7 +79,10 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median and spread reported)")
     p.add_argument("--what", default=DEFAULT_WHAT, help=f"comma-separated subset of {','.join(WHAT)}")
     p.add_argument("--workers", default="0,1,2", help="DataLoader worker counts for --what data")
-    p.add_argument("--data-batches", type=int, default=20, help="batches timed per data-pipeline measurement")
+    p.add_argument(
+        "--data-batches", type=int, default=20,
+        help="batches timed per data-pipeline measurement, after the workers' queue (whole rounds of the workers)",
+    )  # fmt: skip
     p.add_argument("--photos", type=int, default=96, help="synthetic JPEGs generated for --what decode / packed")
     p.add_argument("--bf16-steps", type=int, default=3, help="timed steps of the bf16 variants (slow on CPUs)")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
