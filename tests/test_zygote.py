@@ -15,20 +15,23 @@ import atexit, concurrent.futures, os, signal, sys, threading, time
 import torch
 
 atexit.register(lambda: print("atexit ran", flush=True))
-threading.Thread(target=lambda: (time.sleep(0.2), print("thread joined")), daemon=False).start()
+# Each line is printed in a fixed order, so forked and fresh outputs compare line for line.
+printed = threading.Event()
+threading.Thread(target=lambda: (printed.wait(), print("thread joined")), daemon=False).start()
 # An idle pool thread, as torch.compile leaves: threading's exit hook must end it, or exit hangs.
-concurrent.futures.ThreadPoolExecutor(1).submit(print, "pool ran")
+concurrent.futures.ThreadPoolExecutor(1).submit(print, "pool ran").result()
 forked = b"PROBE_VAR=seen" not in open("/proc/self/environ", "rb").read().split(b"\\0")
 print("forked", forked, file=sys.stderr)
 print("argv", sys.argv[1:], "path0", sys.path[0] == os.path.dirname(os.path.abspath(__file__)))
 print("cwd", os.getcwd(), "env", os.environ.get("PROBE_VAR"), "threads", torch.get_num_threads())
 print("main", __name__, "stdin", sys.stdin.read(), "sigpipe", signal.getsignal(signal.SIGPIPE))
 how = sys.argv[1]
-if how == "raise":
-    raise ValueError("boom")
 if how == "sigterm":
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
+printed.set()
+if how == "raise":
+    raise ValueError("boom")
 sys.exit(int(how) if how.isdigit() else how)
 """
 
