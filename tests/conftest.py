@@ -56,7 +56,7 @@ def plain_logging():
 # ------------------------------------------------------------------------------------------------
 # A background job's rank may wait long for its peer while the foreground holds the CPU.
 PATIENT = ["DIST.TIMEOUT_S", "3600", "DIST.INIT_CHECK_TIMEOUT_S", "3600"]
-WAIT_S = 1200  # once a test waits for a run (both runs share the 2 cores: 395 s on the AMD machine)
+WAIT_S = 1200  # once a test waits for the run (about 200 s alone on the AMD machine)
 ACCURACY_RUNS = os.environ.get("DISTRIBUUUU_TEST_ACCURACY_RUNS", "last")
 
 
@@ -64,34 +64,20 @@ ACCURACY_RUNS = os.environ.get("DISTRIBUUUU_TEST_ACCURACY_RUNS", "last")
 def _digits_run(tmp_path_factory, idle: bool):
     from helpers import REPO, TRAIN, assert_ok, background, python, run, serve_folder, torchrun
 
-    root = tmp_path_factory.mktemp("digits_fsdp_packed")
+    root = tmp_path_factory.mktemp("digits_recipe_fsdp_packed")
     packed, out = root / "packed", root / "out"
     assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
     with serve_folder(packed) as url:
         data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
-        job = background(torchrun(2, TRAIN, "OUT_DIR", str(out), "DIST.STRATEGY", "fsdp", *data, *PATIENT), idle=idle)
+        recipe = ["--cfg", str(REPO / "config" / "digits_recipe.yaml"), "DIST.STRATEGY", "fsdp"]
+        job = background(torchrun(2, TRAIN, *recipe, "OUT_DIR", str(out), *data, *PATIENT), idle=idle)
         try:
             yield lambda: (out, job.result(WAIT_S), data)
         finally:
             job.close()
 
 
-@contextlib.contextmanager
-def _recipe_run(tmp_path_factory, idle: bool):
-    from helpers import REPO, TRAIN, background, torchrun
-
-    out = tmp_path_factory.mktemp("digits_recipe")
-    job = background(
-        torchrun(2, TRAIN, "--cfg", str(REPO / "config" / "digits_recipe.yaml"), "OUT_DIR", str(out), *PATIENT),
-        idle=idle,
-    )
-    try:
-        yield lambda: (out, job.result(WAIT_S))
-    finally:
-        job.close()
-
-
-ACCURACY_RUN_STARTS = {"digits_run": _digits_run, "recipe_run": _recipe_run}
+ACCURACY_RUN_STARTS = {"digits_run": _digits_run}
 
 
 def _waits(item) -> bool:
@@ -152,24 +138,15 @@ def _accuracy_runs_beside_waiting_tests(request, accuracy_runs):
 
 @pytest.fixture(scope="session")
 def digits_run(accuracy_runs):
-    """The default config (10 epochs) under torchrun with 2 processes, sharded with
+    """config/digits_recipe.yaml (resnet18, 12 epochs) under torchrun with 2 processes, sharded with
     ``DIST.STRATEGY fsdp``, reading a packed copy of data/digits (made by tools/pack_dataset.py)
     from a real HTTP server on 127.0.0.1, up for the session.
 
     One run serves every test that needs a well-trained digits model: the accuracy test checks
-    it, the fine-tuning test starts from its ``best.dcp``. The README's first run (ddp on the
-    ImageFolder) differs from it only in what other tests show equal: packed shards, on disk or
-    over HTTP, hand over the ImageFolder's batches (test_packed_data) and fsdp trains ddp's
-    weights (test_fsdp, test_resume_world_size). Returns (OUT_DIR, the finished process, the
-    data keys).
+    it, the fine-tuning test starts from its ``best.dcp``. Returns (OUT_DIR, the finished process,
+    the data keys).
     """
     return accuracy_runs["digits_run"]()
-
-
-@pytest.fixture(scope="session")
-def recipe_run(accuracy_runs):
-    """config/digits_recipe.yaml (12 epochs) under torchrun with 2 processes: (OUT_DIR, the finished process)."""
-    return accuracy_runs["recipe_run"]()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -58,7 +58,7 @@ def test_starts_a_process_and_forgets_it():
 
 def test_a_session_that_leaves_a_process_running_fails_and_names_it(tmp_path):
     (tmp_path / "test_leaves_one.py").write_text(LEAVES_ONE)
-    env = clean_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]), PYTEST_ADDOPTS="")
     cmd = [
         sys.executable,
         "-m",
@@ -92,7 +92,7 @@ def test_starts_a_process_and_hangs():
 
 def test_a_session_stopped_by_sigterm_still_kills_and_names_what_its_tests_started(tmp_path):
     (tmp_path / "test_hangs.py").write_text(HANGS)
-    env = clean_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    env = clean_env(PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]), PYTEST_ADDOPTS="")
     cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "processes", "-p", "no:cacheprovider", "test_hangs.py"]
     inner = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

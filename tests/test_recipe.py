@@ -28,7 +28,7 @@ from torch import nn
 if __name__ == "__main__":  # run as the worker script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import REPO, TEST, assert_ok, clean_env, python, read_metrics, run, torchrun  # noqa: E402
+from helpers import REPO, assert_ok, clean_env, python, read_metrics, run, torchrun  # noqa: E402
 
 from distribuuuu import checkpoint, cli, trainer  # noqa: E402
 from distribuuuu import run as run_setup  # noqa: E402
@@ -544,10 +544,6 @@ def _loss_windows(stdout: str) -> list[float]:
     return [float(m) for m in re.findall(r"step \d+/\d+  loss ([\d.]+)", stdout)]
 
 
-def _final_val_top1(out_dir: Path, weights: str = "model") -> float:
-    return [r for r in read_metrics(out_dir) if r["split"] == "val" and r["weights"] == weights][-1]["top1"]
-
-
 @pytest.mark.slow
 def test_the_linear_scaling_rule_is_logged_and_drives_the_schedule(two_process_runs):
     plain = two_process_runs["plain"]
@@ -629,38 +625,6 @@ def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
     # a sum over every image, tells the same weights from others whatever the accuracy reached.
     assert abs(test["top1"] - val["top1"]) <= 100 / 361 + 1e-9
     assert test["loss"] == pytest.approx(val["loss"], rel=1e-3)
-
-
-# ------------------------------------------------------------------------------------------------
-# The digits recipe, end to end
-# ------------------------------------------------------------------------------------------------
-RECIPE = str(REPO / "config" / "digits_recipe.yaml")
-
-
-@pytest.mark.slow
-def test_the_digits_recipe_reaches_98_percent_under_torchrun_two_processes(recipe_run, tmp_path):
-    out, result = recipe_run  # conftest: started beside the digits run, when the first of their tests ran
-    assert_ok(result)
-    epochs = load_cfg(RECIPE).OPTIM.MAX_EPOCH
-    val = [r for r in read_metrics(out) if r["split"] == "val"]
-    # The raw and the EMA weights are evaluated every epoch, each on every val image exactly once.
-    assert [(r["epoch"], r["weights"]) for r in val] == [(e, w) for e in range(1, epochs + 1) for w in ("model", "ema")]
-    assert {r["samples"] for r in val} == {361}
-    assert _final_val_top1(out, "model") >= 98.0
-    assert _final_val_top1(out, "ema") >= 98.0
-    best = checkpoint.load_checkpoint(str(out / checkpoint.BEST_NAME))
-    first_best = max(val, key=lambda r: r["top1"])  # max() keeps the first of equals, as the trainer
-    assert (best["best_acc1"], best["best_weights"]) == (first_best["top1"], first_best["weights"])
-    # test_net.py evaluates the EMA weights of the last checkpoint (MODEL.WEIGHTS_KIND ema).
-    last = checkpoint.list_checkpoints(str(out / checkpoint.CKPT_DIR))[-1]
-    test_out = tmp_path / "test_ema"
-    result = run(
-        python(TEST, "--cfg", RECIPE, "OUT_DIR", str(test_out), "MODEL.WEIGHTS", last, "MODEL.WEIGHTS_KIND", "ema")
-    )
-    assert_ok(result)
-    (test,) = [r for r in read_metrics(test_out) if r["split"] == "test"]
-    assert test["weights"] == "ema"
-    assert abs(test["top1"] - _final_val_top1(out, "ema")) <= 100 / 361 + 1e-9  # 1 image: batch-size rounding
 
 
 if __name__ == "__main__":
