@@ -128,7 +128,9 @@ def make_figure(plt: Any, runs: Sequence[RecordedRun]) -> Any:
         draw_run(axes, run, colors[i % len(colors)])
     style_axes(axes)
     fig.suptitle("distribuuuu metrics: " + ", ".join(run.label for run in runs))
-    fig.tight_layout()
+    # Fixed margins, not tight_layout: the grid and its titles are always the same, and measuring
+    # every tick label took ~40% of the plot's time, paid at the end of every training run.
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.06, top=0.91, wspace=0.2, hspace=0.3)
     return fig
 
 
