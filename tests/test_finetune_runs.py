@@ -62,14 +62,15 @@ def _five_class_copy(root: Path) -> Path:
 
 @pytest.mark.slow
 def test_fine_tuning_the_digits_checkpoint_on_5_classes_with_a_new_head_and_a_frozen_stem(digits_run, tmp_path):
-    # From the session's 10-class digits run (the recipe; its best.dcp, sharded by fsdp) to a 5-class
-    # subset in one plain process: the head's shape differs, so it starts new. Measured: 99.4% after 2 epochs.
+    # From the session's 10-class digits run (the recipe; its best.pth.tar) to a 5-class subset in
+    # one plain process: the head's shape differs, so it starts new. Measured: 99.4% after 2 epochs
+    # (tests/test_tool_matrix.py fine-tunes from every checkpoint form, .dcp folders included).
     pretrained, _, _ = digits_run
     five, fine = _five_class_copy(tmp_path / "digits5"), tmp_path / "fine"
     result = run(
         python(str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(fine), "TRAIN.DATASET", str(five),
                "TEST.DATASET", str(five), "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3",
-               "MODEL.WEIGHTS", str(pretrained / "best.dcp"), "MODEL.FREEZE", "['conv1.*', 'bn1.*']",
+               "MODEL.WEIGHTS", str(pretrained / "best.pth.tar"), "MODEL.FREEZE", "['conv1.*', 'bn1.*']",
                "OPTIM.BASE_LR", "0.02", "OPTIM.HEAD_LR_MULT", "5.0", "OPTIM.MAX_EPOCH", "2", *QUIET),
         timeout=600,
     )  # fmt: skip
@@ -77,7 +78,7 @@ def test_fine_tuning_the_digits_checkpoint_on_5_classes_with_a_new_head_and_a_fr
     assert "skipped 2 tensors of another shape" in result.stderr + result.stdout  # fc.weight, fc.bias: a new head
     val = [r for r in read_metrics(fine) if r["split"] == "val"]
     assert val[-1]["top1"] >= 95.0 and val[-1]["samples"] == len(torchvision.datasets.ImageFolder(five / "val"))
-    before = model_state_from(load_checkpoint(pretrained / "best.dcp"))
+    before = model_state_from(load_checkpoint(pretrained / "best.pth.tar"))
     after = model_state_from(load_checkpoint(fine / "checkpoints" / "ckpt_ep_002.pth.tar"))
     for name in ("conv1.weight", "bn1.weight", "bn1.bias"):  # frozen: the pretrained tensors, bit for bit
         assert torch.equal(after[name], before[name]), name
