@@ -46,9 +46,10 @@ def plain_logging():
 
 
 # ------------------------------------------------------------------------------------------------
-# The accuracy runs: the tests that read them run last; the runs start together at normal priority
-# when the first test that mostly waits (marked "waits": the fault tests, which sit out timeouts
-# and restarts with the cores half idle) begins, so that they fill those idle cores; or when the
+# The accuracy runs (ACCURACY_RUN_STARTS; one today, digits_run): the tests that read them run last;
+# the runs start together at normal priority when the first test that mostly waits (marked
+# "waits": the fault tests, which sit out timeouts and restarts with the cores half idle) begins,
+# so that they fill those idle cores; or when the
 # first test that needs a run begins, if no waiting test was selected (DISTRIBUUUU_TEST_ACCURACY_RUNS
 # =last, the default); or with the session at idle CPU priority (=background). Measured on a 2-vCPU
 # AMD EPYC, full suite: "last" (then without the overlap) 30 min 27 s, "background" 31 min 56 s; the
