@@ -25,6 +25,7 @@ from distribuuuu.distributed import all_gather_object, is_main_process
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.logger import get_logger
+from distribuuuu.models import load_model_weights
 from distribuuuu.rng import capture_rng_state, restore_rng_state
 from distribuuuu.single_file import model_state_from
 
@@ -80,7 +81,7 @@ class Model(Component):
         return {"model": self.model.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.model.load_state_dict(model_state_from(state_dict))
+        load_model_weights(self.model, model_state_from(state_dict))
 
     def shards(self) -> Stateful:
         return shards.ModelShards(self.model)

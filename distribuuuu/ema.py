@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distribuuuu.models import load_model_weights
+
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view: in-place updates reach the DTensor), else ``t``."""
@@ -63,5 +65,5 @@ class ModelEMA:
         return {"module": self.module.state_dict(), "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["module"])
+        load_model_weights(self.module, state["module"])
         self.updates = int(state["updates"])

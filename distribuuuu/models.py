@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -305,3 +306,22 @@ def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
 def has_batchnorm(model: nn.Module) -> bool:
     """True if the model contains BatchNorm layers."""
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def versioned(weights: dict, model: nn.Module) -> dict:
+    """``weights`` with the module versions ``load_state_dict`` hands each module: their own, else ``model``'s.
+
+    ``state_dict()`` records each module's ``_version``, and a module may read it on load to
+    upgrade an old layout (torchvision's MNASNet refuses to load without it). Dicts that lost them
+    (a sharded checkpoint read whole, DCP's state dicts) were written by these same classes.
+    """
+    if getattr(weights, "_metadata", None) is not None:
+        return weights
+    out = OrderedDict(weights)
+    out._metadata = OrderedDict((name, {"version": m._version}) for name, m in model.named_modules())
+    return out
+
+
+def load_model_weights(model: nn.Module, weights: dict, strict: bool = True):
+    """``model.load_state_dict(weights)`` with module versions (``versioned``): what every load of whole weights calls."""
+    return model.load_state_dict(versioned(weights, model), strict=strict)

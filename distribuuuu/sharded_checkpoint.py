@@ -38,6 +38,7 @@ from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadc
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line, os_error_in
 from distribuuuu.files import atomic_write, replace_dir, temporary_name
+from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.single_file import load_file, model_state_from, save_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class ModelShards(Stateful):
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, versioned(state_dict, self.model))
 
 
 class OptimizerShards(Stateful):
@@ -109,7 +110,7 @@ class EMAShards(Stateful):
         return self.ema.module.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.ema.module.load_state_dict(state_dict)
+        load_model_weights(self.ema.module, state_dict)
 
 
 def tensor_states(
@@ -326,7 +327,7 @@ def from_single_file(path: str, dcp_dir: str, model: nn.Module, optimizer: torch
     file numbers optimizer state by position, and only the optimizer knows each position's name.
     """
     state = load_file(path)
-    model.load_state_dict(model_state_from(state))
+    load_model_weights(model, model_state_from(state))
     if optimizer is not None and state.get("optimizer"):
         optimizer.load_state_dict(state["optimizer"])
     ema = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -98,4 +99,18 @@ def model_state_from(state: dict, kind: str = "model") -> dict:
         weights = state["state_dict"]
     else:
         weights = state
-    return {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in weights.items()}
+    return unwrapped(weights)
+
+
+_WRAPPER_PREFIX = re.compile(r"^(module\.|_orig_mod\.)+")
+_WRAPPER_MODULE = re.compile(r"^((module|_orig_mod)(\.|$))+")  # module paths: "module" is the wrapped model itself
+
+
+def unwrapped(weights: dict) -> dict:
+    """``weights`` without DDP's ``module.`` and torch.compile's ``_orig_mod.`` prefixes; the
+    module versions that ``state_dict()`` records (``_metadata``) keep up with the names."""
+    out = OrderedDict((_WRAPPER_PREFIX.sub("", k), v) for k, v in weights.items())
+    metadata = getattr(weights, "_metadata", None)
+    if metadata is not None:
+        out._metadata = OrderedDict((_WRAPPER_MODULE.sub("", k), v) for k, v in metadata.items())
+    return out

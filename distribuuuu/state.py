@@ -27,6 +27,7 @@ from distribuuuu.config import ConfigError, config_changes
 from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
 from distribuuuu.distributed import rank0_decides
 from distribuuuu.logger import get_logger
+from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.parallel import is_sharded
 from distribuuuu.run import Run
 
@@ -223,9 +224,9 @@ def check_weights_fit(own: dict, weights: dict, path: str, saved_arch: str | Non
 def load_full_weights(model: nn.Module, weights: dict, strict: bool = True):
     """Load full (unsharded) weights into ``model``; a sharded model takes its own slice of each tensor."""
     if not is_sharded(model):
-        return model.load_state_dict(weights, strict=strict)
+        return load_model_weights(model, weights, strict)
     options = StateDictOptions(full_state_dict=True, strict=strict)
-    return set_state_dict(model, [], model_state_dict=weights, optim_state_dict={}, options=options)
+    return set_state_dict(model, [], model_state_dict=versioned(weights, model), optim_state_dict={}, options=options)
 
 
 def warn_if_evaluated_otherwise(state: dict, cfg: CfgNode, path: str) -> None:

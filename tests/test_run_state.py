@@ -18,7 +18,7 @@ from distribuuuu import sharded_checkpoint as shards
 from distribuuuu import state
 from distribuuuu.config import load_cfg
 from distribuuuu.launch import DistEnv
-from distribuuuu.models import register_model
+from distribuuuu.models import build_model, register_model
 from distribuuuu.records import NullWriter
 
 
@@ -40,9 +40,9 @@ class Counter:
         self.count = state_dict["count"]
 
 
-def _run(out: Path, fmt: str, seed: int) -> run_setup.Run:
+def _run(out: Path, fmt: str, seed: int, arch: str = "run_state_cnn") -> run_setup.Run:
     torch.manual_seed(seed)
-    opts = ["MODEL.ARCH", "run_state_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.WORKERS", "0"]
+    opts = ["MODEL.ARCH", arch, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.WORKERS", "0"]
     opts += ["OPTIM.EMA_DECAY", "0.9", "DIST.CKPT_FORMAT", fmt, "OUT_DIR", str(out)]
     return run_setup.build_run(load_cfg(None, opts), DistEnv(), NullWriter())
 
@@ -73,6 +73,40 @@ def test_a_checkpoint_written_before_a_component_was_registered_still_resumes(tm
     resumed.registered_state["counter"] = Counter(5)
     state.resume_or_load_weights(resumed, path)
     assert resumed.registered_state["counter"].count == 5, "nothing saved: the component keeps its own"
+
+
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_model_that_reads_its_module_versions_on_load_resumes_loads_and_converts(tmp_path, fmt):
+    """torchvision's MNASNet refuses load_state_dict without the module versions that state_dict()
+    records (``_metadata``): resuming, MODEL.WEIGHTS (test_net, predict, export, fine-tuning) and
+    a conversion to the other format each load it, from the format that keeps them (a file) and
+    from the one that does not (DCP)."""
+    saved = _run(tmp_path, fmt, seed=0, arch="mnasnet0_5")
+    with torch.no_grad():  # EMA weights unlike the raw ones: each load below must pick its kind
+        for p in saved.ema.module.parameters():
+            p.add_(1.0)
+    path = state.save_training_checkpoint(saved)
+    resumed = _run(tmp_path / "resumed", fmt, seed=1, arch="mnasnet0_5")
+    state.resume_or_load_weights(resumed, path)
+    _assert_same_weights(resumed.model, saved.model)
+    _assert_same_weights(resumed.ema.module, saved.ema.module)
+
+    other = str(tmp_path / ("converted.dcp" if fmt == "file" else "converted.pth.tar"))
+    if fmt == "file":
+        shards.from_single_file(path, other, build_model(saved.cfg.MODEL), None)
+    else:
+        shards.to_single_file(path, other)
+    for source in (path, other):
+        for kind, expected in (("model", saved.model), ("ema", saved.ema.module)):
+            fresh = build_model(saved.cfg.MODEL)
+            state.load_weights(fresh, source, kind, arch="mnasnet0_5")
+            _assert_same_weights(fresh, expected)
+
+
+def _assert_same_weights(model: nn.Module, expected: nn.Module) -> None:
+    own = model.state_dict()
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(own[name], tensor), name
 
 
 # What evaluation, prediction, export and fine-tuning read of the best weights: no optimizer, RNG or position.
