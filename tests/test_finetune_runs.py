@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import REPO, assert_ok, python, read_metrics, run, torchrun
+from helpers import FAST_ARCH, REPO, assert_ok, python, read_metrics, run, torchrun
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
 
@@ -95,7 +95,7 @@ def test_a_2_process_run_records_its_extra_val_set_and_saves_an_exact_confusion_
     result = run(
         torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1",
                  "TRAIN.SAMPLER", "repeated", "TEST.EXTRA_DATASETS", f"['{extra}']", "TEST.CONFUSION", "True",
-                 "TEST.SAVE_PREDICTIONS", "True", *SMALL),
+                 "TEST.SAVE_PREDICTIONS", "True", "MODEL.ARCH", FAST_ARCH, *SMALL),
         timeout=600,
     )  # fmt: skip
     assert_ok(result)
