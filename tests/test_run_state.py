@@ -96,6 +96,15 @@ def test_a_model_that_reads_its_module_versions_on_load_resumes_loads_and_conver
         shards.from_single_file(path, other, build_model(saved.cfg.MODEL), None)
     else:
         shards.to_single_file(path, other)
+    # As a DDP model's state_dict() from elsewhere (the original Distribuuuu's checkpoints): every
+    # key and module version under "module.".
+    wrapper = nn.Module()
+    wrapper.module = saved.model
+    ddp_style = str(tmp_path / "ddp_style.pth")
+    torch.save({"state_dict": wrapper.state_dict()}, ddp_style)
+    fresh = build_model(saved.cfg.MODEL)
+    state.load_weights(fresh, ddp_style, arch="mnasnet0_5")
+    _assert_same_weights(fresh, saved.model)
     for source in (path, other):
         for kind, expected in (("model", saved.model), ("ema", saved.ema.module)):
             fresh = build_model(saved.cfg.MODEL)
