@@ -17,11 +17,27 @@ import warnings
 from pathlib import Path
 
 import pytest
-from helpers import EVAL_FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, read_metrics, run, serve_folder
+from helpers import (
+    EVAL_TINY,
+    FAULT,
+    REPO,
+    TEST,
+    TINY_ARCH,
+    TRAIN,
+    assert_ok,
+    in_process,
+    read_metrics,
+    register_tiny_model,
+    run,
+    serve_folder,
+)
 from helpers import torchrun as torchrun_cmd
 
 pytest.importorskip("wids")
 datasets = pytest.importorskip("datasets")
+# The tools read any model's checkpoints alike: the tiny registered CNN keeps each export at ~2 s
+# (the light torchvision model's took ~12 s); tests/test_export_and_tracking.py exports that one.
+register_tiny_model()
 
 TOOLS = REPO / "tools"
 PREDICT, EXPORT, CONVERT, SUMMARIZE = (
@@ -32,7 +48,7 @@ PER_CLASS = {"train": 6, "val": 4}  # 60 training and 40 val images: a few steps
 # One epoch at a high LR: weights that predict different classes for different images, and EMA
 # weights that differ from the raw ones, so that a wrong checkpoint or kind shows in the numbers.
 RUN_OPTS = [
-    *EVAL_FAST, "OPTIM.MAX_EPOCH", "1", "OPTIM.BASE_LR", "0.4", "OPTIM.EMA_DECAY", "0.5", "TRAIN.BATCH_SIZE", "8",
+    *EVAL_TINY, "OPTIM.MAX_EPOCH", "1", "OPTIM.BASE_LR", "0.4", "OPTIM.EMA_DECAY", "0.5", "TRAIN.BATCH_SIZE", "8",
     "TEST.BATCH_SIZE", "8", "TRAIN.WORKERS", "0", "TRAIN.PRINT_FREQ", "2",
 ]  # fmt: skip
 FORMS = ("folder", "packed", "http", "hf")
@@ -85,7 +101,7 @@ def runs(forms, tmp_path_factory) -> dict[str, Path]:
     """One 2-rank fsdp run (sharded checkpoints) and one single-process ddp run (files), with EMA."""
     out = tmp_path_factory.mktemp("runs")
     cmd = torchrun_cmd(
-        2, TRAIN, *RUN_OPTS, *data(forms["folder"]), "DIST.STRATEGY", "fsdp", "OUT_DIR", str(out / "fsdp")
+        2, FAULT, *RUN_OPTS, *data(forms["folder"]), "DIST.STRATEGY", "fsdp", "OUT_DIR", str(out / "fsdp")
     )
     assert_ok(run(cmd, timeout=300))
     assert_ok(in_process(TRAIN, *RUN_OPTS, *data(forms["folder"]), "OUT_DIR", str(out / "ddp")))
@@ -116,7 +132,7 @@ def validated(runs: dict[str, Path], name: str, kind: str) -> dict:
 
 def run_test_net(weights: str, kind: str, dataset: str, out_dir: Path) -> dict:
     """test_net.py in this process: its ``test`` record."""
-    result = in_process(TEST, *EVAL_FAST, "TEST.DATASET", dataset, "TEST.BATCH_SIZE", "8", "MODEL.WEIGHTS", weights,
+    result = in_process(TEST, *EVAL_TINY, "TEST.DATASET", dataset, "TEST.BATCH_SIZE", "8", "MODEL.WEIGHTS", weights,
                         "MODEL.WEIGHTS_KIND", kind, "OUT_DIR", str(out_dir))  # fmt: skip
     assert_ok(result)
     return read_metrics(out_dir)[-1]
@@ -305,4 +321,4 @@ def test_summarize_reports_each_runs_best_validation(runs, name):
     assert_ok(result)
     best = max((validated(runs, name, kind) for kind in KINDS), key=lambda r: r["top1"])
     assert f"best val top-1: {best['top1']:.2f}%" in result.stdout, result.stdout
-    assert FAST_ARCH in result.stdout
+    assert TINY_ARCH in result.stdout
