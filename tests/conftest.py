@@ -1,7 +1,6 @@
 """Shared fixtures; the repository is importable when the tests run from a checkout without ``pip install -e``."""
 
 import contextlib
-import functools
 import logging
 import os
 import sys
@@ -14,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # prints every thread's Python stack: what a rare failure in CI leaves to read.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
+import background  # noqa: E402
 import processes  # noqa: E402
 import zygote  # noqa: E402
 from processes import pytest_configure  # noqa: E402, F401  (a hook: tags the session's processes)
@@ -46,99 +46,44 @@ def plain_logging():
 
 
 # ------------------------------------------------------------------------------------------------
-# The accuracy runs (ACCURACY_RUN_STARTS; one today, digits_run): the tests that read them run last;
-# the runs start together at normal priority when the first test that mostly waits (marked
-# "waits": the fault tests, which sit out timeouts and restarts with the cores half idle) begins,
-# so that they fill those idle cores; or when the
-# first test that needs a run begins, if no waiting test was selected (DISTRIBUUUU_TEST_ACCURACY_RUNS
-# =last, the default); or with the session at idle CPU priority (=background). Measured on a 2-vCPU
-# AMD EPYC, full suite: "last" (then without the overlap) 30 min 27 s, "background" 31 min 56 s; the
-# background runs slowed the foreground tests 2-3x while they ran (docs/development.md).
+# Background jobs (tests/background.py): the hosts run first, the waiting tests and the jobs'
+# readers last; each job starts beside the first test of its marker.
 # ------------------------------------------------------------------------------------------------
 # A background job's rank may wait long for its peer while the foreground holds the CPU.
 PATIENT = ["DIST.TIMEOUT_S", "3600", "DIST.INIT_CHECK_TIMEOUT_S", "3600"]
-WAIT_S = 1200  # once a test waits for the run (about 200 s alone on the AMD machine)
-ACCURACY_RUNS = os.environ.get("DISTRIBUUUU_TEST_ACCURACY_RUNS", "last")
+BESIDE = ("hosts", "waits")
 
 
-@contextlib.contextmanager
-def _digits_run(tmp_path_factory, idle: bool):
-    from helpers import REPO, TRAIN, assert_ok, background, python, run, serve_folder, torchrun
-
-    root = tmp_path_factory.mktemp("digits_recipe_packed")
-    packed, out = root / "packed", root / "out"
-    assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
-    with serve_folder(packed) as url:
-        data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
-        recipe = ["--cfg", str(REPO / "config" / "digits_recipe.yaml")]
-        job = background(torchrun(2, TRAIN, *recipe, "OUT_DIR", str(out), *data, *PATIENT), idle=idle)
-        try:
-            yield lambda: (out, job.result(WAIT_S), data)
-        finally:
-            job.close()
-
-
-ACCURACY_RUN_STARTS = {"digits_run": _digits_run}
-
-
-def _waits(item) -> bool:
-    return item.get_closest_marker("waits") is not None
-
-
-def _reads_a_run(item) -> bool:
-    return not ACCURACY_RUN_STARTS.keys().isdisjoint(item.fixturenames)
+def _reads_a_job(item) -> bool:
+    return not background.JOBS.keys().isdisjoint(item.fixturenames)
 
 
 def pytest_collection_modifyitems(items):
-    """The tests of the accuracy runs go last (in their order), just after the waiting tests: the
-    runs start when the first waiting test does, else when the first test needs one."""
-    items.sort(key=lambda item: 2 if _reads_a_run(item) else 1 if _waits(item) else 0)
-
-
-class AccuracyRuns(dict):
-    """{name: a function that waits for the run and returns what it made}; ``start()`` starts every
-    run the session needs (once) without waiting."""
-
-    def __init__(self, waits: dict, start=lambda: None):
-        super().__init__(waits)
-        self.start = start
+    """Hosts first (the jobs beside them start with the session), then the rest, the waiting tests
+    (the accuracy run starts beside them) and the jobs' readers, in their order within each group."""
+    items.sort(key=lambda item: 3 if _reads_a_job(item) else 2 if item.get_closest_marker("waits") else
+               0 if item.get_closest_marker("hosts") else 1)  # fmt: skip
 
 
 @pytest.fixture(scope="session", autouse=True)
-def accuracy_runs(request, tmp_path_factory):
-    """Each accuracy run that a selected test needs (none in the quick tier), started as
-    ``ACCURACY_RUNS`` says."""
-    needed = sorted({name for item in request.session.items for name in item.fixturenames} & ACCURACY_RUN_STARTS.keys())
+def background_jobs(request, tmp_path_factory):
+    """The background jobs that the selected tests read (none in the quick tier)."""
+    needed = {name for item in request.session.items for name in item.fixturenames} & background.JOBS.keys()
     with contextlib.ExitStack() as stack:
-        if ACCURACY_RUNS == "background":
-            yield AccuracyRuns(
-                {name: stack.enter_context(ACCURACY_RUN_STARTS[name](tmp_path_factory, idle=True)) for name in needed}
-            )
-            return
-        started = {}  # "last": all of them at once, at normal priority
-
-        def start():
-            if not started:
-                started.update(
-                    {n: stack.enter_context(ACCURACY_RUN_STARTS[n](tmp_path_factory, idle=False)) for n in needed}
-                )
-
-        def wait(name):
-            start()
-            return started[name]()
-
-        yield AccuracyRuns({name: functools.partial(wait, name) for name in needed}, start)
+        jobs = background.Jobs(needed, tmp_path_factory, stack)
+        yield jobs
+        jobs.close()
 
 
 @pytest.fixture(autouse=True)
-def _accuracy_runs_beside_waiting_tests(request, accuracy_runs):
-    """A test marked "waits" starts the accuracy runs, to run beside it on the cores it leaves idle."""
-    if _waits(request.node):
-        accuracy_runs.start()
+def _jobs_beside_this_test(request, background_jobs):
+    for marker in BESIDE:
+        if request.node.get_closest_marker(marker):
+            background_jobs.start_beside(marker)
 
 
-@pytest.fixture(scope="session")
-def digits_run(accuracy_runs):
+@background.background_job(beside="waits")
+def digits_run(tmp_path_factory, stack):
     """config/digits_recipe.yaml (resnet18, 12 epochs, ddp) under torchrun with 2 processes,
     reading a packed copy of data/digits (made by tools/pack_dataset.py) from a real HTTP server
     on 127.0.0.1, up for the session.
@@ -149,7 +94,15 @@ def digits_run(accuracy_runs):
     trains ddp's weights (tests/test_fsdp.py, tests/test_resume_world_size.py). Returns (OUT_DIR,
     the finished process, the data keys).
     """
-    return accuracy_runs["digits_run"]()
+    from helpers import REPO, TRAIN, assert_ok, python, run, serve_folder, torchrun
+
+    root = tmp_path_factory.mktemp("digits_recipe_packed")
+    packed, out = root / "packed", root / "out"
+    assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
+    url = stack.enter_context(serve_folder(packed))
+    data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
+    recipe = ["--cfg", str(REPO / "config" / "digits_recipe.yaml")]
+    return out, run(torchrun(2, TRAIN, *recipe, "OUT_DIR", str(out), *data, *PATIENT), timeout=background.WAIT_S), data
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -49,11 +49,25 @@ DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def environment_of_this_thread(environ: dict[str, str]) -> Iterator[None]:
+    """``clean_env`` in this thread starts from ``environ``, not from ``os.environ``: for a thread
+    that launches while the main thread runs a tool in process (``in_process`` swaps os.environ)."""
+    _THREAD.environ = environ
+    try:
+        yield
+    finally:
+        del _THREAD.environ
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """The current environment without launcher variables, one thread, the repo importable."""
     env = {
         k: v
-        for k, v in os.environ.items()
+        for k, v in getattr(_THREAD, "environ", os.environ).items()
         if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_"))
     }
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -296,7 +310,7 @@ def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: floa
     """Two torchrun agents acting as two nodes on this host (c10d rendezvous on 127.0.0.1), each
     with ``nproc`` processes and its own arguments; both run at once: their finished processes.
     c10d hands out node ranks in order of arrival, so either agent may hold global rank 0."""
-    endpoint = f"127.0.0.1:{find_free_port()}"
+    endpoint, env = f"127.0.0.1:{find_free_port()}", clean_env()  # this thread's environment
     results: dict = {}
 
     def node(rank: int) -> None:
@@ -305,7 +319,7 @@ def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: floa
             f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
             *zygote.torchrun_options(), *zygote.torchrun_worker(script), *node_args[rank],
         ]  # fmt: skip
-        results[rank] = run(cmd, timeout=timeout)
+        results[rank] = run(cmd, timeout=timeout, env=env)
 
     threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
     for t in threads:

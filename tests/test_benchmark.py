@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from background import background_job
 from helpers import REPO, assert_ok, python, run
 
 BENCH = str(REPO / "tools" / "benchmark.py")
@@ -116,11 +117,17 @@ def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
     assert "unknown config key TRAIN.NO_SUCH_KEY" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_memory_table_shows_fsdp_holding_half_of_ddps_state_per_rank_on_2_ranks():
-    # One torchrun job per strategy (ddp, ddp+ZeRO-1, fsdp), as docs/scale-out.md's table was made.
+@background_job(beside="hosts")
+def memory_table(tmp_path_factory, stack):
+    """One torchrun job per strategy (ddp, ddp+ZeRO-1, fsdp), as docs/scale-out.md's table was made:
+    it counts bytes, so it runs in the background (tests/background.py) with no loss."""
     args = ["--memory-table", "2", "--steps", "1", "--repeats", "1", "--warmup", "1", "--archs", "resnet18", *TINY]
-    result = run(python(BENCH, *args), timeout=400)
+    return run(python(BENCH, *args), timeout=400)
+
+
+@pytest.mark.slow
+def test_memory_table_shows_fsdp_holding_half_of_ddps_state_per_rank_on_2_ranks(memory_table):
+    result = memory_table
     assert_ok(result)
     rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| resnet18")]
     mib = {r[2].strip(): [float(c.split()[0]) for c in r[3:7]] for r in rows}  # params, grads, optimizer, sum

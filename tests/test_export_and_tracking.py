@@ -46,6 +46,9 @@ from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
 from distribuuuu.records import CURVES, MetricsWriter
 
+# In-process tools on one thread: the background jobs start beside this file (tests/background.py).
+pytestmark = pytest.mark.hosts
+
 EXPORT = str(REPO / "tools" / "export.py")
 SUMMARIZE = str(REPO / "tools" / "summarize.py")
 VAL = REPO / "data" / "digits" / "val"

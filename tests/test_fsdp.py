@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 import torchvision
+from background import background_job
+from helpers import REPO, assert_ok, clean_env, run, torchrun
 from torch import nn
 
 from distribuuuu.checkpoint import load_checkpoint
@@ -15,7 +17,6 @@ from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.models import enable_grad_checkpointing, find_blocks, named_blocks
 from distribuuuu.optim import layer_ids
 from distribuuuu.parallel import build_mesh, mixed_precision_policy
-from tests.helpers import REPO, assert_ok, clean_env, run, torchrun
 
 JOB = str(REPO / "tests" / "scripts" / "fsdp_job.py")
 
@@ -154,14 +155,23 @@ def test_combinations_fsdp_cannot_run_are_one_config_error_naming_the_keys(opts,
     load_cfg(None, opts[:2] if len(opts) > 2 else [])  # each key alone is valid
 
 
-@pytest.mark.slow
-def test_compile_and_channels_last_under_fsdp_train_a_checkpoint_the_plain_model_loads(tmp_path):
+@background_job(beside="hosts")
+def compiled_fsdp_run(tmp_path_factory, stack):
+    """The run of the test below, in the background (tests/background.py): (its OUT_DIR, the process)."""
+    tmp_path = tmp_path_factory.mktemp("compiled_fsdp")
     opts = ["TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1"]
     opts += ["DIST.STRATEGY", "fsdp", "TRAIN.COMPILE", "True", "TRAIN.CHANNELS_LAST", "True"]
     # One eval batch per rank: under fsdp the blocks compile with static shapes, so each batch size
     # compiles every block again (77 s -> 61 s here, cold Inductor cache).
     opts += ["TEST.BATCH_SIZE", "256"]
-    result = run(torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(tmp_path), *opts), timeout=600)
+    return tmp_path, run(
+        torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(tmp_path), *opts), timeout=600
+    )
+
+
+@pytest.mark.slow
+def test_compile_and_channels_last_under_fsdp_train_a_checkpoint_the_plain_model_loads(compiled_fsdp_run):
+    tmp_path, result = compiled_fsdp_run
     assert_ok(result)
     assert "TRAIN.COMPILE under fsdp: 8 block(s) compiled" in result.stdout  # resnet18's BasicBlocks
     assert "channels_last inputs, contiguous weights" in result.stdout + result.stderr

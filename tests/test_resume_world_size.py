@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from background import background_job
 from helpers import REPO, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -64,8 +65,9 @@ def _chain(root: Path, strategy: str) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def chains(tmp_path_factory) -> dict[str, Path]:
+@background_job(beside="hosts")
+def chains(tmp_path_factory, stack) -> dict[str, Path]:
+    """Both strategies' chains, in the background (tests/background.py): the tests read their records."""
     return {s: _chain(tmp_path_factory.mktemp(s), s) for s in ("ddp", "fsdp")}
 
 
@@ -156,14 +158,22 @@ def test_ddp_and_fsdp_chains_end_on_the_same_weights(chains):
         assert fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-4), fsdp["weights"]
 
 
-@pytest.mark.slow
-def test_hsdp_on_two_nodes_of_2_ranks_trains_the_weights_of_ddp_on_4_ranks(tmp_path):
-    """hsdp through the trainer: a (2 nodes x 2 ranks) mesh, sharded within a node, replicated across."""
+@background_job(beside="hosts")
+def hsdp_and_ddp(tmp_path_factory, stack) -> Path:
+    """An hsdp job as two nodes of 2 ranks and a ddp job of 4 ranks, one epoch each; their OUT_DIRs' root."""
+    root = tmp_path_factory.mktemp("hsdp_and_ddp")
     opts = [*CHAIN, "TRAIN.CKPT_PERIOD_ITERS", "4"]
-    hsdp_opts = ["OUT_DIR", str(tmp_path / "hsdp"), *opts, "DIST.STRATEGY", "hsdp"]  # one OUT_DIR: a shared disk
+    hsdp_opts = ["OUT_DIR", str(root / "hsdp"), *opts, "DIST.STRATEGY", "hsdp"]  # one OUT_DIR: a shared disk
     for result in two_nodes(2, FAULT, [hsdp_opts, hsdp_opts]):
         assert_ok(result)
-    assert_ok(run(torchrun(4, FAULT, "OUT_DIR", str(tmp_path / "ddp"), *opts), timeout=400))
+    assert_ok(run(torchrun(4, FAULT, "OUT_DIR", str(root / "ddp"), *opts), timeout=400))
+    return root
+
+
+@pytest.mark.slow
+def test_hsdp_on_two_nodes_of_2_ranks_trains_the_weights_of_ddp_on_4_ranks(hsdp_and_ddp):
+    """hsdp through the trainer: a (2 nodes x 2 ranks) mesh, sharded within a node, replicated across."""
+    tmp_path = hsdp_and_ddp
     assert "DIST.STRATEGY hsdp: mesh (2, 2)" in (tmp_path / "hsdp" / "log.txt").read_text()
     hsdp = ckpt.load_checkpoint(str(tmp_path / "hsdp" / "checkpoints" / "ckpt_ep_001.dcp"))
     ddp = ckpt.load_checkpoint(str(tmp_path / "ddp" / "checkpoints" / ckpt.checkpoint_name(1)))

@@ -24,6 +24,7 @@ from stat import S_ISREG
 
 import pytest
 import torch
+from background import background_job
 from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, serving, torchrun, two_nodes
 from test_sampler_resume import window_stretches
 
@@ -292,14 +293,13 @@ def test_local_dataset_is_read_in_place_whatever_the_limit(packed, tmp_path):
     assert links and all(p.is_symlink() for p in links)
 
 
-@pytest.mark.slow
-def test_two_nodes_download_one_copy_an_epoch_each_within_the_limit_and_train_as_from_disk(packed, tmp_path):
-    """Two torchrun agents as two nodes of 2 ranks and 2 workers each, each node with its own
-    cache folder, read one flaky HTTP server (every fifth response cut half-way, a 503 now and
-    then): each node downloads every shard once or twice in 2 epochs (one copy of the split an
-    epoch, not one per rank or worker; a cut download resumes with a Range request, so the bytes
-    stay one copy), its cache stays within the limit, and the metrics of 2 epochs equal a
-    4-process run reading the shards from disk."""
+@background_job(beside="hosts")
+def two_node_runs(tmp_path_factory, stack):
+    """The runs of the test below, in the background (tests/background.py): (the packed folder, the
+    cache limit, the disk run, the two nodes' runs, the server, the peak sizes, the OUT_DIRs' root)."""
+    tmp_path = tmp_path_factory.mktemp("two_nodes")
+    packed = tmp_path / "digits"
+    assert_ok(run(python(PACK, str(DIGITS), str(packed), "--shard-size", str(SHARD_SIZE)), timeout=120))
     sizes = shard_sizes(packed)
     # The least the cache accepts: (2 workers x prefetch 1 + 2) x 16 x 4 ranks = 256 positions in
     # flight touch at most 1 + ceil(256 / 112) = 4 windows of 2 shards (the last shard holds 56).
@@ -315,6 +315,19 @@ def test_two_nodes_download_one_copy_an_epoch_each_within_the_limit_and_train_as
             for k in (0, 1)
         ]
         results = two_nodes(2, TRAIN, nodes, timeout=300)
+    return packed, limit, disk_run, results, server, peak, tmp_path
+
+
+@pytest.mark.slow
+def test_two_nodes_download_one_copy_an_epoch_each_within_the_limit_and_train_as_from_disk(two_node_runs):
+    """Two torchrun agents as two nodes of 2 ranks and 2 workers each, each node with its own
+    cache folder, read one flaky HTTP server (every fifth response cut half-way, a 503 now and
+    then): each node downloads every shard once or twice in 2 epochs (one copy of the split an
+    epoch, not one per rank or worker; a cut download resumes with a Range request, so the bytes
+    stay one copy), its cache stays within the limit, and the metrics of 2 epochs equal a
+    4-process run reading the shards from disk."""
+    packed, limit, disk_run, results, server, peak, tmp_path = two_node_runs
+    sizes = shard_sizes(packed)
     for result in (disk_run, *results):
         assert_ok(result)
     assert server.faults["cut"] > 0 and server.faults["503"] > 0, f"the server misbehaved: {server.faults}"

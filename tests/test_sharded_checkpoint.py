@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from helpers import REPO, assert_ok, clean_env, run, torchrun
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from distribuuuu.checkpoint import CheckpointError, load_checkpoint
@@ -22,7 +23,6 @@ from distribuuuu.sharded_checkpoint import (
     to_single_file,
     verify_sharded,
 )
-from tests.helpers import REPO, assert_ok, clean_env, run, torchrun
 from tests.scripts.fsdp_job import TinyResNet
 
 JOB = str(REPO / "tests" / "scripts" / "dcp_job.py")
@@ -150,11 +150,12 @@ def test_saved_by_2_fsdp_ranks_loads_into_3_and_into_1_identically(tmp_path):
 @pytest.mark.slow
 def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp_path):
     """tools/convert_checkpoint.py on a file shaped like train_net.py's (cfg inside): file -> dcp -> file."""
+    from helpers import in_process
+
     from distribuuuu.checkpoint import save_checkpoint
     from distribuuuu.config import get_cfg_defaults
     from distribuuuu.models import build_model
     from distribuuuu.optim import build_optimizer
-    from tests.helpers import in_process
 
     cfg = get_cfg_defaults()
     cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES = "resnet18", 10

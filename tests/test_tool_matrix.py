@@ -39,6 +39,9 @@ datasets = pytest.importorskip("datasets")
 # (the light torchvision model's took ~12 s); tests/test_export_and_tracking.py exports that one.
 register_tiny_model()
 
+# In-process tools on one thread: the background jobs start beside this file (tests/background.py).
+pytestmark = pytest.mark.hosts
+
 TOOLS = REPO / "tools"
 PREDICT, EXPORT, CONVERT, SUMMARIZE = (
     str(TOOLS / f"{n}.py") for n in ("predict", "export", "convert_checkpoint", "summarize")
