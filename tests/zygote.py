@@ -193,9 +193,19 @@ def _worker_client(argv: list[str]) -> None:
     launch = Launch(cmd, dict(os.environ), os.getcwd(), (0, 1, 2)) if os.environ.get(ADDRESS_VAR) else None
     if launch is None or not launch.pid:
         os.execv(sys.executable, cmd)
+
+    def forward(signum: int, _frame) -> None:
+        with contextlib.suppress(ProcessLookupError):  # the worker ended meanwhile
+            os.kill(launch.pid, signum)
+
     for sig in _FORWARDED:
-        signal.signal(sig, lambda signum, _frame: os.kill(launch.pid, signum))
+        signal.signal(sig, forward)
     code = launch.wait()
+    # The worker has ended: a later signal (torchrun's SIGTERM to the workers it thinks still run,
+    # once another exited) must not end this client with another status than the worker's. SIG_IGN:
+    # the interpreter's finalisation resets Python handlers to the default action, not SIG_IGN.
+    for sig in _FORWARDED:
+        signal.signal(sig, signal.SIG_IGN)
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
