@@ -190,20 +190,6 @@ def _captured_fds() -> Iterator[tuple[_Captured, _Captured]]:
             c.file.close()
 
 
-def background(cmd: list[str], env: dict | None = None, idle: bool = True) -> Started:
-    """Start ``cmd`` now, to be waited for later (``result``): a long run (an accuracy run) that
-    goes on while this process does other work.
-
-    ``idle``: at idle CPU priority, Linux's ``SCHED_IDLE``: the job gets a core only when nothing
-    else wants it (a weight of 3 against a normal process's 1024); its processes inherit it (forked
-    by the zygote: set again in each child). The foreground keeps priority but still runs slower
-    while the job shares the machine (caches, the host's cores; 2-3x slower on a 2-vCPU AMD EPYC).
-    A rank may wait long for its peer while the foreground is busy: give such a job generous
-    timeouts.
-    """
-    return Started(cmd, env, idle=idle)
-
-
 class Started:
     """``cmd`` started in a session of its own (forked by the zygote unless ``fresh``, see ``run``),
     its output kept in temporary files (``stdout``: a file descriptor to write to instead, a terminal
@@ -213,14 +199,12 @@ class Started:
     its tag (tests/processes.py) and dies with it. A forked launch leads a session the kill takes
     whole, and the zygote kills a forked torchrun worker when its (tagged) client dies."""
 
-    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, idle=False, fresh=False, stdout=None):
+    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, fresh=False, stdout=None):
         self.tag = processes.new_launch_tag()
         env = {**(env or clean_env()), processes.LAUNCH_VAR: self.tag}
         server = zygote.address()
         if server:
             env[zygote.ADDRESS_VAR] = server  # torchrun's workers reach the server too
-        if idle:
-            env[zygote.IDLE_VAR] = "1"
         self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
         self._result: subprocess.CompletedProcess | None = None
         self._launch, self._code = None, None
@@ -234,7 +218,7 @@ class Started:
         else:
             self._proc = subprocess.Popen(
                 cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=self._files[1],
-                start_new_session=True, preexec_fn=zygote.become_idle if idle else None,
+                start_new_session=True,
             )  # fmt: skip
             self.pid = self._proc.pid
 

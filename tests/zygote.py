@@ -60,7 +60,6 @@ PRELOAD = [
 ]
 ENABLED = os.environ.get("DISTRIBUUUU_TEST_FORK", "1") != "0"
 ADDRESS_VAR = "DISTRIBUUUU_ZYGOTE"
-IDLE_VAR = "DISTRIBUUUU_TEST_IDLE"  # set: the child runs at idle CPU priority (helpers.background)
 # Read once at start-up by the interpreter, torch or the OpenMP/MKL runtimes: a launch whose value
 # differs from the server's is started fresh. (OMP_NUM_THREADS is set in the child; the torchrun
 # agent's TORCHELASTIC_* and TORCH_NCCL_* variables are read when used, not on import.)
@@ -169,11 +168,6 @@ class Launch:
             return None
         self.sock.close()
         return os.waitstatus_to_exitcode(status)
-
-
-def become_idle() -> None:
-    """Run at idle CPU priority (SCHED_IDLE): only on a core that nothing else wants."""
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -392,8 +386,6 @@ def _become(args: list[str], env: dict[str, str], cwd: str, path: list[str]) -> 
     handlers = {signal.SIGINT: signal.default_int_handler, signal.SIGPIPE: signal.SIG_IGN}  # as Python sets
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
         signal.signal(sig, handlers.get(sig, signal.SIG_DFL))
-    if env.get(IDLE_VAR):
-        become_idle()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
