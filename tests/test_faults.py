@@ -24,14 +24,13 @@ from pathlib import Path
 import pytest
 import torch
 import zygote
-from helpers import FAST, REPO, assert_ok, clean_env, python, read_metrics, run, torchrun
+from helpers import FAST, FAULT, REPO, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, trainer
 from distribuuuu.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
 from distribuuuu.launch import find_free_port
 
-FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
 DIGITS = str(REPO / "data" / "digits")
 # Mixup draws from the global RNG and EMA has its own state: an exact resume must restore both.
 TINY = [

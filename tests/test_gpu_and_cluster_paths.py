@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
+from helpers import FAST, FAULT, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
 from torch import nn
 
 from distribuuuu import checkpoint as ckpt
@@ -29,7 +29,6 @@ from distribuuuu.launch import DistEnv, LaunchError, detect_env, find_free_port,
 from distribuuuu.models import register_model
 from distribuuuu.records import NullWriter
 
-FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
 DIGITS = str(REPO / "data" / "digits")
 TINY = [
     "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.DATASET", DIGITS,

@@ -20,6 +20,7 @@ import pytest
 import torch
 from helpers import (
     FAST,
+    FAULT,
     REPO,
     TRAIN,
     assert_ok,
@@ -46,7 +47,6 @@ from distribuuuu.launch import DistEnv, find_free_port
 pytest.importorskip("wids")
 DIGITS = REPO / "data" / "digits"
 PACK = str(REPO / "tools" / "pack_dataset.py")
-FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
 SHARD_SIZE = 300
 TINY = ["MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.PRINT_FREQ", "5"]
 

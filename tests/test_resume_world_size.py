@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from background import background_job
-from helpers import REPO, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
+from helpers import FAULT, REPO, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -34,7 +34,6 @@ from distribuuuu.models import register_model
 from distribuuuu.optim import lr_at
 from distribuuuu.records import NullWriter
 
-FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
 DIGITS = REPO / "data" / "digits"
 BATCH, ACCUM = 16, 2
 CHAIN = [
