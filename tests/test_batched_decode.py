@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import FAST_ARCH, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
+from helpers import FAULT, REPO, TINY_ARCH, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
 from PIL import Image
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
@@ -122,14 +122,15 @@ def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree):
 
 @pytest.mark.slow
 def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_path):
-    """Training and evaluation through train_net.py: the same metrics and checkpointed weights."""
+    """Training and evaluation through train_net.py's entry point (with the tiny model): the same
+    metrics and checkpointed weights."""
 
     def train(decoder: str, workers: int):
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
         args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
-        args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", FAST_ARCH]  # a small model will do
-        assert_ok(run(python(TRAIN, *args), timeout=300, env=clean_env()))
+        args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", TINY_ARCH]  # any model will do
+        assert_ok(run(python(FAULT, *args), timeout=300, env=clean_env()))
         weights = [
             model_state_from(load_checkpoint(str(out / "checkpoints" / f"ckpt_ep_00{e}.pth.tar"))) for e in (1, 2)
         ]

@@ -19,10 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
-    FAST,
     FAULT,
     REPO,
-    TRAIN,
     assert_ok,
     clean_env,
     in_process,
@@ -348,7 +346,7 @@ def test_two_processes_read_the_shards_over_http_exactly_as_from_disk(packed, ht
     metrics = {}
     for name, root in (("disk", str(packed)), ("http", http_url)):
         data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
-        cmd = torchrun(2, TRAIN, "OUT_DIR", str(tmp_path / name), *FAST, "OPTIM.MAX_EPOCH", "1", *data)
+        cmd = torchrun(2, FAULT, "OUT_DIR", str(tmp_path / name), *TINY, "OPTIM.MAX_EPOCH", "1", *data)
         assert_ok(run(cmd, timeout=400, env=clean_env()))
         metrics[name] = [_without_timings(r) for r in read_metrics(tmp_path / name)]
     assert metrics["http"] == metrics["disk"] and len(metrics["disk"]) == 2
