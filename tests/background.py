@@ -1,29 +1,31 @@
-"""Background jobs: long multi-process runs that the session starts early and its tests only read.
+"""Background jobs: long multi-process runs that the session starts at once and its tests only read.
 
 A job is a function of the session's ``tmp_path_factory`` and an ``ExitStack`` that stays open
 until the session ends (for what must outlive the job, an HTTP server its readers use), registered
-with ``@background_job(beside=MARKER)``; the decorator returns a session fixture of the job's name
-that waits for the job's result (raising its error). Each job starts when the first test marked
-``MARKER`` begins, beside the tests that leave a core idle:
+with ``@background_job``; the decorator returns a session fixture of the job's name that waits for
+the job's result (raising its error).
 
-- ``waits``: the fault tests, which sit out timeouts, restarts and signals;
-- ``hosts``: the in-process files (tools run in the test process, one thread: one core of two).
-
-The jobs of one marker run one after another in a thread of this process (a job's launches are
-processes; the thread only waits for them), so that a host has one job beside it, not all of them
-at once. A test that needs a job whose marker no selected test carries starts it itself.
-``tests/conftest.py`` orders the session: the hosts first, the waiting tests and the jobs' readers last.
+The session's needed jobs run one after another in one thread of this process (a job's launches
+are processes; the thread only waits for them), from the session's start: one job at a time beside
+the foreground tests, never several. ``tests/conftest.py`` orders the session so that the jobs
+have beside them the tests that leave a core idle: the in-process files first (marked ``hosts``:
+tools run in the test process, one thread), then the fault tests (``waits``: they sit out
+timeouts, restarts and signals), then the rest, and the jobs' readers last. The jobs run in
+registration (import) order, the accuracy run (the longest) ``last``: the others run beside the
+in-process files, the accuracy run beside the fault tests and the first of the rest.
 
 Measured on a 2-vCPU AMD EPYC (docs/development.md): a 2-process job beside a single-threaded file
 fills the idle core (the tool matrix and the recipe run: 238 s together against 312 s one after
-the other); at idle CPU priority instead (``SCHED_IDLE``, a job for the whole session) the
-foreground ran 2-3x slower and the suite took longer.
+the other; the fault tests and the recipe run: 368 s against 491 s); at idle CPU priority instead
+(``SCHED_IDLE``) the foreground ran 2-3x slower and the suite took longer. The accuracy run first
+in the queue, beside the in-process files and then the fault tests, made the suite slower (25 min
+33 s against 22 min 07 s with it last, the same machine and evening).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import os
 import threading
 from typing import Any, Callable
@@ -35,59 +37,54 @@ from helpers import environment_of_this_thread
 WAIT_S = 1200  # the longest a reader waits for its job (the accuracy run: about 200 s alone here)
 
 
-@dataclasses.dataclass
-class Job:
-    make: Callable[[pytest.TempPathFactory, contextlib.ExitStack], Any]
-    beside: str
+Make = Callable[[pytest.TempPathFactory, contextlib.ExitStack], Any]
+JOBS: dict[str, Make] = {}
+LAST: set[str] = set()
 
 
-JOBS: dict[str, Job] = {}
-
-
-def background_job(beside: str) -> Callable:
-    """Register ``make(tmp_path_factory, stack)`` as a job started beside the tests marked ``beside``;
+def background_job(make: Make | None = None, *, last: bool = False) -> Callable:
+    """Register ``make(tmp_path_factory, stack)`` as a background job (``last``: after the others);
     return a session fixture, named as the function, that waits for what it returns."""
+    if make is None:
+        return functools.partial(background_job, last=last)
+    JOBS[make.__name__] = make
+    if last:
+        LAST.add(make.__name__)
 
-    def wrap(make: Callable) -> Callable:
-        JOBS[make.__name__] = Job(make, beside)
+    @pytest.fixture(scope="session", name=make.__name__)
+    def wait_for_job(background_jobs: Jobs) -> Any:
+        return background_jobs.result(make.__name__)
 
-        @pytest.fixture(scope="session", name=make.__name__)
-        def wait_for_job(background_jobs: Jobs) -> Any:
-            return background_jobs.result(make.__name__)
-
-        wait_for_job.__doc__ = make.__doc__
-        return wait_for_job
-
-    return wrap
+    wait_for_job.__doc__ = make.__doc__
+    return wait_for_job
 
 
 class Jobs:
-    """The session's needed jobs: ``start_beside(marker)`` starts that marker's (once),
-    ``result(name)`` waits for one."""
+    """The session's needed jobs: ``start()`` starts their thread (once), ``result(name)`` waits for one."""
 
     def __init__(self, needed: set[str], tmp_path_factory: pytest.TempPathFactory, stack: contextlib.ExitStack):
-        self._needed = [name for name in JOBS if name in needed]  # in registration (import) order
+        # In registration (import) order, those registered ``last`` after the others.
+        self._needed = sorted((name for name in JOBS if name in needed), key=lambda name: name in LAST)
         self._factory, self._stack = tmp_path_factory, stack
         self._done = {name: threading.Event() for name in self._needed}
         self._results: dict[str, tuple[bool, Any]] = {}
-        self._started: set[str] = set()
+        self._started = False
         self._closing = threading.Event()
         self._lock = threading.Lock()
 
-    def start_beside(self, marker: str) -> None:
+    def start(self) -> None:
+        """Start the jobs' thread, unless started or none is needed. Call it from the main thread."""
         with self._lock:
-            if marker in self._started:
+            if self._started or not self._needed:
                 return
-            self._started.add(marker)
-        names = [name for name in self._needed if JOBS[name].beside == marker]
-        if names:
-            zygote.address()  # the fork server, if not up yet, starts with this (main) thread's environment
-            # The environment now, in the main thread: an in-process tool run swaps os.environ while it runs.
-            args = (names, dict(os.environ))
-            threading.Thread(target=self._run, args=args, name=f"jobs beside {marker}", daemon=True).start()
+            self._started = True
+        zygote.address()  # the fork server, if not up yet, starts with this (main) thread's environment
+        # The environment now, in the main thread: an in-process tool run swaps os.environ while it runs.
+        args = (self._needed, dict(os.environ))
+        threading.Thread(target=self._run, args=args, name="background jobs", daemon=True).start()
 
     def result(self, name: str) -> Any:
-        self.start_beside(JOBS[name].beside)
+        self.start()
         if not self._done[name].wait(WAIT_S):
             raise AssertionError(f"the background job {name} did not finish in {WAIT_S}s")
         ok, value = self._results[name]
@@ -105,7 +102,7 @@ class Jobs:
                 try:
                     if self._closing.is_set():
                         raise AssertionError(f"the background job {name} did not start: the session ended")
-                    self._results[name] = (True, JOBS[name].make(self._factory, self._stack))
+                    self._results[name] = (True, JOBS[name](self._factory, self._stack))
                 except BaseException as e:  # the reader's test fails with it
                     self._results[name] = (False, e)
                 self._done[name].set()

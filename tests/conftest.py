@@ -46,12 +46,12 @@ def plain_logging():
 
 
 # ------------------------------------------------------------------------------------------------
-# Background jobs (tests/background.py): the hosts run first, the waiting tests and the jobs'
-# readers last; each job starts beside the first test of its marker.
+# Background jobs (tests/background.py): they run one after another from the session's start, the
+# accuracy run last. Beside them run the tests that leave a core idle: the in-process files, the
+# waiting (fault) tests, then the rest; the jobs' readers run last.
 # ------------------------------------------------------------------------------------------------
 # A background job's rank may wait long for its peer while the foreground holds the CPU.
 PATIENT = ["DIST.TIMEOUT_S", "3600", "DIST.INIT_CHECK_TIMEOUT_S", "3600"]
-BESIDE = ("hosts", "waits")
 
 
 def _reads_a_job(item) -> bool:
@@ -59,30 +59,23 @@ def _reads_a_job(item) -> bool:
 
 
 def pytest_collection_modifyitems(items):
-    """Hosts first (the jobs beside them start with the session), then the rest, the waiting tests
-    (the accuracy run starts beside them) and the jobs' readers, in their order within each group."""
-    items.sort(key=lambda item: 3 if _reads_a_job(item) else 2 if item.get_closest_marker("waits") else
-               0 if item.get_closest_marker("hosts") else 1)  # fmt: skip
+    """Hosts first, then the waiting tests, the rest and the jobs' readers, in their order within each group."""
+    items.sort(key=lambda item: 3 if _reads_a_job(item) else 0 if item.get_closest_marker("hosts") else
+               1 if item.get_closest_marker("waits") else 2)  # fmt: skip
 
 
 @pytest.fixture(scope="session", autouse=True)
 def background_jobs(request, tmp_path_factory):
-    """The background jobs that the selected tests read (none in the quick tier)."""
+    """The background jobs that the selected tests read (none in the quick tier), started at once."""
     needed = {name for item in request.session.items for name in item.fixturenames} & background.JOBS.keys()
     with contextlib.ExitStack() as stack:
         jobs = background.Jobs(needed, tmp_path_factory, stack)
+        jobs.start()
         yield jobs
         jobs.close()
 
 
-@pytest.fixture(autouse=True)
-def _jobs_beside_this_test(request, background_jobs):
-    for marker in BESIDE:
-        if request.node.get_closest_marker(marker):
-            background_jobs.start_beside(marker)
-
-
-@background.background_job(beside="waits")
+@background.background_job(last=True)
 def digits_run(tmp_path_factory, stack):
     """config/digits_recipe.yaml (resnet18, 12 epochs, ddp) under torchrun with 2 processes,
     reading a packed copy of data/digits (made by tools/pack_dataset.py) from a real HTTP server

@@ -117,7 +117,7 @@ def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
     assert "unknown config key TRAIN.NO_SUCH_KEY" in capsys.readouterr().err
 
 
-@background_job(beside="hosts")
+@background_job
 def memory_table(tmp_path_factory, stack):
     """One torchrun job per strategy (ddp, ddp+ZeRO-1, fsdp), as docs/scale-out.md's table was made:
     it counts bytes, so it runs in the background (tests/background.py) with no loss."""

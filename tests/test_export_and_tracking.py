@@ -46,7 +46,7 @@ from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
 from distribuuuu.records import CURVES, MetricsWriter
 
-# In-process tools on one thread: the background jobs start beside this file (tests/background.py).
+# In-process tools on one thread: it runs first, beside the background jobs (tests/background.py).
 pytestmark = pytest.mark.hosts
 
 EXPORT = str(REPO / "tools" / "export.py")

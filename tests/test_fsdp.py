@@ -155,7 +155,7 @@ def test_combinations_fsdp_cannot_run_are_one_config_error_naming_the_keys(opts,
     load_cfg(None, opts[:2] if len(opts) > 2 else [])  # each key alone is valid
 
 
-@background_job(beside="hosts")
+@background_job
 def compiled_fsdp_run(tmp_path_factory, stack):
     """The run of the test below, in the background (tests/background.py): (its OUT_DIR, the process)."""
     tmp_path = tmp_path_factory.mktemp("compiled_fsdp")

@@ -64,7 +64,7 @@ def _chain(root: Path, strategy: str) -> Path:
     return root
 
 
-@background_job(beside="hosts")
+@background_job
 def chains(tmp_path_factory, stack) -> dict[str, Path]:
     """Both strategies' chains, in the background (tests/background.py): the tests read their records."""
     return {s: _chain(tmp_path_factory.mktemp(s), s) for s in ("ddp", "fsdp")}
@@ -157,7 +157,7 @@ def test_ddp_and_fsdp_chains_end_on_the_same_weights(chains):
         assert fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-4), fsdp["weights"]
 
 
-@background_job(beside="hosts")
+@background_job
 def hsdp_and_ddp(tmp_path_factory, stack) -> Path:
     """An hsdp job as two nodes of 2 ranks and a ddp job of 4 ranks, one epoch each; their OUT_DIRs' root."""
     root = tmp_path_factory.mktemp("hsdp_and_ddp")

@@ -293,7 +293,7 @@ def test_local_dataset_is_read_in_place_whatever_the_limit(packed, tmp_path):
     assert links and all(p.is_symlink() for p in links)
 
 
-@background_job(beside="hosts")
+@background_job
 def two_node_runs(tmp_path_factory, stack):
     """The runs of the test below, in the background (tests/background.py): (the packed folder, the
     cache limit, the disk run, the two nodes' runs, the server, the peak sizes, the OUT_DIRs' root)."""

@@ -39,7 +39,7 @@ datasets = pytest.importorskip("datasets")
 # (the light torchvision model's took ~12 s); tests/test_export_and_tracking.py exports that one.
 register_tiny_model()
 
-# In-process tools on one thread: the background jobs start beside this file (tests/background.py).
+# In-process tools on one thread: it runs first, beside the background jobs (tests/background.py).
 pytestmark = pytest.mark.hosts
 
 TOOLS = REPO / "tools"
