@@ -34,7 +34,7 @@ import pytest
 import zygote
 from helpers import environment_of_this_thread
 
-WAIT_S = 1200  # the longest a reader waits for its job (the accuracy run: about 200 s alone here)
+WAIT_S = 1200  # the longest a reader waits for its job (the accuracy run: about 270 s alone here)
 
 
 Make = Callable[[pytest.TempPathFactory, contextlib.ExitStack], Any]
@@ -60,7 +60,7 @@ def background_job(make: Make | None = None, *, last: bool = False) -> Callable:
 
 
 class Jobs:
-    """The session's needed jobs: ``start()`` starts their thread (once), ``result(name)`` waits for one."""
+    """The session's needed jobs: ``start()`` starts their thread, ``result(name)`` waits for one."""
 
     def __init__(self, needed: set[str], tmp_path_factory: pytest.TempPathFactory, stack: contextlib.ExitStack):
         # In registration (import) order, those registered ``last`` after the others.
@@ -68,23 +68,18 @@ class Jobs:
         self._factory, self._stack = tmp_path_factory, stack
         self._done = {name: threading.Event() for name in self._needed}
         self._results: dict[str, tuple[bool, Any]] = {}
-        self._started = False
         self._closing = threading.Event()
-        self._lock = threading.Lock()
 
     def start(self) -> None:
-        """Start the jobs' thread, unless started or none is needed. Call it from the main thread."""
-        with self._lock:
-            if self._started or not self._needed:
-                return
-            self._started = True
+        """Start the jobs' thread, if any job is needed. Call it once, from the main thread."""
+        if not self._needed:
+            return
         zygote.address()  # the fork server, if not up yet, starts with this (main) thread's environment
         # The environment now, in the main thread: an in-process tool run swaps os.environ while it runs.
         args = (self._needed, dict(os.environ))
         threading.Thread(target=self._run, args=args, name="background jobs", daemon=True).start()
 
     def result(self, name: str) -> Any:
-        self.start()
         if not self._done[name].wait(WAIT_S):
             raise AssertionError(f"the background job {name} did not finish in {WAIT_S}s")
         ok, value = self._results[name]
