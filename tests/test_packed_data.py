@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    EVAL_TINY,
     FAULT,
     REPO,
     assert_ok,
@@ -46,7 +47,7 @@ pytest.importorskip("wids")
 DIGITS = REPO / "data" / "digits"
 PACK = str(REPO / "tools" / "pack_dataset.py")
 SHARD_SIZE = 300
-TINY = ["MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.PRINT_FREQ", "5"]
+TINY = [*EVAL_TINY, "TRAIN.PRINT_FREQ", "5"]
 
 
 @pytest.fixture(autouse=True)
