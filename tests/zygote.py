@@ -50,11 +50,15 @@ import sys
 import tempfile
 import threading
 
+# Imported by the server in this order. The modules before torchvision (and the plot's) are then
+# frozen (``_serve``); torchvision imports torch._dynamo, which imports triton.
 PRELOAD = [
     "torch",
-    "torchvision",
     "torch.distributed.run",
+    "torch.distributed.checkpoint",
     "torch.utils.tensorboard",
+    "yacs.config",
+    "torchvision",
     "distribuuuu.utils",
     "distribuuuu.trainer",
 ]
@@ -227,15 +231,35 @@ def _warm_the_plot() -> None:
     plt.close(fig)
 
 
+def _freeze_the_preloaded() -> None:
+    """Move the objects imported so far (~340,000) to the collector's permanent generation, as
+    ``gc.freeze``'s documentation advises for a fork server: a child's collections, and the one at
+    its exit, then skip them and do not write to (so copy) their pages. test_finished_run and
+    test_launch took 61-82 CPU-s against 99-110 without it (2 runs each, AMD EPYC, 2 vCPUs).
+
+    Not triton's objects: a frozen nanobind type is never freed, and nanobind reports it at exit
+    ("nanobind: leaked 64 types!"), which a fresh interpreter does not. So the freeze comes before
+    the import of torchvision (torch._dynamo imports triton); with every module frozen a run took
+    about a third less CPU.
+    """
+    import gc
+
+    if "triton" not in sys.modules:  # a torch that imports it itself: no freeze, forks stay fresh-like
+        gc.freeze()
+
+
 def _serve(path: str) -> None:
     import importlib
 
     here = os.path.dirname(os.path.abspath(__file__))
     own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path if p != here and p not in own_path]  # a fresh interpreter's, less PYTHONPATH
-    for name in PRELOAD:
+    for name in PRELOAD[: PRELOAD.index("torchvision")]:
         importlib.import_module(name)
     _warm_the_plot()
+    _freeze_the_preloaded()
+    for name in PRELOAD[PRELOAD.index("torchvision") :]:
+        importlib.import_module(name)
     # (numpy's OpenBLAS starts a native thread pool on import, and stops it around a fork itself.)
     if threading.active_count() != 1:
         sys.exit("zygote.py: importing the preloaded modules started threads; a fork of this process is unsafe")
