@@ -8,11 +8,11 @@ the job's result (raising its error).
 The session's needed jobs run one after another in one thread of this process (a job's launches
 are processes; the thread only waits for them), from the session's start: one job at a time beside
 the foreground tests, never several. ``tests/conftest.py`` orders the session so that the jobs
-have beside them the tests that leave a core idle: the in-process files first (marked ``hosts``:
-tools run in the test process, one thread), then the fault tests (``waits``: they sit out
-timeouts, restarts and signals), then the rest, and the jobs' readers last. The jobs run in
-registration (import) order, the accuracy run (the longest) ``last``: the others run beside the
-in-process files, the accuracy run beside the fault tests and the first of the rest.
+have beside them the tests that leave a core idle (marked ``one_core``: a tool on one thread, in
+this process or in one process; timeouts, restarts and signals), then the rest, and the jobs'
+readers last. A job fills the core such a test leaves idle; beside a test that keeps both cores
+busy it only takes its share. The jobs run in registration (import) order, the accuracy run (the
+longest) ``last``.
 
 Measured on a 2-vCPU AMD EPYC (docs/development.md): a 2-process job beside a single-threaded file
 fills the idle core (the tool matrix and the recipe run: 238 s together against 312 s one after

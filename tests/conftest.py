@@ -47,8 +47,8 @@ def plain_logging():
 
 # ------------------------------------------------------------------------------------------------
 # Background jobs (tests/background.py): they run one after another from the session's start, the
-# accuracy run last. Beside them run the tests that leave a core idle: the in-process files, the
-# waiting (fault) tests, then the rest; the jobs' readers run last.
+# accuracy run last. Beside them run the tests that leave a core idle (marked ``one_core``), then the
+# rest; the jobs' readers run last.
 # ------------------------------------------------------------------------------------------------
 # A background job's rank may wait long for its peer while the foreground holds the CPU.
 PATIENT = ["DIST.TIMEOUT_S", "3600", "DIST.INIT_CHECK_TIMEOUT_S", "3600"]
@@ -59,9 +59,8 @@ def _reads_a_job(item) -> bool:
 
 
 def pytest_collection_modifyitems(items):
-    """Hosts first, then the waiting tests, the rest and the jobs' readers, in their order within each group."""
-    items.sort(key=lambda item: 3 if _reads_a_job(item) else 0 if item.get_closest_marker("hosts") else
-               1 if item.get_closest_marker("waits") else 2)  # fmt: skip
+    """The one-core tests first, then the rest and the jobs' readers, in their order within each group."""
+    items.sort(key=lambda item: 2 if _reads_a_job(item) else 0 if item.get_closest_marker("one_core") else 1)
 
 
 @pytest.fixture(scope="session", autouse=True)

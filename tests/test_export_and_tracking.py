@@ -47,7 +47,7 @@ from distribuuuu.models import register_model
 from distribuuuu.records import CURVES, MetricsWriter
 
 # In-process tools on one thread: it runs first, beside the background jobs (tests/background.py).
-pytestmark = pytest.mark.hosts
+pytestmark = pytest.mark.one_core
 
 EXPORT = str(REPO / "tools" / "export.py")
 SUMMARIZE = str(REPO / "tools" / "summarize.py")

@@ -48,9 +48,9 @@ ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
 
 
-# "waits": these jobs sit out timeouts, restarts and signals with the cores half idle (220 s of CPU
+# "one_core": these jobs sit out timeouts, restarts and signals with the cores half idle (220 s of CPU
 # in 220 s of wall time on 2 cores): they run early, beside the session's background jobs (conftest).
-pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.waits]
+pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -289,6 +289,7 @@ def test_truncated_shard_is_named_or_skipped(packed, tmp_path):
     assert SeededTransformDataset(pk, None, seed=0, skip_bad=True)[(0, 2 * SHARD_SIZE)] is None
 
 
+@pytest.mark.one_core  # it waits out the bounded retries
 def test_dead_url_is_one_error_naming_the_index():
     url = f"http://127.0.0.1:{find_free_port()}/digits"
     with pytest.raises(DataError, match=f"cannot read {url}/train/index.json"):

@@ -40,7 +40,7 @@ datasets = pytest.importorskip("datasets")
 register_tiny_model()
 
 # In-process tools on one thread: it runs first, beside the background jobs (tests/background.py).
-pytestmark = pytest.mark.hosts
+pytestmark = pytest.mark.one_core
 
 TOOLS = REPO / "tools"
 PREDICT, EXPORT, CONVERT, SUMMARIZE = (

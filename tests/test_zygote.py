@@ -8,6 +8,9 @@ import pytest
 import zygote
 from helpers import clean_env, python, run, torchrun
 
+# One single-threaded process at a time (or two torchrun workers that sleep): beside the background jobs.
+pytestmark = pytest.mark.one_core
+
 # What a process can see of how it was started, then an ending chosen by its first argument.
 # "forked": its environment at exec time (/proc) is not the one it runs with.
 PROBE = """
