@@ -50,18 +50,16 @@ import sys
 import tempfile
 import threading
 
-# Imported by the server in this order. The modules before torchvision (and the plot's) are then
-# frozen (``_serve``); torchvision imports torch._dynamo, which imports triton.
-PRELOAD = [
+# The modules the server imports: these first, then frozen with the plot's (``_freeze_the_preloaded``),
+PRELOAD_FROZEN = [
     "torch",
     "torch.distributed.run",
     "torch.distributed.checkpoint",
     "torch.utils.tensorboard",
     "yacs.config",
-    "torchvision",
-    "distribuuuu.utils",
-    "distribuuuu.trainer",
 ]
+# then these, unfrozen: torchvision imports torch._dynamo, which imports triton.
+PRELOAD_AFTER = ["torchvision", "distribuuuu.utils", "distribuuuu.trainer"]
 ENABLED = os.environ.get("DISTRIBUUUU_TEST_FORK", "1") != "0"
 ADDRESS_VAR = "DISTRIBUUUU_ZYGOTE"
 # Read once at start-up by the interpreter, torch or the OpenMP/MKL runtimes: a launch whose value
@@ -254,11 +252,11 @@ def _serve(path: str) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path if p != here and p not in own_path]  # a fresh interpreter's, less PYTHONPATH
-    for name in PRELOAD[: PRELOAD.index("torchvision")]:
+    for name in PRELOAD_FROZEN:
         importlib.import_module(name)
     _warm_the_plot()
     _freeze_the_preloaded()
-    for name in PRELOAD[PRELOAD.index("torchvision") :]:
+    for name in PRELOAD_AFTER:
         importlib.import_module(name)
     # (numpy's OpenBLAS starts a native thread pool on import, and stops it around a fork itself.)
     if threading.active_count() != 1:
