@@ -12,13 +12,20 @@ itself survives a power loss. Python's standard library has no such helper (``te
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from typing import IO
 
+from distribuuuu.errors import os_error_in
+
 PART = ".part"  # the suffix of every temporary name: what a cleanup may remove
+# A failed write into a file system with less room than this is put down to a full disk: a short
+# write fills a file system to its last block before the next one fails with ENOSPC.
+FULL_BELOW = 1 << 20
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_dir(path: str) -> None:
@@ -33,6 +40,33 @@ def fsync_dir(path: str) -> None:
         pass  # some file systems (and Windows) do not fsync folders; the data itself was synced
     finally:
         os.close(fd)
+
+
+def free_bytes(folder: str) -> int | None:
+    """The bytes an unprivileged process may still write to the file system of ``folder`` (None if unknown)."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):  # gone, or no statvfs (Windows)
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def write_failure(e: BaseException, folder: str) -> str | None:
+    """The cause of a failed write into ``folder`` in words a user can act on; None if it is not known.
+
+    torch's zip writer (torch.save, and DCP's shard files) reports a short write as a RuntimeError
+    ("unexpected pos ..."). Some releases raise it while handling the OSError that names the cause;
+    others (torch 2.14) raise it alone when writing to a path. So the OSError is used where there is
+    one, and otherwise the file system is asked: a failed write into a full one was a full disk.
+    Call it before the partial file is removed, or the room it took counts as free.
+    """
+    cause, free = os_error_in(e), free_bytes(folder)
+    room = f" ({free:,} bytes free on the file system of {folder})" if free is not None else ""
+    if cause is not None:
+        return f"{cause}{room}" if cause.errno in _FULL else str(cause)
+    if free is not None and free < FULL_BELOW:
+        return f"{os.strerror(errno.ENOSPC)}{room}"
+    return None
 
 
 def temporary_name(path: str) -> str:

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from distribuuuu import checkpoint_names as names
 from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
 from distribuuuu.ema import ModelEMA
-from distribuuuu.errors import CheckpointError, first_line, os_error_in
-from distribuuuu.files import atomic_write, replace_dir, temporary_name
+from distribuuuu.errors import CheckpointError, first_line
+from distribuuuu.files import atomic_write, replace_dir, temporary_name, write_failure
 from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.single_file import load_file, model_state_from, save_checkpoint
 
@@ -153,7 +153,10 @@ def save_states(path: str, states: dict[str, Stateful], extra: dict) -> None:
         files = _own_files(tmp, rank)
     # DCP's CheckpointException is a BaseException: named here, or it would escape with its traceback.
     except (Exception, CheckpointException) as e:  # reported collectively below: peers must not wait
-        error, files = f"rank {rank} could not write its shard of {path}: {_write_failure(e, rank)}", {}
+        error, files = (
+            f"rank {rank} could not write its shard of {path}: {_write_failure(e, rank, os.path.dirname(tmp))}",
+            {},
+        )
     gathered = all_gather_object((error, files))
     errors = [e for e, _ in gathered if e]
     if not errors and is_main_process():
@@ -172,15 +175,14 @@ def _temporary_folder(path: str) -> str:
     return temporary_name(path)
 
 
-def _write_failure(e: BaseException, rank: int) -> str:
-    """One line for a failed shard write: the OSError underneath (a full disk) if any.
+def _write_failure(e: BaseException, rank: int, folder: str) -> str:
+    """One line for a failed write into ``folder``: its cause (a full disk) where known (files.write_failure).
 
     DCP gathers every rank's error into a CheckpointException (this rank's first, if it failed).
     """
     if isinstance(e, CheckpointException) and e.failures:
         e = (e.failures.get(rank) or next(iter(e.failures.values())))[0]
-    cause = os_error_in(e)
-    return str(cause) if cause is not None else f"{type(e).__name__}: {first_line(e)}"
+    return write_failure(e, folder) or f"{type(e).__name__}: {first_line(e)}"
 
 
 def _finish(tmp: str, path: str, manifest: dict, extra: dict) -> list[str]:
@@ -197,7 +199,7 @@ def _finish(tmp: str, path: str, manifest: dict, extra: dict) -> list[str]:
             json.dump({"files": manifest}, f, indent=1, sort_keys=True)
         replace_dir(tmp, path)  # a re-save of the same step: the old one goes only once the new is whole
     except Exception as e:  # returned, not raised: the other ranks wait for rank 0's verdict
-        return [f"could not write checkpoint {path}: {_write_failure(e, 0)}"]
+        return [f"could not write checkpoint {path}: {_write_failure(e, 0, os.path.dirname(tmp))}"]
     return []
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import re
 from collections import OrderedDict
@@ -11,8 +12,8 @@ from typing import Any
 import torch
 
 from distribuuuu.distributed import is_main_process
-from distribuuuu.errors import CheckpointError, first_line, os_error_in
-from distribuuuu.files import atomic_write
+from distribuuuu.errors import CheckpointError, first_line
+from distribuuuu.files import atomic_write, write_failure
 
 
 def _tensors(obj: Any):
@@ -48,16 +49,23 @@ def save_checkpoint(state: dict, path: str) -> None:
     if not is_main_process():
         return
     state = dict(state, checksum=state_checksum(state))
+    folder = os.path.dirname(os.path.abspath(path))
     try:
         with atomic_write(path) as f:  # a file object: torch.save then keeps the OSError of a full disk
-            torch.save(state, f)
-    except Exception as e:
-        cause = os_error_in(e)  # torch.save raises a RuntimeError while handling the OSError of a full disk
-        if cause is not None:
-            raise CheckpointError(
-                f"could not write checkpoint {path}: {cause}; earlier checkpoints are intact"
-            ) from None
-        raise
+            try:
+                torch.save(state, f)
+            except Exception as e:  # described while the partial file still takes its room
+                _raise_write_failure(e, path, folder)
+    except OSError as e:  # the last flush, the sync or the rename
+        _raise_write_failure(e, path, folder)
+
+
+def _raise_write_failure(e: Exception, path: str, folder: str) -> None:
+    """Raise a one-line CheckpointError naming the cause when it is known (a full disk); else ``e`` itself."""
+    cause = write_failure(e, folder)
+    if cause is None:
+        raise e
+    raise CheckpointError(f"could not write checkpoint {path}: {cause}; earlier checkpoints are intact") from None
 
 
 def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:

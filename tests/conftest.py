@@ -19,6 +19,29 @@ import zygote  # noqa: E402
 from processes import pytest_configure  # noqa: E402, F401  (a hook: tags the session's processes)
 
 
+def pytest_sessionstart(session):
+    """Refuse, in one line and before any test, a torch or torchvision below requirements.txt's floor."""
+    below = _below_floor()
+    if below:
+        pytest.exit(f"{below}: install a supported release (docs/development.md, 'Another torch')", returncode=4)
+
+
+def _below_floor() -> str:
+    """'torch X is below the floor requirements.txt sets (torch>=Y)' for the first such package, or ''."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    for line in (Path(__file__).resolve().parents[1] / "requirements.txt").read_text().splitlines():
+        if line.startswith(("torch", "torchvision")):
+            req = Requirement(line)
+            installed = version(req.name)
+            if Version(installed).release and not req.specifier.contains(Version(installed).base_version):
+                return f"{req.name} {installed} is below the floor requirements.txt sets ({req})"
+    return ""
+
+
 def pytest_sessionfinish(session, exitstatus):
     """No process outlives the tests: the zygote server ends (killing what it forked and still
     runs), then anything else the tests started and left fails the session (tests/processes.py)."""

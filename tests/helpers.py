@@ -46,6 +46,15 @@ EVAL_TINY = ["MODEL.ARCH", TINY_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16
 DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "64",
               "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "1"]  # fmt: skip
 
+# fp32: FSDP2 reduce-scatters where DDP all-reduces, and HSDP sums within a node, then across
+# nodes: the same gradients summed in another order, a few units in the last place (2**-23
+# relative) apart at each step. Over ~22 steps of SGD with momentum (which sums ~10 steps' worth
+# of gradients), clipping and mixup, that stays far below 2**-14 of each tensor's largest value
+# (hsdp against ddp on one AMD EPYC: 2**-22.2 for the momentum, 2**-23.6 for the weights; above an
+# absolute 1e-6 on another). A real difference is no rounding: HSDP without its all-reduce across
+# nodes (``set_requires_all_reduce(False)``) puts weights and momentum a whole scale (1.0) apart.
+DDP_FSDP_REL = 2**-14
+
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 

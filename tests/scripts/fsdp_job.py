@@ -122,6 +122,15 @@ def compare(strategy: str, accum: int, clip: float, precision: str = "fp32", arc
     fsdp_model = shard_model(copy.deepcopy(plain), mesh, policy)
     ddp = train(ddp_model, accum, clip, ddp_ema, precision)
     fsdp = train(fsdp_model, accum, clip, fsdp_ema, precision)
+    reference = {}
+    if precision != "fp32":  # how far 16-bit rounding alone moves DDP's run: the scale of FSDP's gap
+        fp32_model = nn.parallel.DistributedDataParallel(copy.deepcopy(plain))
+        fp32 = train(fp32_model, accum, clip, None, "fp32")
+        reference = {
+            "weights_vs_fp32": max_diff(ddp_model.module, fp32_model.module),
+            "fsdp_vs_fp32": max_diff(fsdp_model, fp32_model.module),
+            "norms_fp32": fp32["norms"],
+        }
     return {
         "seed": rank_seed,
         "weights": max_diff(ddp_model.module, fsdp_model),
@@ -131,6 +140,7 @@ def compare(strategy: str, accum: int, clip: float, precision: str = "fp32", arc
         "bytes_ddp": local_state_bytes(ddp_model, ddp["optimizer"]),
         "bytes_fsdp": local_state_bytes(fsdp_model, fsdp["optimizer"]),
         "param_dtype": str(next(fsdp_model.parameters()).dtype),
+        **reference,
     }
 
 
