@@ -18,10 +18,11 @@ from yacs.config import CfgNode
 from distribuuuu.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, DataError
+from distribuuuu.distributed import cleanup_distributed
 from distribuuuu.errors import first_line
 from distribuuuu.faults import CollectiveError, NonFiniteLossError
 from distribuuuu.launch import LaunchError, RankLaunchError, detect_env_rank, find_free_port
-from distribuuuu.preemption import EXIT_PREEMPTED, PREEMPT_SIGNALS, Preempted
+from distribuuuu.preemption import EXIT_INTERRUPTED, INTERRUPT, PREEMPT_SIGNALS, Preempted
 
 EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
 EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher environment or checkpoint
@@ -76,14 +77,20 @@ def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
         (record(main) if "TORCHELASTIC_ERROR_FILE" in os.environ else main)(cfg)
     except Preempted as e:
         if detect_env_rank() == 0:  # every rank stops at the same step: one line says it
-            print(
-                f"distribuuuu: {e}; exiting with {EXIT_PREEMPTED} (resume with TRAIN.AUTO_RESUME True)", file=sys.stderr
-            )
-        return EXIT_PREEMPTED
+            print(f"distribuuuu: {e}; exiting with {e.exit_code} ({e.how_to_resume})", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:  # a Ctrl-C outside training's steps (set-up, the end): nothing to save
+        if detect_env_rank() == 0:
+            print("distribuuuu: interrupted (Ctrl-C) outside a training step; nothing new saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except _KNOWN as e:
         everywhere = isinstance(e, RankLaunchError) or not isinstance(e, _SAME_ON_EVERY_RANK)
         _print_error(_one_line(e), every_rank=everywhere)
         return EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError)) else EXIT_FAILED
+    finally:
+        # Every way a tool ends lets go of its process group before the interpreter exits: a group
+        # left to the interpreter's exit can abort it ("terminate called without an active exception").
+        cleanup_distributed()
     return 0
 
 
@@ -212,7 +219,10 @@ def _print_worker_error(path: str) -> None:
 
 
 def _forward_signals(pids: list[int]) -> dict:
-    """Relay SIGTERM/SIGUSR1 from this process to ``pids``; return the handlers it replaced."""
+    """Relay SIGTERM/SIGUSR1/SIGINT from this process to ``pids``; return the handlers it replaced.
+
+    A terminal's Ctrl-C reaches the workers too: they take the relayed one for the same Ctrl-C.
+    """
 
     def forward(signum, frame) -> None:
         for pid in pids:
@@ -221,4 +231,5 @@ def _forward_signals(pids: list[int]) -> dict:
             except ProcessLookupError:
                 pass
 
-    return {getattr(signal, name): signal.signal(getattr(signal, name), forward) for name in PREEMPT_SIGNALS}
+    names = (*PREEMPT_SIGNALS, INTERRUPT)
+    return {getattr(signal, name): signal.signal(getattr(signal, name), forward) for name in names}

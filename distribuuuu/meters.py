@@ -53,7 +53,7 @@ class MetricSums:
 
     FIELDS = (
         "loss_sum", "loss_samples", "top1", "topk", "samples", "nonfinite",
-        "skipped_images", "skipped_steps", "stop",
+        "skipped_images", "skipped_steps", "stop", "interrupt",
     )  # fmt: skip
 
     def __init__(self, device: torch.device, k: int):

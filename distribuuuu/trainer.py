@@ -18,6 +18,7 @@ from distribuuuu.config import check_dataset_paths
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
 from distribuuuu.heartbeat import reporting_position
+from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
@@ -27,6 +28,7 @@ from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
 from distribuuuu.records import log_train_window, write_eval_record, write_train_record
 from distribuuuu.run import Run, TrainState, build_run, prepare_outputs, report_finished_run, start_process_group
 from distribuuuu.state import (
+    ResumePoint,
     find_checkpoint_to_resume,
     log_config_changes,
     resume_or_load_weights,
@@ -141,7 +143,10 @@ def train_epoch(run: Run, epoch: int) -> dict:
             epoch_sums.add_totals(totals)
             if totals["stop"]:
                 position = f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"
-                stop_for_preemption(run.preempt, position, lambda: save_training_checkpoint(run), cfg.DIST.REQUEUE)
+                save = lambda: save_training_checkpoint(run)  # noqa: E731
+                stop_for_preemption(
+                    run.preempt, position, save, cfg.DIST.REQUEUE, interrupted=bool(totals["interrupt"])
+                )
         if checkpoint_due:
             save_training_checkpoint(run)
     return dict(epoch_sums.totals(), time_s=time.perf_counter() - clock["epoch_start"])
@@ -174,6 +179,7 @@ def _with_context(e: RuntimeError, run: Run, epoch: int, step: int) -> RuntimeEr
 def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, step: int, clock: dict) -> dict:
     """Reduce the window's metrics over ranks (one all-reduce), check them, log them, reset."""
     window.add_field("stop", float(run.preempt is not None and run.preempt.requested))
+    window.add_field("interrupt", float(run.preempt is not None and run.preempt.interrupted))
     try:
         totals = window.reduce()
     except RuntimeError as e:
@@ -204,26 +210,34 @@ def scheduled_lr(run: Run) -> float:
 def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
     """Train MODEL.ARCH as configured; return the last validation totals.
 
-    ``cleanup`` False keeps the process group for a caller that trains several times in one job.
+    ``cleanup`` False keeps the process group for a caller that trains several times in one job;
+    otherwise every way out (a refused resume included) ends it before returning or raising.
     """
     check_dataset_paths(cfg)
     model_source(cfg.MODEL.ARCH)  # an unknown architecture fails before any set-up
     env, table = start_process_group(cfg)
-    # Before anything is written to OUT_DIR: a checkpoint of another experiment stops the run here.
-    resume = rank0_decides(lambda: find_checkpoint_to_resume(cfg))
-    if resume.epochs_done >= cfg.OPTIM.MAX_EPOCH:
-        report_finished_run(cfg, env, resume.epochs_done)  # a finished run is read, not written
-        cleanup_distributed()
-        return {}
-    resume_from = resume.path
-    writer = prepare_outputs(cfg, env, table, resumed_from=resume_from)
-    log_config_changes(resume_from, resume.changes)
+    try:
+        # Before anything is written to OUT_DIR: a checkpoint of another experiment stops the run here.
+        resume = rank0_decides(lambda: find_checkpoint_to_resume(cfg))
+        if resume.epochs_done >= cfg.OPTIM.MAX_EPOCH:
+            report_finished_run(cfg, env, resume.epochs_done)  # a finished run is read, not written
+            return {}
+        return _train(cfg, env, table, resume)
+    finally:
+        if cleanup:
+            cleanup_distributed()
+
+
+def _train(cfg: CfgNode, env: DistEnv, table: list[dict], resume: ResumePoint) -> dict:
+    """Write the run's outputs, build it, resume it and train it (``train_model``'s body)."""
+    writer = prepare_outputs(cfg, env, table, resumed_from=resume.path)
+    log_config_changes(resume.path, resume.changes)
     run: Run | None = None
     try:
         with naming_failed_collectives(env, cfg.DIST.TIMEOUT_S, lambda: run.state if run else TrainState()):
             run = build_run(cfg, env, writer)
             with reporting_position(lambda: f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"):
-                resume_or_load_weights(run, resume_from)
+                resume_or_load_weights(run, resume.path)
                 with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
                     last_val = train_epochs(run)
                 run.writer.summarize()  # rank 0 (the others hold a NullWriter): summary.md and the plot
@@ -231,8 +245,6 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
     finally:
         writer.close()
         run = None  # its model holds the process group: let it go with the group, not at interpreter exit
-        if cleanup:
-            cleanup_distributed()
 
 
 def train_epochs(run: Run) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,13 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, lone_env, read_metrics
+import torch.distributed as dist
+from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, lone_env, read_metrics, run, torchrun
 from PIL import Image
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
+from distribuuuu import trainer
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError, map_classes
+from distribuuuu.distributed import cleanup_distributed
+from distribuuuu.launch import find_free_port
 from distribuuuu.state import find_checkpoint_to_resume
 
 DIGITS = REPO / "data" / "digits"
@@ -54,6 +59,37 @@ def test_another_architecture_in_the_same_out_dir_stops_naming_the_keys_and_touc
     assert "holds another experiment" in error and f"MODEL.ARCH: '{FAST_ARCH}' -> 'resnet34'" in error
     assert "own OUT_DIR" in error and "TRAIN.RESUME_ANYWAY True" in error
     assert _fingerprint(one_epoch_run) == before, "the first run's files must be untouched"
+
+
+def test_a_refused_resume_ends_the_process_group_it_started(one_epoch_run, monkeypatch):
+    """The group outliving the run to the interpreter's exit is what aborted a refused rank 0
+    ("terminate called without an active exception", 3 of 12 tries under torchrun)."""
+    launch = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    cfg = load_cfg(None, ["OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34"])
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(ConfigError, match="holds another experiment"):
+            trainer.train_model(cfg)
+        assert not dist.is_initialized(), "the refused run left its process group to the interpreter's exit"
+    finally:
+        cleanup_distributed()
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_a_refused_resume_under_torchrun_exits_2_every_time_without_an_abort(one_epoch_run):
+    for attempt in range(20):
+        result = run(torchrun(2, TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34"))
+        codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M)
+        assert "Aborted" not in result.stderr and "terminate called" not in result.stderr, (
+            attempt,
+            result.stderr[-3000:],
+        )
+        # -15: torchrun stops a rank still running once the other exited; its summary names rank 0's 2.
+        assert result.returncode == 1 and "2" in codes and set(codes) <= {"2", "-15"}, (attempt, result.stderr[-3000:])
+        assert len(_errors(result)) == 1, (attempt, result.stderr[-3000:])
 
 
 @pytest.mark.parametrize(

@@ -28,10 +28,11 @@ import zygote
 from helpers import DDP_FSDP_REL, FAST, FAULT, REPO, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu import checkpoint as ckpt
-from distribuuuu import cli, trainer
+from distribuuuu import cli, preemption, trainer
 from distribuuuu.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
 from distribuuuu.files import write_failure
 from distribuuuu.launch import find_free_port
+from distribuuuu.preemption import PreemptionHandler
 from distribuuuu.sharded_checkpoint import save_states
 
 DIGITS = str(REPO / "data" / "digits")
@@ -279,6 +280,87 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same
     assert RESUMED.search(resumed.stdout)[1] == str(path)
     assert _train_epochs(out) == [1]
     _assert_same_weights(_final_state(out, epochs=1), reference_two)
+
+
+INTERRUPTED = re.compile(
+    r"^distribuuuu: interrupted \(Ctrl-C\) at epoch (\d+), step (\d+), its checkpoint written; exiting with 130 "
+    r"\(run the same command again to resume there\)$",
+    re.M,
+)
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_at_the_agreed_step_exits_130_in_one_line_and_resumes_to_the_same_weights(
+    tmp_path, reference_one
+):
+    out = tmp_path / "run"
+    # A terminal's Ctrl-C reaches its whole foreground process group: the trainer and its
+    # DataLoader workers (TRAIN.WORKERS 2), which leave it to the trainer.
+    cmd = python(FAULT, "OUT_DIR", str(out), *ONE, "TRAIN.WORKERS", "2")
+    with Job(cmd, tmp_path / "interrupted") as job:
+        job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
+        os.killpg(job.proc.pid, signal.SIGINT)
+        result = job.finish(300)
+    assert result.returncode == 130, job.tail()
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [INTERRUPTED.search(result.stderr)[0]]
+    epoch, step = (int(g) for g in INTERRUPTED.search(result.stderr).groups())
+    assert step % 5 == 0 or step % 10 == 0 or step == STEPS_ONE, f"step {step} is not a sync point"
+    assert f"Ctrl-C (SIGINT): checkpointing at epoch {epoch}, step {step}" in (out / "log.txt").read_text()
+    assert load_checkpoint(str(out / "checkpoints" / ckpt.checkpoint_name(epoch, step)))["step_in_epoch"] == step
+
+    resumed = run(python(FAULT, "OUT_DIR", str(out), *ONE), timeout=400, env=ENV)
+    assert_ok(resumed)
+    assert RESUMED.search(resumed.stdout)[1].endswith(ckpt.checkpoint_name(epoch, step))
+    _assert_same_weights(_final_state(out), reference_one)
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_torchrun_checkpoints_every_rank_at_one_step_without_worker_tracebacks(tmp_path, reference_two):
+    out = tmp_path / "run"
+    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "interrupted") as job:
+        job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
+        os.killpg(job.proc.pid, signal.SIGINT)  # torchrun's group, as a terminal; it passes SIGINT on
+        result = job.finish(300)
+    assert result.returncode != 0, job.tail()
+    # torchrun reports the signal it got with a traceback of its own; the workers print one line.
+    assert "KeyboardInterrupt" not in result.stderr and result.stderr.count("Traceback") <= 1, job.tail()
+    stop = INTERRUPTED.search(result.stderr)
+    assert stop and len(INTERRUPTED.findall(result.stderr)) == 1, job.tail()
+    epoch, step = int(stop[1]), int(stop[2])
+    assert load_checkpoint(str(out / "checkpoints" / ckpt.checkpoint_name(epoch, step)))["step_in_epoch"] == step
+
+    resumed = run(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), timeout=400)
+    assert_ok(resumed)
+    _assert_same_weights(_final_state(out, epochs=1), reference_two)
+
+
+@pytest.fixture
+def own_signal_handlers() -> Iterator[None]:
+    """Put back this process's SIGINT/SIGTERM/SIGUSR1 handlers, which a stopped PreemptionHandler keeps."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.usefixtures("own_signal_handlers")
+def test_a_second_ctrl_c_stops_at_once_and_one_within_a_second_is_the_same_one(monkeypatch, capsys):
+    clock, exits = [100.0], []
+    monkeypatch.setattr(preemption.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(preemption.os, "_exit", lambda code: exits.append(code))
+    with PreemptionHandler(grace_s=60) as handler:
+        signal.raise_signal(signal.SIGINT)
+        assert handler.requested and handler.interrupted and not exits
+        clock[0] += 0.5  # the terminal's Ctrl-C and the launcher's copy of it
+        signal.raise_signal(signal.SIGINT)
+        assert not exits
+        clock[0] += 2.0
+        signal.raise_signal(signal.SIGINT)
+        assert exits == [130]
+        handler._timer.cancel()
+    assert "second Ctrl-C: stopped at once, without a checkpoint" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) == handler._handle, "after the stop, Ctrl-C still reaches the handler"
 
 
 @pytest.mark.slow
