@@ -12,6 +12,7 @@ import os
 from yacs.config import CfgNode
 
 from distribuuuu.logger import get_logger
+from distribuuuu.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
 from distribuuuu.progress import WINDOW
 
 logger = get_logger("trainer")  # the training log's own name: its lines read as the trainer's
@@ -100,7 +101,8 @@ class MetricsWriter:
     """Appends one JSON object per line to OUT_DIR/metrics.jsonl; plots the curves in TensorBoard and trackers."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, cfg: CfgNode | None = None):
-        self.path, self.out_dir = os.path.join(out_dir, "metrics.jsonl"), out_dir
+        self.path, self.out_dir = os.path.join(out_dir, METRICS_FILE), out_dir
+        repair_torn_tail(self.path)  # a run that died mid-append: the next record must not join its half line
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -135,7 +137,6 @@ class MetricsWriter:
 
     def summarize(self) -> None:
         """Write OUT_DIR/summary.md (and the plot) at the end of training, and log the summary."""
-        from distribuuuu.plots import MetricsError
         from distribuuuu.summary import write_summary
 
         summary_log = get_logger("summary")
