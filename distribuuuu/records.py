@@ -97,6 +97,16 @@ CURVES = ("loss", "top1", "topk", "lr", "images_per_s")
 WINDOW_PREFIX = "train_step"  # the PRINT_FREQ windows' tags, against the global optimizer step
 
 
+def epoch_curves(record: dict) -> dict[str, float]:
+    """An epoch record's scalars by tag: ``SPLIT/top1``, ``SPLIT/top5`` (the record's k), ``val_ema/loss``, ..."""
+    prefix = record["split"] + ("_ema" if record.get("weights") == "ema" else "")
+    # metrics.jsonl keeps "topk" with "k" beside it (its readers key on that); a dashboard tag has no "k" beside it.
+    names = {"topk": f"top{record['k']}"} if "k" in record else {}
+    return {
+        f"{prefix}/{names.get(key, key)}": record[key] for key in CURVES if isinstance(record.get(key), (int, float))
+    }
+
+
 class MetricsWriter:
     """Appends one JSON object per line to OUT_DIR/metrics.jsonl; plots the curves in TensorBoard and trackers."""
 
@@ -119,9 +129,7 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if "epoch" in record:
-            prefix = record["split"] + ("_ema" if record.get("weights") == "ema" else "")
-            curves = {f"{prefix}/{k}": record[k] for k in CURVES if isinstance(record.get(k), (int, float))}
-            self._plot(curves, "epoch", record["epoch"])
+            self._plot(epoch_curves(record), "epoch", record["epoch"])
 
     def write_window(self, values: dict, global_step: int) -> None:
         """Plot one PRINT_FREQ window's values (host floats the sync point already has) at ``global_step``."""
