@@ -420,7 +420,7 @@ def _merge(config: CN, data: dict, source: str) -> None:
     try:
         config.merge_from_other_cfg(CN(_widen_ints(data, _C)))
     except (KeyError, ValueError, AssertionError) as e:
-        raise ConfigError(f"{source}: {_yacs_message(e)}") from None
+        raise ConfigError(f"{source}: {_yacs_message(e, source == 'command line')}") from None
 
 
 def _widen_ints(data: Any, defaults: Any) -> Any:
@@ -506,16 +506,27 @@ def _resolve_nulls(config: CN, prefix: str = "") -> None:
             config[name] = default
 
 
-def _yacs_message(e: Exception) -> str:
-    """Rephrase yacs's errors so they lead with the key."""
+def _yacs_message(e: Exception, command_line: bool = False) -> str:
+    """Rephrase yacs's errors so they lead with the key; a string given for a list says how to write one."""
     msg = str(e.args[0] if e.args else e)
     mismatch = re.search(
         r"Type mismatch \((.*?) vs\. (.*?)\) with values \((.*) vs\. (.*)\) for config key: (\S+)", msg
     )
-    if mismatch:
-        want, got, _, value, key = mismatch.groups()
-        return f"{key} expects {_type_name(want)}, got {_type_name(got)} {value!r}"
-    return msg
+    if not mismatch:
+        return msg
+    want, got, _, value, key = mismatch.groups()
+    want, got = _type_name(want), _type_name(got)
+    hint = _list_hint(key, value, command_line) if want in ("list", "tuple") and got == "str" else ""
+    return f"{key} expects {want}, got {got} {value!r}{hint}"
+
+
+def _list_hint(key: str, value: str, command_line: bool) -> str:
+    """How to write the string ``value`` given for a list key as a list: each item quoted, in brackets."""
+    items = [item.strip().strip("'\"") for item in value.strip("[]()").split(",") if item.strip()]
+    as_list = repr(items)
+    if command_line:  # the shell eats brackets and quotes: the whole list is one quoted argument
+        return f'; write a list on the command line as {key} "{as_list}"'
+    return f"; write a list in YAML as {key.rpartition('.')[2]}: {as_list}"
 
 
 def _type_name(type_repr: str) -> str:

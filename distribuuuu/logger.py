@@ -13,10 +13,14 @@ from distribuuuu.progress import ProgressBarHandler
 
 LOG_NAME = "distribuuuu"
 _FORMAT = "[%(asctime)s %(name)s] %(message)s"
+# ``extra=SAME_ON_EVERY_RANK`` marks a warning every rank finds alike (the weights all ranks load):
+# rank 0 says it; the other ranks, which print only warnings, leave it out rather than repeat it.
+_SAME = "same_on_every_rank"
+SAME_ON_EVERY_RANK = {_SAME: True}
 
 
 def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False, console: bool = True) -> logging.Logger:
-    """Rank 0 logs INFO to stdout and OUT_DIR/log.txt; other ranks only warnings, to stderr.
+    """Rank 0 logs INFO to stdout and OUT_DIR/log.txt; other ranks only warnings, to stderr (not those marked SAME_ON_EVERY_RANK).
 
     With ``progress_bar`` (stdout is a terminal), rank 0's stdout shows the training windows as a
     bar rather than as lines (see progress.py); log.txt still gets every line. Without ``console``
@@ -35,6 +39,7 @@ def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False, co
     else:
         log.setLevel(logging.WARNING)
         handlers = [logging.StreamHandler(sys.stderr)]
+        handlers[0].addFilter(lambda record: not getattr(record, _SAME, False))
         fmt = logging.Formatter(f"[rank {rank} %(asctime)s] %(message)s", "%m/%d %H:%M:%S")
     for h in handlers:
         h.setFormatter(fmt)

@@ -5,22 +5,16 @@ Used by tools/plot_metrics.py (any runs) and by the end-of-training summary (sum
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from distribuuuu.metrics_file import METRICS_FILE, Record, read_records
+
 # How to get matplotlib: the "plot" extra, as the README installs it (every message says the same).
 PLOT_INSTALL = 'pip install -e ".[plot]"'
-
-METRICS_FILE = "metrics.jsonl"
-Record = dict[str, Any]
-
-
-class MetricsError(Exception):
-    """A metrics file is missing, empty or unreadable; the message names the file."""
 
 
 @dataclass
@@ -32,26 +26,6 @@ class RecordedRun:
 
     def get(self, split: str, weights: str = "model") -> list[Record]:
         return self.series.get((split, weights), [])
-
-
-def read_records(path: str) -> list[Record]:
-    """Parse a metrics.jsonl file; raise MetricsError naming it if missing, empty or bad."""
-    if not os.path.isfile(path):
-        raise MetricsError(f"metrics file not found: {path}")
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MetricsError(f"{path}:{lineno}: not a JSON object ({e.msg})") from None
-            if isinstance(record, dict):
-                records.append(record)
-    if not records:
-        raise MetricsError(f"metrics file is empty: {path}")
-    return records
 
 
 def dedupe(records: list[Record]) -> dict[tuple[str, str], list[Record]]:
@@ -67,10 +41,11 @@ def dedupe(records: list[Record]) -> dict[tuple[str, str], list[Record]]:
     return series
 
 
-def load_run(out_dir: str, label: str | None) -> RecordedRun:
-    path = os.path.join(out_dir, METRICS_FILE)
+def load_run(out_dir: str, label: str | None, records: list[Record] | None = None) -> RecordedRun:
+    """OUT_DIR's run for the plot: its ``records`` if already read, else its metrics.jsonl's."""
+    records = read_records(os.path.join(out_dir, METRICS_FILE)) if records is None else records
     name = label or os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
-    return RecordedRun(label=name, series=dedupe(read_records(path)))
+    return RecordedRun(label=name, series=dedupe(records))
 
 
 def xy(records: list[Record], key: str) -> tuple[list[float], list[float]]:

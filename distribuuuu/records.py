@@ -12,6 +12,7 @@ import os
 from yacs.config import CfgNode
 
 from distribuuuu.logger import get_logger
+from distribuuuu.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
 from distribuuuu.progress import WINDOW
 
 logger = get_logger("trainer")  # the training log's own name: its lines read as the trainer's
@@ -96,11 +97,22 @@ CURVES = ("loss", "top1", "topk", "lr", "images_per_s")
 WINDOW_PREFIX = "train_step"  # the PRINT_FREQ windows' tags, against the global optimizer step
 
 
+def epoch_curves(record: dict) -> dict[str, float]:
+    """An epoch record's scalars by tag: ``SPLIT/top1``, ``SPLIT/top5`` (the record's k), ``val_ema/loss``, ..."""
+    prefix = record["split"] + ("_ema" if record.get("weights") == "ema" else "")
+    # metrics.jsonl keeps "topk" with "k" beside it (its readers key on that); a dashboard tag has no "k" beside it.
+    names = {"topk": f"top{record['k']}"} if "k" in record else {}
+    return {
+        f"{prefix}/{names.get(key, key)}": record[key] for key in CURVES if isinstance(record.get(key), (int, float))
+    }
+
+
 class MetricsWriter:
     """Appends one JSON object per line to OUT_DIR/metrics.jsonl; plots the curves in TensorBoard and trackers."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, cfg: CfgNode | None = None):
-        self.path, self.out_dir = os.path.join(out_dir, "metrics.jsonl"), out_dir
+        self.path, self.out_dir = os.path.join(out_dir, METRICS_FILE), out_dir
+        repair_torn_tail(self.path)  # a run that died mid-append: the next record must not join its half line
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -117,9 +129,7 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if "epoch" in record:
-            prefix = record["split"] + ("_ema" if record.get("weights") == "ema" else "")
-            curves = {f"{prefix}/{k}": record[k] for k in CURVES if isinstance(record.get(k), (int, float))}
-            self._plot(curves, "epoch", record["epoch"])
+            self._plot(epoch_curves(record), "epoch", record["epoch"])
 
     def write_window(self, values: dict, global_step: int) -> None:
         """Plot one PRINT_FREQ window's values (host floats the sync point already has) at ``global_step``."""
@@ -135,7 +145,6 @@ class MetricsWriter:
 
     def summarize(self) -> None:
         """Write OUT_DIR/summary.md (and the plot) at the end of training, and log the summary."""
-        from distribuuuu.plots import MetricsError
         from distribuuuu.summary import write_summary
 
         summary_log = get_logger("summary")

@@ -26,7 +26,7 @@ from distribuuuu.components import (
 from distribuuuu.config import ConfigError, config_changes
 from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
 from distribuuuu.distributed import rank0_decides
-from distribuuuu.logger import get_logger
+from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.parallel import is_sharded
 from distribuuuu.run import Run
@@ -198,7 +198,11 @@ def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool 
     result = load_full_weights(model, weights, strict)
     if not strict and (result.missing_keys or result.unexpected_keys):
         logger.warning(
-            "MODEL.WEIGHTS %s: missing %s, unexpected %s", path, result.missing_keys[:4], result.unexpected_keys[:4]
+            "MODEL.WEIGHTS %s: missing %s, unexpected %s",
+            path,
+            result.missing_keys[:4],
+            result.unexpected_keys[:4],
+            extra=SAME_ON_EVERY_RANK,  # every rank loads the same file into the same model: rank 0 says it
         )
     logger.info("loaded %s weights from %s", kind, path)
     return state

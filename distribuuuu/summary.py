@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import yaml
 
 from distribuuuu.config import config_diff, get_cfg_defaults
-from distribuuuu.plots import METRICS_FILE, PLOT_INSTALL, dedupe, load_run, read_records, save_plot
+from distribuuuu.metrics_file import METRICS_FILE, Record, read_records
+from distribuuuu.plots import PLOT_INSTALL, dedupe, load_run, save_plot
 
 SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
 
@@ -33,9 +34,9 @@ class Summary:
     plot: str = ""
 
 
-def summarize(out_dir: str) -> Summary:
-    """Summarise OUT_DIR's metrics.jsonl (last record per epoch wins) and its config.yaml."""
-    series = dedupe(read_records(os.path.join(out_dir, METRICS_FILE)))
+def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
+    """Summarise OUT_DIR's metrics.jsonl (or its ``records``, if already read; last record per epoch wins) and its config.yaml."""
+    series = dedupe(read_records(os.path.join(out_dir, METRICS_FILE)) if records is None else records)
     train = series.get(("train", "model"), [])
     vals = {w: recs for (split, w), recs in series.items() if split == "val" and recs}
     s = Summary(out_dir=out_dir, epochs=len(train))
@@ -77,9 +78,10 @@ def format_summary(s: Summary) -> str:
 
 def write_summary(out_dir: str) -> str:
     """Draw OUT_DIR/metrics.png (if matplotlib is installed), write OUT_DIR/summary.md; return its text."""
-    s = summarize(out_dir)
+    records = read_records(os.path.join(out_dir, METRICS_FILE))  # read once: a skipped line is one warning
+    s = summarize(out_dir, records)
     try:
-        s.plot = save_plot([load_run(out_dir, None)], os.path.join(out_dir, PLOT_FILE))
+        s.plot = save_plot([load_run(out_dir, None, records)], os.path.join(out_dir, PLOT_FILE))
     except ImportError:
         s.plot = ""  # matplotlib is the optional "plot" extra: the summary says how to get it
     text = format_summary(s)

@@ -239,6 +239,7 @@ def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_writt
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "val/top1", "val/images_per_s"} <= tags
+    assert {f"val/top{val['k']}", f"train/top{val['k']}"} <= tags and "val/topk" not in tags, "a top-k tag names its k"
     assert not {"val/samples", "train/step", "train/samples"} & tags, "bookkeeping stays in metrics.jsonl"
     [point] = events.Scalars("val/top1")
     assert (point.step, point.value) == (1, pytest.approx(val["top1"]))

@@ -65,3 +65,20 @@ def test_ints_widen_to_float_keys_from_a_file_and_the_command_line_but_not_to_st
     assert all(type(v) is float for v in (cfg.OPTIM.BASE_LR, cfg.OPTIM.WARMUP_EPOCHS, cfg.OPTIM.MIN_LR))
     with pytest.raises(ConfigError, match="MODEL.ARCH expects str, got int"):
         load_cfg(None, ["MODEL.ARCH", "18"])
+
+
+@pytest.mark.parametrize("given", ["conv1.*", "[conv1.*]"])
+def test_a_string_for_a_list_key_on_the_command_line_shows_the_quoted_list_syntax(given):
+    with pytest.raises(ConfigError) as raised:
+        load_cfg(None, ["MODEL.FREEZE", given])
+    assert str(raised.value).endswith("""MODEL.FREEZE "['conv1.*']\""""), str(raised.value)
+    assert "MODEL.FREEZE expects list" in str(raised.value)
+    assert load_cfg(None, ["MODEL.FREEZE", "['conv1.*']"]).MODEL.FREEZE == ["conv1.*"], "the shown syntax works"
+
+
+def test_a_string_for_a_list_key_in_yaml_shows_the_yaml_list(tmp_path):
+    (tmp_path / "freeze.yaml").write_text("MODEL:\n  FREEZE: conv1.*\n")
+    with pytest.raises(
+        ConfigError, match=r"MODEL.FREEZE expects list.*write a list in YAML as FREEZE: \['conv1.\*'\]$"
+    ):
+        load_cfg(str(tmp_path / "freeze.yaml"))

@@ -44,7 +44,8 @@ from helpers import (
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
-from distribuuuu.records import CURVES, MetricsWriter
+from distribuuuu.records import MetricsWriter
+from distribuuuu.records import epoch_curves as record_curves
 
 # In-process tools on one thread: it runs first, beside the background jobs (tests/background.py).
 pytestmark = pytest.mark.one_core
@@ -75,10 +76,8 @@ def epoch_curves(out: Path) -> dict[str, dict[int, float]]:
     """metrics.jsonl's per-epoch curves as tag -> {epoch: value}, tags as the writer names them."""
     curves: dict[str, dict[int, float]] = {}
     for r in read_metrics(out):
-        prefix = r["split"] + ("_ema" if r.get("weights") == "ema" else "")
-        for key in CURVES:
-            if key in r:
-                curves.setdefault(f"{prefix}/{key}", {})[r["epoch"]] = r[key]
+        for tag, value in record_curves(r).items():
+            curves.setdefault(tag, {})[r["epoch"]] = value
     return curves
 
 

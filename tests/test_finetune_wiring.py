@@ -14,16 +14,19 @@ import torch
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
+from distribuuuu import checkpoint as ckpt
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import dataset_targets
 from distribuuuu.data.samplers import WeightedDistributedSampler
 from distribuuuu.launch import DistEnv
+from distribuuuu.logger import setup_logging
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import register_model
 from distribuuuu.optim import lr_at, set_lr
 from distribuuuu.records import NullWriter
 from distribuuuu.rng import seed_everything
 from distribuuuu.run import build_run
+from distribuuuu.state import load_weights
 from distribuuuu.trainer import train_epoch, train_step
 
 NUM_LAYERS = 3
@@ -190,3 +193,20 @@ def test_the_weighted_sampler_draws_each_sample_in_inverse_proportion_to_its_cla
     torch.testing.assert_close(run.train.sampler.weights, expected, rtol=1e-6, atol=0)
     keys = list(run.train.sampler)
     assert len(keys) == len(targets) and len({index for _, index in keys}) < len(targets)  # with replacement
+
+
+@pytest.mark.usefixtures("plain_logging")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_only_rank_0_says_which_head_tensors_the_weights_miss(tmp_path, capsys, rank):
+    def net(classes: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, classes))
+
+    path = str(tmp_path / "pretrained.pth.tar")
+    ckpt.save_checkpoint({"model": net(10).state_dict()}, path)
+    setup_logging(None, rank)  # as every rank of a run sets it up: rank 0 to stdout, the others' warnings to stderr
+    load_weights(net(5), path, strict=False)  # fine-tuning: a new 5-class head, the 10-class one skipped
+    out = capsys.readouterr()
+    said = [line for line in (out.out + out.err).splitlines() if "missing" in line]
+    assert len(said) == (1 if rank == 0 else 0), out
+    if rank == 0:
+        assert "2.weight" in said[0] and out.err == "", "rank 0 says it, on stdout"
