@@ -112,7 +112,9 @@ _TORCH_PAIR = r"torch (\d+\.\d+\.\d+) / torchvision (\d+\.\d+\.\d+)"
 def test_the_readmes_accuracy_figures_name_their_torch_and_torchvision_versions():
     # The Quick start states what to expect and points here for the measured figures.
     section = _section(README.read_text(), "Accuracy on the embedded dataset")
-    assert re.search(_TORCH_PAIR, section), "README.md's accuracy figures do not say which torch / torchvision gave them"
+    assert re.search(_TORCH_PAIR, section), (
+        "README.md's accuracy figures do not say which torch / torchvision gave them"
+    )
 
 
 def test_every_torch_and_torchvision_version_the_docs_name_for_a_figure_is_one_requirements_allow():
