@@ -87,7 +87,7 @@ def test_model(cfg: CfgNode) -> dict:
     env, writer = setup_environment(cfg, training=False)
     try:
         model = build_model_for(cfg, env)
-        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH)
+        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH, cfg=cfg)
         if not state.get("classes"):
             logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
         warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)
