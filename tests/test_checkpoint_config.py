@@ -1,9 +1,12 @@
 """A practitioner's first hour: test_net.py evaluates a checkpoint with the config its run stored,
-and weights that do not fit the config name the key and the config to use."""
+weights that do not fit the config name the key and the config to use, and a run stopped by bad
+input after start-up leaves OUT_DIR as it found it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,14 @@ RUN_OPTS = [*EVAL_TINY, "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3", "OPTIM.MAX_
 
 def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("distribuuuu: error:")]
+
+
+def _fingerprint(folder: Path) -> dict[str, str]:
+    """Every entry under ``folder`` (folders included), files by content."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for p in folder.rglob("*")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -81,4 +92,28 @@ def test_weights_that_do_not_fit_name_the_key_and_the_runs_config(five_class_run
     assert f"{weights} does not fit" in error and "2 of another shape fc.bias: [5] in the file" in error, error
     assert "it was trained with MODEL.NUM_CLASSES 5 (here 10)" in error, error
     assert f"--cfg {out / 'config.yaml'}" in error, error
-    assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "eval").exists()
+
+
+def test_a_train_run_stopped_by_bad_input_after_start_up_creates_no_out_dir(five_class_run, tmp_path):
+    data, _ = five_class_run
+    out = tmp_path / "new"
+    dataset = ["TRAIN.DATASET", str(data), "TEST.DATASET", str(data)]
+    result = in_process(FAULT, "OUT_DIR", str(out), *dataset, *RUN_OPTS, "TRAIN.BATCH_SIZE", "1000")
+    assert result.returncode == 2, result.stderr[-2000:]
+    [error] = _errors(result.stderr)
+    assert "TRAIN.BATCH_SIZE" in error
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+
+
+def test_a_resumed_run_stopped_by_bad_input_leaves_the_earlier_run_as_it_was(five_class_run, tmp_path):
+    data, earlier = five_class_run
+    out = tmp_path / "out"
+    shutil.copytree(earlier, out, symlinks=True)
+    before = _fingerprint(out)
+    dataset = ["TRAIN.DATASET", str(data), "TEST.DATASET", str(data)]
+    more = [*RUN_OPTS, "OPTIM.MAX_EPOCH", "2", "TRAIN.BATCH_SIZE", "1000"]  # it resumes, then stops
+    result = in_process(FAULT, "OUT_DIR", str(out), *dataset, *more)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(_errors(result.stderr)) == 1
+    assert _fingerprint(out) == before  # no new start, config.yaml and log.txt as they were
