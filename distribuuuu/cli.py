@@ -53,18 +53,24 @@ def parse_args(argv: Sequence[str] | None = None, description: str = "") -> argp
     return args
 
 
-def run_tool(main: Callable[[CfgNode], object], argv: Sequence[str] | None = None, description: str = "") -> int:
-    """Parse ``--cfg FILE KEY VALUE ...``, then run ``main(cfg)`` here or in ``--nproc`` workers."""
+def run_tool(
+    main: Callable[[CfgNode], object],
+    argv: Sequence[str] | None = None,
+    description: str = "",
+    build_cfg: Callable[[str | None, Sequence[str]], CfgNode] = load_cfg,
+) -> int:
+    """Parse ``--cfg FILE KEY VALUE ...``, build the config with ``build_cfg`` (test_net.py's reads
+    its checkpoint's), then run ``main(cfg)`` here or in ``--nproc`` workers."""
     args = parse_args(argv, description)
     if args.nproc > 1 and _launcher_in_env():
         _print_error(f"--nproc cannot be used under a launcher ({_launcher_in_env()}): it starts the processes")
         return EXIT_BAD_INPUT
     try:
         # Parsed before any worker starts: a bad config costs no process start-up and prints once.
-        cfg = load_cfg(args.cfg_file, args.opts)
-    except ConfigError as e:
+        cfg = build_cfg(args.cfg_file, args.opts)
+    except (ConfigError, CheckpointError) as e:
         _print_error(_one_line(e))
-        return EXIT_BAD_INPUT
+        return _exit_code(e)
     if args.nproc > 1:
         return spawn(main, args.nproc, cfg)
     return run_main(main, cfg)
@@ -86,12 +92,16 @@ def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
     except _KNOWN as e:
         everywhere = isinstance(e, RankLaunchError) or not isinstance(e, _SAME_ON_EVERY_RANK)
         _print_error(_one_line(e), every_rank=everywhere)
-        return EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError)) else EXIT_FAILED
+        return _exit_code(e)
     finally:
         # Every way a tool ends lets go of its process group before the interpreter exits: a group
         # left to the interpreter's exit can abort it ("terminate called without an active exception").
         cleanup_distributed()
     return 0
+
+
+def _exit_code(e: Exception) -> int:
+    return EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError)) else EXIT_FAILED
 
 
 def _print_error(message: str, every_rank: bool = False) -> None:

@@ -423,6 +423,11 @@ def _merge(config: CN, data: dict, source: str) -> None:
         raise ConfigError(f"{source}: {_yacs_message(e, source == 'command line')}") from None
 
 
+def merge_pairs(config: CN, pairs: dict[str, Any], source: str) -> None:
+    """Merge flat ``KEY: value`` pairs into ``config`` (not frozen) with a config file's type checks."""
+    _merge(config, _unflatten(pairs), source)
+
+
 def _widen_ints(data: Any, defaults: Any) -> Any:
     """Ints where the default is a float become floats ("OPTIM.BASE_LR 1", "WARMUP_EPOCHS: 5"):
     yacs rejects them, and every user trips on that; every other type check stays strict."""

@@ -6,6 +6,7 @@ The ground floor: the metrics writer, trackers and summaries live above it (reco
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
 import sys
 
@@ -19,12 +20,17 @@ _SAME = "same_on_every_rank"
 SAME_ON_EVERY_RANK = {_SAME: True}
 
 
-def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False, console: bool = True) -> logging.Logger:
-    """Rank 0 logs INFO to stdout and OUT_DIR/log.txt; other ranks only warnings, to stderr (not those marked SAME_ON_EVERY_RANK).
+def setup_logging(
+    out_dir: str | None, rank: int, progress_bar: bool = False, console: bool = True, pending: bool = False
+) -> logging.Logger:
+    """Rank 0 logs INFO to stdout and OUT_DIR/log.txt; other ranks only warnings (not those marked
+    SAME_ON_EVERY_RANK), to stderr.
 
     With ``progress_bar`` (stdout is a terminal), rank 0's stdout shows the training windows as a
     bar rather than as lines (see progress.py); log.txt still gets every line. Without ``console``
     rank 0 writes log.txt alone, for a tool whose stdout is its own report (gpu_check's table).
+    With ``pending`` (and no ``out_dir``), rank 0 keeps the lines for log.txt until
+    ``attach_log_file``: a run writes OUT_DIR only once its inputs proved good.
     """
     log = logging.getLogger(LOG_NAME)
     log.handlers.clear()
@@ -35,6 +41,8 @@ def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False, co
         handlers: list[logging.Handler] = [stdout] if console else []
         if out_dir:
             handlers.append(logging.FileHandler(os.path.join(out_dir, "log.txt")))
+        elif pending:
+            handlers.append(logging.handlers.MemoryHandler(capacity=10**9, flushLevel=logging.CRITICAL + 1))
         fmt = logging.Formatter(_FORMAT, "%m/%d %H:%M:%S")
     else:
         log.setLevel(logging.WARNING)
@@ -45,6 +53,19 @@ def setup_logging(out_dir: str | None, rank: int, progress_bar: bool = False, co
         h.setFormatter(fmt)
         log.addHandler(h)
     return log
+
+
+def attach_log_file(out_dir: str) -> None:
+    """Start OUT_DIR/log.txt on rank 0 with the lines kept since ``setup_logging(pending=True)``."""
+    log = logging.getLogger(LOG_NAME)
+    for kept in [h for h in log.handlers if isinstance(h, logging.handlers.MemoryHandler)]:
+        file = logging.FileHandler(os.path.join(out_dir, "log.txt"))
+        file.setFormatter(kept.formatter)
+        kept.setTarget(file)
+        kept.flush()  # each line with its own time: the records keep when they were made
+        log.removeHandler(kept)
+        kept.close()
+        log.addHandler(file)
 
 
 def get_logger(name: str = "") -> logging.Logger:

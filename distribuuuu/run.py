@@ -24,7 +24,7 @@ from distribuuuu.distributed import check_group, format_rank_table, is_dist, ran
 from distribuuuu.ema import ModelEMA
 from distribuuuu.heartbeat import stall_seconds
 from distribuuuu.launch import DistEnv
-from distribuuuu.logger import get_logger, setup_logging
+from distribuuuu.logger import attach_log_file, get_logger, setup_logging
 from distribuuuu.losses import build_criterion, inverse_frequency_weights
 from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, find_blocks, has_batchnorm
@@ -128,16 +128,15 @@ def start_process_group(cfg: CfgNode) -> tuple[DistEnv, list[dict]]:
 def prepare_outputs(
     cfg: CfgNode, env: DistEnv, table: list[dict], training: bool = True, resumed_from: str | None = None
 ) -> object:
-    """Prepare OUT_DIR, logging, seeds and cuDNN; keep this start's config and manifest; return the writer.
+    """Prepare logging, seeds and cuDNN, then OUT_DIR (``prepare_process``, then ``open_outputs``)."""
+    prepare_process(cfg, env, table, training)
+    return open_outputs(cfg, env, table, training, resumed_from)
 
-    An evaluation (``training`` False) writes into OUT_DIR's log and metrics but keeps no config.
-    """
-    rank0_decides(lambda: _prepare_out_dir(cfg.OUT_DIR, training))  # every rank stops on a bad folder, one prints
+
+def prepare_process(cfg: CfgNode, env: DistEnv, table: list[dict], training: bool = True) -> None:
+    """Logging (the lines for log.txt kept until ``open_outputs``), seeds and cuDNN: nothing written to OUT_DIR."""
     setup_logging(
-        cfg.OUT_DIR if env.is_main_process else None,
-        env.rank,
-        training and show_progress_bar(cfg.LOG.PROGRESS),
-        console=cfg.LOG.CONSOLE,
+        None, env.rank, training and show_progress_bar(cfg.LOG.PROGRESS), console=cfg.LOG.CONSOLE, pending=True
     )
     logger.info("%s launch, %d process(es):\n%s", env.launcher, env.world_size, format_rank_table(table))
     if cfg.TRAIN.PRECISION == "fp16" and env.device.type == "cpu":
@@ -145,6 +144,19 @@ def prepare_outputs(
     seed_everything(cfg.RNG_SEED + env.rank)
     torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
     torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
+
+
+def open_outputs(
+    cfg: CfgNode, env: DistEnv, table: list[dict], training: bool = True, resumed_from: str | None = None
+) -> object:
+    """Create OUT_DIR and its log.txt; keep this start's config and manifest; return the metrics writer.
+
+    Called once the inputs proved good: a run stopped by bad input leaves OUT_DIR as it found it.
+    An evaluation (``training`` False) writes into OUT_DIR's log and metrics but keeps no config.
+    """
+    rank0_decides(lambda: _prepare_out_dir(cfg.OUT_DIR, training))  # every rank stops on a bad folder, one prints
+    if env.is_main_process:
+        attach_log_file(cfg.OUT_DIR)
     if training:
         rank0_decides(lambda: record_start(cfg, env, table, resumed_from))
     return make_writer(cfg.OUT_DIR, env.is_main_process, cfg=cfg if training else None)

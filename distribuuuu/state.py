@@ -15,6 +15,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import sharded_checkpoint as shards
+from distribuuuu.checkpoint_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
 from distribuuuu.components import (
     file_states,
     load_file_state,
@@ -71,20 +72,6 @@ def prune(ckpt_dir: str, keep: int, fmt: str) -> None:
         ckpt.prune_checkpoints(ckpt_dir, keep, fmt)
     except OSError as e:
         raise ckpt.CheckpointError(f"could not remove an old checkpoint in {ckpt_dir}: {e}") from None
-
-
-# Keys that make another experiment: resuming a checkpoint trained with other values would mix
-# two runs in one OUT_DIR (and one record). TRAIN.RESUME_ANYWAY overrides.
-EXPERIMENT_KEYS = (
-    "MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.DATASET", "TRAIN.SPLIT", "TRAIN.IM_SIZE", "OPTIM.OPTIMIZER",
-)  # fmt: skip
-# Keys that may change on a resume without changing what is trained: logged, not warned about.
-RUNTIME_KEYS = (
-    "OPTIM.MAX_EPOCH", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.WORKERS", "TRAIN.PREFETCH_FACTOR",
-    "TRAIN.PERSISTENT_WORKERS", "TRAIN.PIN_MEMORY", "TRAIN.CKPT_PERIOD_ITERS", "TRAIN.KEEP_CKPTS",
-    "TRAIN.STOP_AFTER_EPOCHS", "TRAIN.EVAL_PERIOD", "TRAIN.AUTO_RESUME", "TRAIN.RESUME_ANYWAY", "TEST.BATCH_SIZE",
-    "DATA.DECODER", "MODEL.WEIGHTS", "OUT_DIR", "CFG_DEST", "DIST.", "CUDNN.",
-)  # fmt: skip
 
 
 class ResumePoint(NamedTuple):
@@ -182,14 +169,17 @@ def restore_progress(run: Run, state: dict) -> None:
     load_file_state({name: components[name] for name in ("progress", "position")}, state, "checkpoint")
 
 
-def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool = True, arch: str = "") -> dict:
-    """Load MODEL.WEIGHTS into ``model`` (built for MODEL.ARCH ``arch``); with strict=False,
-    tensors of another shape are skipped. Strict weights that do not fit raise CheckpointError."""
+def load_weights(
+    model: nn.Module, path: str, kind: str = "model", strict: bool = True, arch: str = "", cfg: CfgNode | None = None
+) -> dict:
+    """Load MODEL.WEIGHTS into ``model`` (built for MODEL.ARCH ``arch``, from ``cfg``); with strict=False,
+    tensors of another shape are skipped. Strict weights that do not fit raise CheckpointError (naming
+    the keys of ``cfg`` the checkpoint's run had otherwise)."""
     state = ckpt.load_checkpoint(path)
     weights = ckpt.model_state_from(state, kind)
     own = model.state_dict()  # under FSDP2 DTensors: their shape is the full one
     if strict:
-        check_weights_fit(own, weights, path, state.get("arch"), arch)
+        check_weights_fit(own, weights, path, state.get("arch"), arch, fit_hint(state, cfg))
     else:
         skipped = [k for k, v in weights.items() if k in own and own[k].shape != v.shape]
         weights = {k: v for k, v in weights.items() if k not in skipped}
@@ -208,20 +198,21 @@ def load_weights(model: nn.Module, path: str, kind: str = "model", strict: bool 
     return state
 
 
-def check_weights_fit(own: dict, weights: dict, path: str, saved_arch: str | None, arch: str) -> None:
+def check_weights_fit(own: dict, weights: dict, path: str, saved_arch: str | None, arch: str, hint: str = "") -> None:
     """One line instead of load_state_dict's page of key names: which model the file holds, or
-    how many tensors are missing, unexpected or of another shape."""
+    how many tensors are missing, unexpected or of another shape, then ``hint`` (``fit_hint``)."""
     if saved_arch and arch and saved_arch.split(":")[0] != arch.split(":")[0]:
         raise ckpt.CheckpointError(
             f"{path} holds {saved_arch} weights but MODEL.ARCH is {arch}: set MODEL.ARCH {saved_arch} to load it"
         )
     missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
-    shapes = [k for k in own.keys() & weights.keys() if own[k].shape != weights[k].shape]
+    shapes = sorted(k for k in own.keys() & weights.keys() if own[k].shape != weights[k].shape)
     if missing or unexpected or shapes:
         example = f"{shapes[0]}: {list(weights[shapes[0]].shape)} in the file" if shapes else ""
         raise ckpt.CheckpointError(
             f"{path} does not fit MODEL.ARCH {arch or '?'}: {len(missing)} tensor(s) missing {missing[:2]}, "
             f"{len(unexpected)} unexpected {unexpected[:2]}, {len(shapes)} of another shape {example}".rstrip()
+            + (f"; {hint}" if hint else "")
         )
 
 

@@ -26,7 +26,15 @@ from distribuuuu.optim import lr_at, set_lr
 from distribuuuu.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
 from distribuuuu.records import log_train_window, write_eval_record, write_train_record
-from distribuuuu.run import Run, TrainState, build_run, prepare_outputs, report_finished_run, start_process_group
+from distribuuuu.run import (
+    Run,
+    TrainState,
+    build_run,
+    open_outputs,
+    prepare_process,
+    report_finished_run,
+    start_process_group,
+)
 from distribuuuu.state import (
     ResumePoint,
     find_checkpoint_to_resume,
@@ -229,21 +237,25 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
 
 
 def _train(cfg: CfgNode, env: DistEnv, table: list[dict], resume: ResumePoint) -> dict:
-    """Write the run's outputs, build it, resume it and train it (``train_model``'s body)."""
-    writer = prepare_outputs(cfg, env, table, resumed_from=resume.path)
+    """Build the run, resume it, open its outputs and train it (``train_model``'s body)."""
+    prepare_process(cfg, env, table)
     log_config_changes(resume.path, resume.changes)
     run: Run | None = None
+    writer = None
     try:
         with naming_failed_collectives(env, cfg.DIST.TIMEOUT_S, lambda: run.state if run else TrainState()):
             run = build_run(cfg, env, writer)
             with reporting_position(lambda: f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"):
                 resume_or_load_weights(run, resume.path)
+                # Only now is OUT_DIR written: bad data, batch size or weights left it as it was.
+                run.writer = writer = open_outputs(cfg, env, table, resumed_from=resume.path)
                 with PreemptionHandler(cfg.DIST.PREEMPT_GRACE_S) as run.preempt:
                     last_val = train_epochs(run)
                 run.writer.summarize()  # rank 0 (the others hold a NullWriter): summary.md and the plot
             return last_val
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         run = None  # its model holds the process group: let it go with the group, not at interpreter exit
 
 

@@ -18,7 +18,7 @@ from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
 from distribuuuu.parallel import autocast, is_sharded, missing_forwards, to_device
 from distribuuuu.records import write_eval_record
-from distribuuuu.run import build_model_for, setup_environment
+from distribuuuu.run import build_model_for, open_outputs, prepare_process, start_process_group
 from distribuuuu.state import load_weights, warn_if_evaluated_otherwise
 
 logger = get_logger("trainer")  # the name the evaluation lines have always carried
@@ -84,14 +84,18 @@ def test_model(cfg: CfgNode) -> dict:
         raise ConfigError("MODEL.WEIGHTS must name a checkpoint: test_net.py refuses to run without weights")
     check_dataset_paths(cfg)
     model_source(cfg.MODEL.ARCH)
-    env, writer = setup_environment(cfg, training=False)
+    env, table = start_process_group(cfg)
+    prepare_process(cfg, env, table, training=False)
+    writer = None
     try:
         model = build_model_for(cfg, env)
-        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH)
+        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH, cfg=cfg)
         if not state.get("classes"):
             logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
         warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)
         val = build_val_split(cfg, env, state.get("classes"))
+        # Only now is OUT_DIR written: weights that do not fit or a bad val set left it as it was.
+        writer = open_outputs(cfg, env, table, training=False)
         if cfg.TRAIN.COMPILE:
             model = torch.compile(model)
         totals = validate(model, val, cfg, env)
@@ -104,7 +108,8 @@ def test_model(cfg: CfgNode) -> dict:
         )  # fmt: skip
         return totals
     finally:
-        writer.close()
+        if writer is not None:
+            writer.close()
         cleanup_distributed()
 
 

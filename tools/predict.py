@@ -28,7 +28,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpoint import CheckpointError, load_checkpoint, model_state_from  # noqa: E402
-from distribuuuu.config import ConfigError, get_cfg_defaults, load_cfg  # noqa: E402
+from distribuuuu.checkpoint_config import MODEL_KEYS, cfg_from_checkpoint, fit_hint, stored_cfg  # noqa: E402
+from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError, load_image  # noqa: E402
 from distribuuuu.data.datasets import build_base_dataset  # noqa: E402
 from distribuuuu.data.hf import is_saved_hf  # noqa: E402
@@ -43,11 +44,6 @@ from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.state import check_weights_fit, load_full_weights  # noqa: E402
 
 EXIT_BAD_INPUT = 2
-# The keys that shape the model and its input: taken from the checkpoint's own config.
-MODEL_KEYS = (
-    "MODEL.ARCH", "MODEL.NUM_CLASSES", "MODEL.KWARGS", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "TEST.CROP_SIZE",
-    "TEST.CROP_PCT", "TEST.INTERPOLATION", "DATA.MEAN", "DATA.STD", "TRAIN.TOPK",
-)  # fmt: skip
 
 
 class PredictError(ValueError):
@@ -137,22 +133,12 @@ def load_state(path: str) -> dict:
 
 
 def build_cfg(state: dict, cfg_file: str | None, opts: Sequence[str]) -> CfgNode:
-    """Defaults < the checkpoint's model/input keys < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
-    base = get_cfg_defaults()
-    saved = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
-    classes = len(state["classes"])
-    base.MODEL.NUM_CLASSES = classes  # for checkpoints without a config
-    base.TRAIN.TOPK = min(base.TRAIN.TOPK, classes)
-    for key in MODEL_KEYS:
-        section, name = key.split(".")
-        if name in saved.get(section, {}):
-            base[section][name] = saved[section][name]
-    if state.get("arch"):
-        base.MODEL.ARCH = state["arch"]
-    cfg = load_cfg(cfg_file, opts, base=base)
+    """Defaults < the checkpoint's model/input keys (MODEL_KEYS) < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
+    cfg = cfg_from_checkpoint(state, cfg_file, opts, MODEL_KEYS)
     cfg.defrost()
     cfg.MODEL.PRETRAINED = False  # the checkpoint provides every weight: never fetch pretrained ones
     cfg.freeze()
+    classes = len(state["classes"])
     if cfg.MODEL.NUM_CLASSES != classes:
         raise ConfigError(f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but the checkpoint names {classes} classes")
     return cfg
@@ -171,7 +157,7 @@ def resolve_preprocessing(state: dict, cfg_file: str | None, opts: Sequence[str]
 def _resolvable(cfg: CfgNode, state: dict) -> CfgNode:
     """``cfg`` with the checkpoint's MODEL.PRETRAINED: a pretrained timm model's own preprocessing
     counts (build_cfg turns it off so that no weights are fetched)."""
-    saved = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+    saved = stored_cfg(state)
     cfg = cfg.clone()
     cfg.defrost()
     cfg.MODEL.PRETRAINED = saved.get("MODEL", {}).get("PRETRAINED", False)
@@ -184,7 +170,7 @@ def load_model(state: dict, cfg: CfgNode, kind: str, device: torch.device, path:
         raise PredictError("--ema: the checkpoint holds no EMA weights (train with OPTIM.EMA_DECAY > 0)")
     model, weights = build_model(cfg.MODEL), model_state_from(state, kind)
     # test_net's and MODEL.WEIGHTS's check and load: one line naming what does not fit
-    check_weights_fit(model.state_dict(), weights, path, state.get("arch"), cfg.MODEL.ARCH)
+    check_weights_fit(model.state_dict(), weights, path, state.get("arch"), cfg.MODEL.ARCH, fit_hint(state, cfg))
     load_full_weights(model, weights)
     return model.to(device).eval()
 

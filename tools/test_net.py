@@ -1,6 +1,8 @@
-"""Evaluate a checkpoint: ``torchrun --nproc_per_node=N tools/test_net.py --cfg FILE MODEL.WEIGHTS PATH``.
+"""Evaluate a checkpoint: ``torchrun --nproc_per_node=N tools/test_net.py [--cfg FILE] MODEL.WEIGHTS PATH``.
 
-Prints top-1/top-k on the val split and appends a ``"split": "test"`` line to OUT_DIR/metrics.jsonl.
+The config is the checkpoint's own (the keys its run trained with, not its runtime keys such as
+OUT_DIR), under ``--cfg FILE`` and then the trailing ``KEY VALUE`` pairs. Prints top-1/top-k on
+the val split and appends a ``"split": "test"`` line to OUT_DIR/metrics.jsonl.
 """
 
 import os
@@ -8,8 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from distribuuuu.checkpoint_config import evaluation_cfg  # noqa: E402
 from distribuuuu.cli import run_tool  # noqa: E402
 from distribuuuu.validation import test_model  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_tool(test_model, description=__doc__))
+    sys.exit(run_tool(test_model, description=__doc__, build_cfg=evaluation_cfg))
