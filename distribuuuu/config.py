@@ -302,6 +302,12 @@ _C.DIST.COMM_HOOK = ""
 _C.DIST.REQUEUE = False
 # After a preemption signal, exit hard if the synchronised stop has not finished in this many s
 _C.DIST.PREEMPT_GRACE_S = 60
+# One run per OUT_DIR: a lock untouched for this many seconds is stale (its run is gone) and taken
+# over; a running holder touches it every 30 s
+_C.DIST.LOCK_STALE_S = 120.0
+# A requeued or restarted job (SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT > 0) waits this many
+# seconds for its predecessor to let go of OUT_DIR; a first start stops at once
+_C.DIST.LOCK_WAIT_S = 300.0
 # Data parallelism: "ddp" (replicated weights), "fsdp" (FSDP2: parameters, gradients and optimizer
 # state sharded over all ranks) or "hsdp" (sharded within a node, replicated across nodes)
 _C.DIST.STRATEGY = "ddp"
@@ -650,6 +656,8 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DIST.INIT_CHECK_TIMEOUT_S", _POSITIVE),
     ("DIST.BUCKET_CAP_MB", _POSITIVE),
     ("DIST.PREEMPT_GRACE_S", _POSITIVE),
+    ("DIST.LOCK_STALE_S", _POSITIVE),
+    ("DIST.LOCK_WAIT_S", _NON_NEGATIVE),
     ("DIST.COMM_HOOK", _choice(COMM_HOOKS)),
     ("DIST.STRATEGY", _choice(STRATEGIES)),
     ("DIST.STRATEGY", ((lambda v, c: v == "ddp" or not c.OPTIM.ZERO),

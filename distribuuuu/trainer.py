@@ -23,6 +23,7 @@ from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
 from distribuuuu.optim import lr_at, set_lr
+from distribuuuu.out_dir_lock import OutDirLock, is_a_restart
 from distribuuuu.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
 from distribuuuu.records import log_train_window, write_eval_record, write_train_record
@@ -224,7 +225,9 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
     check_dataset_paths(cfg)
     model_source(cfg.MODEL.ARCH)  # an unknown architecture fails before any set-up
     env, table = start_process_group(cfg)
+    lock = out_dir_lock(cfg) if env.is_main_process else None
     try:
+        rank0_decides(lambda: lock.acquire())  # before OUT_DIR is read: another run holding it stops this one
         # Before anything is written to OUT_DIR: a checkpoint of another experiment stops the run here.
         resume = rank0_decides(lambda: find_checkpoint_to_resume(cfg))
         if resume.epochs_done >= cfg.OPTIM.MAX_EPOCH:
@@ -232,8 +235,15 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
             return {}
         return _train(cfg, env, table, resume)
     finally:
+        if lock is not None:
+            lock.release()
         if cleanup:
             cleanup_distributed()
+
+
+def out_dir_lock(cfg: CfgNode) -> OutDirLock:
+    """The lock of this run's OUT_DIR: a requeued or restarted job waits for its predecessor to let go."""
+    return OutDirLock(cfg.OUT_DIR, cfg.DIST.LOCK_STALE_S, cfg.DIST.LOCK_WAIT_S if is_a_restart() else 0.0)
 
 
 def _train(cfg: CfgNode, env: DistEnv, table: list[dict], resume: ResumePoint) -> dict:
