@@ -111,26 +111,12 @@ class Run:
         return fmt == "sharded" or (not fmt and self.cfg.DIST.STRATEGY != "ddp")
 
 
-def setup_environment(cfg: CfgNode, training: bool = True) -> tuple[DistEnv, object]:
-    """Start the process group, then prepare OUT_DIR, logging, seeds and cuDNN (for a run that resumes nothing)."""
-    env, table = start_process_group(cfg)
-    return env, prepare_outputs(cfg, env, table, training)
-
-
 def start_process_group(cfg: CfgNode) -> tuple[DistEnv, list[dict]]:
     """Meet the other ranks (fast start-up check), and return where each one runs."""
     d = cfg.DIST
     stall_s = stall_seconds(d.STALL_S, d.TIMEOUT_S)
     env = setup_distributed(d.BACKEND, d.TIMEOUT_S, join_timeout_s=d.INIT_CHECK_TIMEOUT_S, stall_s=stall_s)
     return env, check_group(env, cfg.DIST.INIT_CHECK_TIMEOUT_S)
-
-
-def prepare_outputs(
-    cfg: CfgNode, env: DistEnv, table: list[dict], training: bool = True, resumed_from: str | None = None
-) -> object:
-    """Prepare logging, seeds and cuDNN, then OUT_DIR (``prepare_process``, then ``open_outputs``)."""
-    prepare_process(cfg, env, table, training)
-    return open_outputs(cfg, env, table, training, resumed_from)
 
 
 def prepare_process(cfg: CfgNode, env: DistEnv, table: list[dict], training: bool = True) -> None:
