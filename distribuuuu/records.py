@@ -36,15 +36,29 @@ def log_train_window(
         "loss": totals["loss"], "images_per_s": images_per_s, "eta": hms(eta_s),
     }  # fmt: skip
     logger.info(
-        "epoch %d/%d  step %d/%d  loss %.4f  top1 %.2f  top%d %.2f  lr %.5g  %.0f img/s  data %.3fs/step  eta %s%s",
+        "epoch %d/%d  step %d/%d  loss %.4f  top1 %.2f%s  lr %.5g  %.0f img/s  data %.3fs/step  eta %s%s",
         epoch + 1, cfg.OPTIM.MAX_EPOCH, step, steps_per_epoch, totals["loss"], totals["top1_acc"],
-        cfg.TRAIN.TOPK, totals["topk_acc"], lr, images_per_s,
+        topk_text(reported_k(cfg), totals["topk_acc"]), lr, images_per_s,
         data_s / max(steps, 1), hms(eta_s), f"  {what} {skipped}" if skipped else "", extra={WINDOW: bar},
     )  # fmt: skip
     writer.write_window({"loss": totals["loss"], "lr": lr, "images_per_s": images_per_s}, global_step)
 
 
-def write_train_record(writer, epoch: int, totals: dict, k: int, lr: float, step: int, fp16: bool) -> None:
+def reported_k(cfg: CfgNode) -> int | None:
+    """TRAIN.TOPK, or None when the model has no more classes than that: its top-k is always 100%."""
+    return cfg.TRAIN.TOPK if cfg.TRAIN.TOPK < cfg.MODEL.NUM_CLASSES else None
+
+
+def topk_text(k: int | None, accuracy: float, digits: int = 2) -> str:
+    """'  top5 93.10' for a log line, or '' when top-k is not reported (``reported_k``)."""
+    return f"  top{k} {accuracy:.{digits}f}" if k else ""
+
+
+def _topk_fields(k: int | None, totals: dict) -> dict:
+    return {"topk": totals["topk_acc"], "k": k} if k else {}
+
+
+def write_train_record(writer, epoch: int, totals: dict, k: int | None, lr: float, step: int, fp16: bool) -> None:
     """Append the epoch's training line (``epoch`` 1-based) to metrics.jsonl."""
     skipped = int(totals["skipped_steps"])
     writer.write(
@@ -53,8 +67,7 @@ def write_train_record(writer, epoch: int, totals: dict, k: int, lr: float, step
             "split": "train",
             "loss": totals["loss"],
             "top1": totals["top1_acc"],
-            "topk": totals["topk_acc"],
-            "k": k,
+            **_topk_fields(k, totals),
             "lr": lr,
             "images_per_s": totals["samples"] / max(totals["time_s"], 1e-9),
             "time_s": totals["time_s"],
@@ -67,7 +80,7 @@ def write_train_record(writer, epoch: int, totals: dict, k: int, lr: float, step
     )
 
 
-def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int, weights: str = "model") -> None:
+def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int | None, weights: str = "model") -> None:
     """Append an evaluation line (val or test) to metrics.jsonl."""
     writer.write(
         {
@@ -76,8 +89,7 @@ def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int, weig
             "weights": weights,
             "loss": totals["loss"],
             "top1": totals["top1_acc"],
-            "topk": totals["topk_acc"],
-            "k": k,
+            **_topk_fields(k, totals),
             "images_per_s": totals["images_per_s"],
             "time_s": totals["time_s"],
             "samples": int(totals["samples"]),

@@ -65,9 +65,8 @@ def format_summary(s: Summary) -> str:
             f"- best val top-1: {s.best['top1']:.2f}% ({s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
         )
     for weights, r in sorted(s.last.items()):
-        lines.append(
-            f"- last val top-1 ({weights}): {r['top1']:.2f}% (top-{r['k']} {r['topk']:.2f}%, epoch {r['epoch']})"
-        )
+        topk = f"top-{r['k']} {r['topk']:.2f}%, " if "k" in r else ""
+        lines.append(f"- last val top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']})")
     lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
     lines.append(f"- training throughput: {s.images_per_s:.0f} images/s")
     lines.append(f"- plot: {s.plot}" if s.plot else f"- plot: none ({PLOT_INSTALL})")

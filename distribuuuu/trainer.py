@@ -26,7 +26,7 @@ from distribuuuu.optim import lr_at, set_lr
 from distribuuuu.out_dir_lock import OutDirLock, is_a_restart
 from distribuuuu.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
-from distribuuuu.records import log_train_window, write_eval_record, write_train_record
+from distribuuuu.records import log_train_window, reported_k, topk_text, write_eval_record, write_train_record
 from distribuuuu.run import (
     Run,
     TrainState,
@@ -289,7 +289,7 @@ def train_one_epoch(run: Run, epoch: int) -> dict:
     totals = train_epoch(run, epoch)
     sync_buffers(run)
     write_train_record(
-        run.writer, epoch + 1, totals, run.cfg.TRAIN.TOPK, scheduled_lr(run), run.global_step, run.scaler.is_enabled(),
+        run.writer, epoch + 1, totals, reported_k(run.cfg), scheduled_lr(run), run.global_step, run.scaler.is_enabled(),
     )  # fmt: skip
     run.move_to(epoch + 1)
     return totals
@@ -317,11 +317,12 @@ def evaluate_epoch(run: Run, epoch: int) -> tuple[dict, bool]:
         for name, module in candidates:
             prefix = split_name + ("_ema" if name == "ema" else "")
             totals = validate(module, split, run.cfg, run.env, (os.path.join(run.cfg.OUT_DIR, "evaluation"), prefix))
-            write_eval_record(run.writer, split_name, epoch + 1, totals, run.cfg.TRAIN.TOPK, name)
+            k = reported_k(run.cfg)
+            write_eval_record(run.writer, split_name, epoch + 1, totals, k, name)
             logger.info(
-                "%s %s epoch %d: loss %.4f  top1 %.2f  top%d %.2f  (%d images, %.0f img/s)",
-                split_name, name, epoch + 1, totals["loss"], totals["top1_acc"], run.cfg.TRAIN.TOPK,
-                totals["topk_acc"], totals["samples"], totals["images_per_s"],
+                "%s %s epoch %d: loss %.4f  top1 %.2f%s  (%d images, %.0f img/s)",
+                split_name, name, epoch + 1, totals["loss"], totals["top1_acc"], topk_text(k, totals["topk_acc"]),
+                totals["samples"], totals["images_per_s"],
             )  # fmt: skip
             if split_name != "val":
                 continue

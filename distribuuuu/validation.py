@@ -17,7 +17,7 @@ from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
 from distribuuuu.parallel import autocast, is_sharded, missing_forwards, to_device
-from distribuuuu.records import write_eval_record
+from distribuuuu.records import reported_k, topk_text, write_eval_record
 from distribuuuu.run import build_model_for, open_outputs, prepare_process, start_process_group
 from distribuuuu.state import load_weights, warn_if_evaluated_otherwise
 
@@ -100,11 +100,12 @@ def test_model(cfg: CfgNode) -> dict:
             model = torch.compile(model)
         totals = validate(model, val, cfg, env)
         epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
-        write_eval_record(writer, "test", epoch, totals, cfg.TRAIN.TOPK, cfg.MODEL.WEIGHTS_KIND)
+        k = reported_k(cfg)
+        write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND)
         logger.info(
-            "test %s: top1 %.3f  top%d %.3f  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
-            cfg.MODEL.WEIGHTS, totals["top1_acc"], cfg.TRAIN.TOPK, totals["topk_acc"], totals["loss"], totals["samples"],
-            cfg.OUT_DIR,
+            "test %s: top1 %.3f%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
+            cfg.MODEL.WEIGHTS, totals["top1_acc"], topk_text(k, totals["topk_acc"], 3), totals["loss"],
+            totals["samples"], cfg.OUT_DIR,
         )  # fmt: skip
         return totals
     finally:

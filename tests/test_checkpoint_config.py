@@ -117,3 +117,17 @@ def test_a_resumed_run_stopped_by_bad_input_leaves_the_earlier_run_as_it_was(fiv
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(_errors(result.stderr)) == 1
     assert _fingerprint(out) == before  # no new start, config.yaml and log.txt as they were
+
+
+def test_top_k_is_left_out_where_k_is_not_below_the_number_of_classes(five_class_run, tmp_path):
+    """Top-5 of a 5-class model is always 100%: neither the record nor the log line carries it."""
+    _, out = five_class_run
+    weights = out / ckpt.CKPT_DIR / ckpt.checkpoint_name(1)
+    result = in_process(TEST, "MODEL.WEIGHTS", str(weights), "OUT_DIR", str(tmp_path / "eval"), "TRAIN.TOPK", "5")
+    assert_ok(result)
+    [test] = [r for r in read_metrics(tmp_path / "eval") if r["split"] == "test"]
+    assert "topk" not in test and "k" not in test and test["top1"] >= 0
+    assert "test " in result.stdout and "top5" not in result.stdout, result.stdout[-2000:]
+    # The run itself (top-3 of 5 classes) reports its k everywhere.
+    assert all(r["k"] == 3 for r in read_metrics(out))
+    assert "top3 " in (out / "log.txt").read_text()
