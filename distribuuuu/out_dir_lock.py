@@ -96,11 +96,11 @@ class OutDirLock:
         self._made_out_dir = False
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
+        self._held = False
 
     def acquire(self) -> None:
         """Take the lock (a stale one taken over), waiting up to ``wait_s`` for a live holder; else OutDirBusy."""
         self._made_out_dir = not os.path.isdir(self.out_dir)
-        os.makedirs(self.out_dir, exist_ok=True)
         deadline = time.monotonic() + self.wait_s
         while not self._try_create():
             holder, raw = self._read()
@@ -116,9 +116,13 @@ class OutDirLock:
             time.sleep(_POLL_S)
         self._refresher = threading.Thread(target=self._refresh, name="out-dir-lock", daemon=True)
         self._refresher.start()
+        self._held = True
 
     def release(self) -> None:
         """Let go of the lock (if it is still ours), and of OUT_DIR if this run made it and left it empty."""
+        if not self._held:
+            return
+        self._held = False
         self._stop.set()
         if self._refresher is not None:
             self._refresher.join()
@@ -130,9 +134,13 @@ class OutDirLock:
 
     def _try_create(self) -> bool:
         """Write our lock whole under a name of our own, then link it to ``.lock``: True if it was free."""
-        tmp = temporary_name(self.path)
-        with open(tmp, "w") as f:
-            json.dump(asdict(Holder.this_process()), f)
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            tmp = temporary_name(self.path)
+            with open(tmp, "w") as f:
+                json.dump(asdict(Holder.this_process()), f)
+        except OSError as e:  # not a folder, not writable: the same line as every other unwritable OUT_DIR
+            raise ConfigError(f"OUT_DIR: cannot write to {self.out_dir}: {e.strerror or e}") from None
         try:
             os.link(tmp, self.path)
             return True
@@ -146,7 +154,7 @@ class OutDirLock:
         try:
             with open(self.path) as f:
                 raw = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None, ""
         try:
             return Holder(**json.loads(raw)), raw
