@@ -4,11 +4,22 @@ a closed-form computation over the same images, and are the same for 1, 2 and 3 
 from __future__ import annotations
 
 import copy
-import importlib
+import sys
 
 import pytest
 import torch
-from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
+from helpers import (
+    EVAL_TINY,
+    FAULT,
+    REPO,
+    TEST,
+    assert_ok,
+    in_process,
+    read_metrics,
+    register_tiny_model,
+    run,
+    torchrun,
+)
 from torch import nn
 
 from distribuuuu import checkpoint as ckpt
@@ -19,20 +30,12 @@ from distribuuuu.launch import DistEnv
 from distribuuuu.precise_bn import bn_layers, bn_moment_sums, recompute_bn_stats, set_bn_stats
 
 register_tiny_model()  # train_net.py and test_net.py run in this process and build the tiny CNN
+sys.path.insert(0, str(REPO / "tests" / "scripts"))
+from precise_bn_job import cfg, tiny_model  # noqa: E402  (the torchrun job's model and config)
+
 pytestmark = pytest.mark.one_core
 
 DIGITS = str(REPO / "data" / "digits")
-
-
-def _tiny_model() -> nn.Module:
-    """The tiny CNN (two conv-BN blocks) with non-trivial BN affine weights, so the second BN's
-    input depends on the first's normalisation."""
-    torch.manual_seed(0)
-    model = importlib.import_module("scripts.fault_train").TinyNet(10)
-    for m in bn_layers(model):
-        nn.init.uniform_(m.weight, 0.5, 2.0)
-        nn.init.uniform_(m.bias, -1.0, 1.0)
-    return model
 
 
 def _stats(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,7 +49,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 def test_one_batch_equals_torchs_cumulative_batchnorm_over_the_same_images():
     # Independent: torch's own BatchNorm, momentum None (a cumulative average), reset, fed all N
     # images as one batch, stores the batch mean and the unbiased batch variance.
-    model, images = _tiny_model(), torch.randn(12, 3, 16, 16)
+    model, images = tiny_model(), torch.randn(12, 3, 16, 16)
     reference = copy.deepcopy(model).train()
     for m in bn_layers(reference):
         m.reset_running_stats()
@@ -66,7 +69,7 @@ def test_one_batch_equals_torchs_cumulative_batchnorm_over_the_same_images():
 def test_fixed_batches_give_the_moments_of_every_input_each_bn_layer_saw():
     # Batches of 4, 4 and 2: each BN layer's inputs (BN normalising with batch statistics, as in
     # training) captured and concatenated, then their mean and unbiased variance in float64.
-    model = _tiny_model()
+    model = tiny_model()
     batches = list(torch.randn(10, 3, 16, 16).split(4))
     probe = copy.deepcopy(model).eval()
     seen: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(bn_layers(probe)))}
@@ -85,24 +88,16 @@ def test_fixed_batches_give_the_moments_of_every_input_each_bn_layer_saw():
         torch.testing.assert_close(var, ref_var.float(), rtol=2**-20, atol=1e-7)
 
 
-def _cfg(images: int, transform: str = "train"):
-    cfg = get_cfg_defaults()
-    cfg.merge_from_list([*EVAL_TINY, "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "TRAIN.BATCH_SIZE", "4"])
-    cfg.merge_from_list(["BN.PRECISE_IMAGES", str(images), "BN.PRECISE_TRANSFORM", transform, "TRAIN.WORKERS", "0"])
-    validate_cfg(cfg)
-    return cfg
-
-
 @pytest.mark.parametrize("transform", ["train", "val"])
 def test_statistics_are_identical_for_world_size_1_2_3(transform):
     # Each rank's part computed in this process from its own loader and summed, as the all-reduce
     # sums them: 22 images in batches of 4 (the last of 2), dealt to 1, 2 and 3 ranks.
-    cfg, model = _cfg(22, transform), _tiny_model()
-    results, indices = {}, precise_bn_indices(1436, 22, cfg.RNG_SEED)
+    config, model = cfg(22, transform), tiny_model()
+    results, indices = {}, precise_bn_indices(1436, 22, config.RNG_SEED)
     for world in (1, 2, 3):
         totals, seen = None, []
         for rank in range(world):
-            split = build_precise_bn_split(cfg, DistEnv(rank=rank, world_size=world))
+            split = build_precise_bn_split(config, DistEnv(rank=rank, world_size=world))
             seen += [i for batch in split.sampler for i in batch]
             sums = bn_moment_sums(model, (images for images, _, _ in split.loader))
             totals = sums if totals is None else totals + sums
@@ -116,19 +111,19 @@ def test_statistics_are_identical_for_world_size_1_2_3(transform):
             assert torch.equal(mean, mean1) and torch.equal(var, var1)
     # The collective path on one process gives the same as the bookkeeping above.
     one = copy.deepcopy(model)
-    assert recompute_bn_stats(one, (x for x, _, _ in build_precise_bn_split(cfg, DistEnv()).loader)) == 22
+    assert recompute_bn_stats(one, (x for x, _, _ in build_precise_bn_split(config, DistEnv()).loader)) == 22
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(_stats(one), _stats(results[1])))
 
 
 def test_bad_precise_bn_keys_are_one_line_naming_the_key():
     with pytest.raises(ConfigError, match="BN.PRECISE_TRANSFORM"):
-        _cfg(8, "test")
-    cfg = get_cfg_defaults()
-    cfg.merge_from_list(["BN.PRECISE_IMAGES", "8", "MODEL.SYNCBN", "True"])
+        cfg(8, "test")
+    syncbn = get_cfg_defaults()
+    syncbn.merge_from_list(["BN.PRECISE_IMAGES", "8", "MODEL.SYNCBN", "True"])
     with pytest.raises(ConfigError, match="BN.PRECISE_IMAGES cannot combine with MODEL.SYNCBN"):
-        validate_cfg(cfg)
+        validate_cfg(syncbn)
     with pytest.raises(ConfigError, match=r"BN.PRECISE_IMAGES \(5000\) exceeds the 1436 images"):
-        build_precise_bn_split(_cfg(5000), DistEnv())
+        build_precise_bn_split(cfg(5000), DistEnv())
 
 
 def test_training_recomputes_raw_and_ema_statistics_and_test_net_reproduces_them(tmp_path):
@@ -155,3 +150,18 @@ def test_training_recomputes_raw_and_ema_statistics_and_test_net_reproduces_them
     for folder in ("plain", "bn"):
         [test] = [r for r in read_metrics(tmp_path / folder) if r["split"] == "test"]
         assert test["top1"] == val["top1"] and test["loss"] == pytest.approx(val["loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_and_three_processes_all_reduce_to_the_one_process_statistics(tmp_path):
+    # The real collective: torchrun workers, gloo's float64 all-reduce, each rank its own batches.
+    config, model = cfg(22), tiny_model()
+    recompute_bn_stats(model, (x for x, _, _ in build_precise_bn_split(config, DistEnv()).loader))
+    job = str(REPO / "tests" / "scripts" / "precise_bn_job.py")
+    for world in (2, 3):
+        out = tmp_path / f"stats_{world}.pt"
+        result = run(torchrun(world, job, str(out)), timeout=240)
+        assert_ok(result)
+        assert result.stdout.count("OK rank=") == world
+        saved = torch.load(out, weights_only=True)
+        assert all(torch.equal(m, m1) and torch.equal(v, v1) for (m, v), (m1, v1) in zip(saved, _stats(model)))
