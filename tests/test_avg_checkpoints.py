@@ -3,6 +3,7 @@ tools take like any other."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.one_core
 
 AVG = str(REPO / "tools" / "avg_checkpoints.py")
 CONVERT = str(REPO / "tools" / "convert_checkpoint.py")
+PREDICT, EXPORT = str(REPO / "tools" / "predict.py"), str(REPO / "tools" / "export.py")
 DIGITS = str(REPO / "data" / "digits")
 DATA = ["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS]
 
@@ -58,7 +60,7 @@ def test_two_checkpoints_average_to_the_element_wise_mean(run_dir, kind):
             assert torch.equal(averaged[k], b[k]), k
 
 
-def test_last_n_takes_dcp_folders_like_files_and_the_average_evaluates_in_test_net(run_dir, tmp_path):
+def test_last_n_takes_dcp_folders_like_files_and_every_tool_takes_the_average(run_dir, tmp_path):
     # A copy of the run whose epoch 2 is a .dcp folder: the same average as from the files.
     mixed = tmp_path / "mixed"
     shutil.copytree(run_dir, mixed)
@@ -79,6 +81,13 @@ def test_last_n_takes_dcp_folders_like_files_and_the_average_evaluates_in_test_n
     assert_ok(in_process(TEST, "MODEL.WEIGHTS", out_files, "OUT_DIR", str(tmp_path / "eval")))
     [test] = [r for r in read_metrics(tmp_path / "eval") if r["split"] == "test"]
     assert test["samples"] > 0 and 0 <= test["top1"] <= 100
+    # predict.py and export.py (ONNX, checked against PyTorch) and fine-tuning take it too.
+    assert_ok(in_process(PREDICT, "--weights", out_files, "--json", str(REPO / "data/digits/val/7/0017.png")))
+    if importlib.util.find_spec("onnxscript") and importlib.util.find_spec("onnxruntime"):
+        assert_ok(in_process(EXPORT, "--weights", out_files, "--out", str(tmp_path / "m")))
+    tuned = tmp_path / "tuned"
+    opts = [*EVAL_TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "64", "MODEL.WEIGHTS", out_files]
+    assert_ok(in_process(FAULT, "OUT_DIR", str(tuned), *DATA, *opts))
 
 
 def test_best_n_ranks_by_the_named_metric_and_precise_bn_recomputes_the_statistics(run_dir, tmp_path):
