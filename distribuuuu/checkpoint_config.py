@@ -18,12 +18,13 @@ EXPERIMENT_KEYS = (
     "MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.DATASET", "TRAIN.SPLIT", "TRAIN.IM_SIZE", "OPTIM.OPTIMIZER",
 )  # fmt: skip
 # Keys that may change on a resume without changing what is trained: logged, not warned about.
-# Nor are they taken from a checkpoint: where and how the run ran is not what it trained.
+# Nor are they taken from a checkpoint: where and how the run ran is not what it trained (and
+# precise BN, BN., runs in test_net.py only when its command line asks).
 RUNTIME_KEYS = (
     "OPTIM.MAX_EPOCH", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.WORKERS", "TRAIN.PREFETCH_FACTOR",
     "TRAIN.PERSISTENT_WORKERS", "TRAIN.PIN_MEMORY", "TRAIN.CKPT_PERIOD_ITERS", "TRAIN.KEEP_CKPTS",
     "TRAIN.STOP_AFTER_EPOCHS", "TRAIN.EVAL_PERIOD", "TRAIN.AUTO_RESUME", "TRAIN.RESUME_ANYWAY", "TEST.BATCH_SIZE",
-    "DATA.DECODER", "MODEL.WEIGHTS", "OUT_DIR", "CFG_DEST", "DIST.", "CUDNN.",
+    "DATA.DECODER", "MODEL.WEIGHTS", "OUT_DIR", "CFG_DEST", "DIST.", "CUDNN.", "BN.",
 )  # fmt: skip
 # The keys that shape the model and its input: what predict.py and export.py take from a checkpoint.
 MODEL_KEYS = (

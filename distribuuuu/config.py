@@ -212,6 +212,17 @@ _C.DATA.SHARD_PREFETCH = 2
 _C.DATA.DUMMY_SIZE = 1024
 
 # ------------------------------------------------------------------------------------------------
+# Precise BatchNorm (pycls): running statistics recomputed before each evaluation
+# ------------------------------------------------------------------------------------------------
+_C.BN = CN()
+# Training images over which BatchNorm running statistics (raw and EMA weights) are recomputed
+# before each evaluation and in test_net.py, the same images for any world size (0: off)
+_C.BN.PRECISE_IMAGES = 0
+# Their transform: "train" (the training augmentation, seeded per image: the inputs the weights
+# were trained on, as pycls) or "val" (the evaluation resize and crop: the inputs evaluated)
+_C.BN.PRECISE_TRANSFORM = "train"
+
+# ------------------------------------------------------------------------------------------------
 # cuDNN
 # ------------------------------------------------------------------------------------------------
 _C.CUDNN = CN()
@@ -673,6 +684,14 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DIST.CKPT_FORMAT", ((lambda v, c: v != "sharded" or not c.OPTIM.ZERO),
                           "sharded cannot save OPTIM.ZERO's optimizer (ZeRO-1 consolidates into one file): "
                           "set DIST.CKPT_FORMAT '' or OPTIM.ZERO False")),
+    ("BN.PRECISE_IMAGES", _NON_NEGATIVE),
+    ("BN.PRECISE_IMAGES", ((lambda v, c: v == 0 or not c.MODEL.SYNCBN),
+                           "cannot combine with MODEL.SYNCBN True (SyncBatchNorm all-reduces each batch, and "
+                           "ranks hold different numbers of batches): set BN.PRECISE_IMAGES 0")),
+    ("BN.PRECISE_IMAGES", ((lambda v, c: v == 0 or c.DIST.STRATEGY == "ddp"),
+                           "needs DIST.STRATEGY ddp (a sharded model all-gathers in each forward, and ranks "
+                           "hold different numbers of batches): set BN.PRECISE_IMAGES 0")),
+    ("BN.PRECISE_TRANSFORM", _choice(("train", "val"))),
     ("OUT_DIR", ((lambda v, c: bool(v)), "must not be empty")),
     ("CFG_DEST", ((lambda v, c: bool(v) and os.sep not in v), "must be a file name")),
     ("LOG.TRACKERS", ((lambda v, c: all(t in TRACKERS for t in v) and len(set(v)) == len(v)),

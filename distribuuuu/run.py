@@ -16,6 +16,7 @@ from distribuuuu.data import (
     Split,
     build_batch_mixer,
     build_extra_val_splits,
+    build_precise_bn_split,
     build_train_split,
     build_val_split,
     dataset_targets,
@@ -69,6 +70,7 @@ class Run:
     ema: ModelEMA | None = None
     mixer: object = None
     extra_val: dict[str, Split] = field(default_factory=dict)  # TEST.EXTRA_DATASETS by split name
+    precise_bn: Split | None = None  # BN.PRECISE_IMAGES training images, when set
     state: TrainState = field(default_factory=TrainState)
     # Further state checkpointed with the run (name -> Stateful: state_dict()/load_state_dict()), for
     # a caller outside the package; the package's own is listed in components.run_components.
@@ -251,6 +253,7 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         ema=ema,
         mixer=build_batch_mixer(cfg),
         extra_val=extra_val,
+        precise_bn=build_precise_bn_split(cfg, env) if cfg.BN.PRECISE_IMAGES else None,
     )
 
 

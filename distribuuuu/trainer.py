@@ -43,7 +43,7 @@ from distribuuuu.state import (
     resume_or_load_weights,
     save_training_checkpoint,
 )
-from distribuuuu.validation import test_model, validate
+from distribuuuu.validation import precise_bn, test_model, validate
 
 __all__ = ["test_model", "train_epoch", "train_model", "train_one_epoch", "train_step", "validate"]
 
@@ -309,8 +309,12 @@ def sync_buffers(run: Run) -> None:
 
 
 def evaluate_epoch(run: Run, epoch: int) -> tuple[dict, bool]:
-    """Validate the raw weights (and the EMA weights) on val and TEST.EXTRA_DATASETS; update the
-    best (from val only); log and record each."""
+    """Recompute BatchNorm statistics (BN.PRECISE_IMAGES), validate the raw weights (and the EMA
+    weights) on val and TEST.EXTRA_DATASETS; update the best (from val only); log and record each."""
+    if run.precise_bn is not None:  # BN.PRECISE_IMAGES: the same statistics on every rank, then saved
+        precise_bn(
+            {"model": run.model} | ({"ema": run.ema.module} if run.ema else {}), run.precise_bn, run.cfg, run.env
+        )
     candidates = [("model", run.eval_model)] + ([("ema", run.ema.module)] if run.ema is not None else [])
     is_best, results = False, {}
     for split_name, split in [("val", run.val), *run.extra_val.items()]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError, check_dataset_paths, eval_crop_size
-from distribuuuu.data import Split, build_val_split, sample_paths
+from distribuuuu.data import Split, build_precise_bn_split, build_val_split, sample_paths
 from distribuuuu.distributed import cleanup_distributed
 from distribuuuu.evaluation import EvalOutputs
 from distribuuuu.launch import DistEnv
@@ -17,6 +18,7 @@ from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
 from distribuuuu.parallel import autocast, is_sharded, missing_forwards, to_device
+from distribuuuu.precise_bn import recompute_bn_stats
 from distribuuuu.records import reported_k, topk_text, write_eval_record
 from distribuuuu.run import build_model_for, open_outputs, prepare_process, start_process_group
 from distribuuuu.state import load_weights, warn_if_evaluated_otherwise
@@ -62,6 +64,24 @@ def validate(
     return totals
 
 
+def precise_bn(models: dict[str, nn.Module], split: Split, cfg: CfgNode, env: DistEnv) -> None:
+    """Recompute each model's BatchNorm running statistics over BN.PRECISE_IMAGES training images
+    (precise_bn.py), summed exactly across ranks; log what it cost. A collective: every rank calls it."""
+
+    def batches():
+        for images, _, _ in split.loader:  # on the device already (DeviceLoader)
+            yield images.contiguous(memory_format=torch.channels_last) if cfg.TRAIN.CHANNELS_LAST else images
+
+    for name, model in models.items():
+        tic = time.perf_counter()
+        context = functools.partial(autocast, cfg.TRAIN.PRECISION, env.device)
+        images = recompute_bn_stats(model, batches(), forward_context=context)
+        logger.info(
+            "precise BN (%s weights): BatchNorm statistics recomputed over %d training images (%s transform) in %.1f s",
+            name, images, cfg.BN.PRECISE_TRANSFORM, time.perf_counter() - tic,
+        )  # fmt: skip
+
+
 def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv) -> None:
     """Call the (sharded) model ``count`` times on an empty batch, so every rank joins every all-gather.
 
@@ -94,8 +114,11 @@ def test_model(cfg: CfgNode) -> dict:
             logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
         warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)
         val = build_val_split(cfg, env, state.get("classes"))
+        bn_split = build_precise_bn_split(cfg, env) if cfg.BN.PRECISE_IMAGES else None
         # Only now is OUT_DIR written: weights that do not fit or a bad val set left it as it was.
         writer = open_outputs(cfg, env, table, training=False)
+        if bn_split is not None:
+            precise_bn({cfg.MODEL.WEIGHTS_KIND: model}, bn_split, cfg, env)
         if cfg.TRAIN.COMPILE:
             model = torch.compile(model)
         totals = validate(model, val, cfg, env)

@@ -6,6 +6,7 @@ from distribuuuu.data.errors import BadImageError, DataError
 from distribuuuu.data.loader import (
     Split,
     build_extra_val_splits,
+    build_precise_bn_split,
     build_train_split,
     build_val_split,
     dataset_targets,
@@ -22,6 +23,7 @@ __all__ = [
     "Split",
     "build_batch_mixer",
     "build_extra_val_splits",
+    "build_precise_bn_split",
     "build_train_split",
     "build_train_transform",
     "build_val_split",

@@ -24,6 +24,7 @@ from distribuuuu.data.datasets import (
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
+    FixedBatchSampler,
     RepeatedAugmentationSampler,
     ResumableDistributedSampler,
     ShardWindowSampler,
@@ -129,6 +130,38 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
         )
     loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, True, decoder)
     return Split(loader, dataset, sampler, classes)
+
+
+def precise_bn_indices(dataset_len: int, images: int, seed: int) -> list[int]:
+    """The training samples precise BN reads: the first ``images`` of a permutation seeded by RNG_SEED
+    (an ImageFolder lists its samples class by class, so its first N would be one class)."""
+    return torch.randperm(dataset_len, generator=torch.Generator().manual_seed(seed))[:images].tolist()
+
+
+def build_precise_bn_split(cfg: CfgNode, env: DistEnv) -> Split:
+    """BN.PRECISE_IMAGES training images, in fixed batches of TRAIN.BATCH_SIZE dealt to the ranks
+    (batch k to rank k mod W), read with BN.PRECISE_TRANSFORM's transform seeded per sample (epoch 0)."""
+    base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+    if cfg.BN.PRECISE_IMAGES > len(base):
+        raise ConfigError(
+            f"BN.PRECISE_IMAGES ({cfg.BN.PRECISE_IMAGES}) exceeds the {len(base)} images of "
+            f"{cfg.TRAIN.DATASET}/{cfg.TRAIN.SPLIT}"
+        )
+    build = build_train_transform if cfg.BN.PRECISE_TRANSFORM == "train" else build_val_transform
+    transform = None if cfg.MODEL.DUMMY_INPUT else build(cfg, normalize=False)
+    dataset, decoder = _dataset(cfg, env, base, transform)
+    indices = precise_bn_indices(len(base), cfg.BN.PRECISE_IMAGES, cfg.RNG_SEED)
+    sampler = FixedBatchSampler(indices, cfg.TRAIN.BATCH_SIZE, env.world_size, env.rank)
+    workers = cfg.TRAIN.WORKERS
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        pin_memory=cfg.TRAIN.PIN_MEMORY and env.device.type == "cuda",
+        collate_fn=collate_skipping_bad if decoder is None else collate_encoded,
+        worker_init_fn=ignore_preemption_signals,
+    )  # no persistent workers: read once per evaluation, they would hold memory between
+    return Split(DeviceLoader(loader, env.device, build_normalize(cfg), decoder), dataset, sampler, classes)
 
 
 def _train_sampler(cfg: CfgNode, env: DistEnv, dataset: Dataset, num_classes: int) -> torch.utils.data.Sampler:

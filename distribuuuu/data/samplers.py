@@ -145,6 +145,21 @@ class ExactEvalSampler(Sampler[int]):
         return len(self.indices)
 
 
+class FixedBatchSampler(Sampler[list[int]]):
+    """Cut ``indices`` into fixed batches of ``batch_size`` (the last may be smaller) and give
+    batch k to rank k mod W: every batch is the same whatever the world size (precise BN)."""
+
+    def __init__(self, indices: list[int], batch_size: int, num_replicas: int, rank: int):
+        batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+        self.batches = batches[rank::num_replicas]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 def occurrence_numbers(draws: torch.Tensor) -> torch.Tensor:
     """For each position of ``draws``, how many earlier positions hold the same index (0, 1, 2, ...)."""
     order = torch.argsort(draws, stable=True)
