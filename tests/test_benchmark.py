@@ -161,4 +161,6 @@ def test_the_data_rate_is_what_the_workers_sustain_not_the_queue_they_filled_bef
     )
     rate, images = _benchmark_module().steady_rate(loader, timed=2, workers=workers, queued=2 * workers)
     assert images == workers * batch, "the window is rounded up to one whole round of the workers"
-    assert rate == pytest.approx(workers / seconds, rel=0.25)
+    # The bug over-reported (thousands of images/s). Sleeping workers on a busy machine wake late, so
+    # the rate may fall short of the closed form (132 of 200 seen mid-suite), never exceed it.
+    assert 0.25 * workers / seconds < rate <= 1.25 * workers / seconds, rate
