@@ -7,6 +7,7 @@ gradient sync (``parallel.py``), the records (``records.py``), preemption, RNG a
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -152,7 +153,7 @@ def train_epoch(run: Run, epoch: int) -> dict:
             epoch_sums.add_totals(totals)
             if totals["stop"]:
                 position = f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"
-                save = lambda: save_training_checkpoint(run)  # noqa: E731
+                save = functools.partial(save_training_checkpoint, run)
                 stop_for_preemption(
                     run.preempt, position, save, cfg.DIST.REQUEUE, interrupted=bool(totals["interrupt"])
                 )
