@@ -16,7 +16,7 @@ EXPORT = ["onnx", "onnxruntime", "onnxscript"]
 RUFF = "ruff==0.17.6"
 # Packed datasets: webdataset writes the shards, wids (webdataset's indexed reader) reads them.
 DATA = ["webdataset>=1.0", "wids>=0.1.11"]
-# Packed datasets in object stores (s3://, gs://, az://): obstore, chosen by measurement (docs/packed-data.md).
+# Packed datasets in object stores (s3://, gs://, az://): obstore, chosen by measurement (docs/design.md).
 CLOUD = ["obstore>=0.12"]
 
 setup(

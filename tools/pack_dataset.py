@@ -12,7 +12,7 @@ Samples are shuffled across shards (seed --shuffle-seed, 0 by default; the same 
 same shards), so each shard holds a mix of the classes, which DATA.SHUFFLE_WINDOW needs;
 --no-shuffle keeps the source's order (ImageFolder's: class by class).
 --max-side / --quality re-encode every image as JPEG (the longer side at most --max-side):
-smaller shards and faster decoding, at a pixel cost (docs/packed-data.md). --verify checks
+smaller shards and faster decoding, at a pixel cost (docs/design.md). --verify checks
 every shard's size and MD5 against the index and packs nothing.
 """
 

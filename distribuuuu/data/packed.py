@@ -6,7 +6,7 @@ Layout (what tools/pack_dataset.py writes), for each split::
     ROOT/SPLIT/shard-000000.tar    WebDataset tar: <key>.jpg|png and <key>.cls per sample
 
 ROOT is a local folder or a URL: http(s)://, or an object store's (s3://, gs://, az://; data/remote.py).
-``wids.ShardListDataset`` (webdataset's indexed reader, chosen by measurement: docs/packed-data.md)
+``wids.ShardListDataset`` (webdataset's indexed reader, chosen by measurement: docs/design.md)
 maps a global index to a shard and reads the sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
 the samplers are unchanged: ResumableDistributedSampler still gives exactly-once, deterministic
 order, global-position resume, and ExactEvalSampler exact evaluation, whatever the world size.

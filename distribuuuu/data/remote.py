@@ -7,7 +7,7 @@ MD5, and only then renames the file into place (``distribuuuu.files``: never a p
 the destination). WHICH shard is fetched WHEN is the shard cache's business, not this module's.
 
 http(s) goes through the standard library (``urllib``): nothing to install. Object stores go
-through obstore (the ``cloud`` extra; chosen by measurement, docs/packed-data.md), which reads
+through obstore (the ``cloud`` extra; chosen by measurement, docs/design.md), which reads
 credentials and endpoints from the environment as AWS/GCS/Azure tools do (``AWS_ACCESS_KEY_ID``,
 ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_ACCOUNT_NAME``, ...).
 Its own retry configuration (5xx, connection errors, timeouts) is set from the constants below;

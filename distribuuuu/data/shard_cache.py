@@ -34,7 +34,7 @@ never exceed the limit; the only excess on disk is a shard evicted while a worke
 Written here rather than taken from LitData or MosaicML Streaming, which have such caches: both
 tie their cache to their own iteration order (chunks assigned to ranks and workers by the
 library), while distribuuuu's samplers decide the order (exactly once, the same on any world
-size, resumable at a global position: docs/packed-data.md), and wids, which reads our shards, has
+size, resumable at a global position: docs/design.md), and wids, which reads our shards, has
 an unbounded cache that downloads with ``curl`` and never evicts.
 """
 

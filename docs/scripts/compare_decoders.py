@@ -6,7 +6,7 @@ data/digits re-saved as JPEG (quality 90), 500x375 photos and ImageNet-like mixe
 
     OMP_NUM_THREADS=1 python docs/scripts/compare_decoders.py [N] [REPEATS]
 
-The figures are in docs/performance.md and docs/packed-data.md. TorchCodec is optional
+The figures are in docs/performance.md and docs/design.md. TorchCodec is optional
 (``pip install torchcodec``, or distribuuuu's ``codec`` extra); without it its rows are left out.
 """
 

@@ -6,7 +6,7 @@ Starts moto's standalone S3 server on 127.0.0.1 (``pip install "moto[server]"``)
 megabytes of random bytes (50 by default) and streams the object to a local file, in 1 MiB blocks
 hashed on the way (what distribuuuu's shard download does), REPEATS times per library (3 by
 default), libraries in turn; prints the median MB/s (min-max) of each, then each library's import
-time in a fresh interpreter (median of 5). The figures are in docs/packed-data.md.
+time in a fresh interpreter (median of 5). The figures are in docs/design.md.
 """
 
 from __future__ import annotations

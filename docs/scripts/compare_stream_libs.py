@@ -3,7 +3,7 @@ bytes alone and through the 224-pixel training transform, one process, libraries
 
     PYTHONPATH=<litdata and mosaicml-streaming install> python docs/scripts/compare_stream_libs.py [N] [REPEATS]
 
-The figures are in docs/packed-data.md. LitData and MosaicML Streaming are not dependencies of
+The figures are in docs/design.md. LitData and MosaicML Streaming are not dependencies of
 distribuuuu (streaming 0.13 pins numpy<2.2 and imports transformers): install them apart, e.g.
 ``pip install --target DIR --no-deps ...``, and put DIR on PYTHONPATH.
 """
