@@ -46,6 +46,7 @@ TINY_RUN = [*EVAL_TINY, "MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "128", "
             "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "2", "LOG.PROGRESS", "False", "DATA.MIXUP_ALPHA", "0.2",
             "DATA.CUTMIX_ALPHA", "1.0", "OPTIM.BASE_LR", "0.1"]  # fmt: skip
 JOB = str(REPO / "tests" / "scripts" / "distill_job.py")
+BENCH = str(REPO / "tools" / "benchmark.py")
 
 
 def closed_form_softmax(x: np.ndarray) -> np.ndarray:
@@ -162,6 +163,15 @@ def test_teacher_sees_the_students_mixed_images_and_its_weights_stay_unchanged(t
     assert not run.teacher.module.training and not any(p.requires_grad for p in run.teacher.module.parameters())
     optimized = {id(p) for group in run.optimizer.param_groups for p in group["params"]}
     assert optimized.isdisjoint(id(p) for p in run.teacher.module.parameters())
+
+
+def test_benchmark_breakdown_times_the_teachers_forward_apart(teachers):
+    opts = ["--what", "breakdown", "--steps", "3", "--warmup", "1", *EVAL_TINY, "TRAIN.BATCH_SIZE", "16"]
+    result = in_process(BENCH, *opts, "DISTILL.TEACHER", str(teachers["a"]))
+    assert_ok(result)
+    record = next(json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))
+    assert record["what"] == "breakdown" and record["teacher_arch"] == TINY_ARCH and record["teacher_ms"] > 0
+    assert f"teacher ({TINY_ARCH}) fwd" in result.stdout
 
 
 # ------------------------------------------------------------------------------------------------
