@@ -275,7 +275,7 @@ class Described(Component):
 
 class TeacherIdentity(Component):
     """Which teacher the run distils from: ``teacher`` (DISTILL.TEACHER's path, its weights' SHA-256,
-    architecture, weights kind), None without one. Its logits are never saved. Resuming with
+    architecture, weights kind); nothing without one. Its logits are never saved. Resuming with
     another teacher (other weights, or none where there was one) is refused: a run has one teacher."""
 
     in_weights = True  # what the weights were distilled from, beside the config
@@ -284,7 +284,7 @@ class TeacherIdentity(Component):
         self.identity = identity
 
     def state_dict(self) -> dict:
-        return {"teacher": self.identity}
+        return {"teacher": self.identity} if self.identity is not None else {}  # without one: as before distillation
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.get("teacher")

@@ -122,7 +122,7 @@ def _assert_same_weights(model: nn.Module, expected: nn.Module) -> None:
 
 
 # What evaluation, prediction, export and fine-tuning read of the best weights: no optimizer, RNG or position.
-BEST_KEYS = {"model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "preprocessing", "teacher"}
+BEST_KEYS = {"model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "preprocessing"}
 
 
 @pytest.mark.parametrize("fmt", ["file", "sharded"])
