@@ -1,5 +1,7 @@
 """DATA.DECODER "batched": one decode_jpeg call per batch in the training process gives exactly the
-batches of per-sample decoding in the workers, names or skips a bad JPEG, and trains the same weights."""
+batches of per-sample decoding in the workers (with DATA.BATCHED_AUGMENT False: the per-sample
+transforms; the batched resample's pixels are checked in test_batched_augment.py), names or skips
+a bad JPEG, and trains the same weights."""
 
 from __future__ import annotations
 
@@ -46,7 +48,17 @@ def mixed_tree(tmp_path_factory) -> Path:
 
 
 def _cfg(root: Path, decoder: str, workers: int, *extra: str):
-    opts = ["TRAIN.DATASET", str(root), "TEST.DATASET", str(root), "DATA.DECODER", decoder]
+    # The per-sample transforms after the batched decode: the pixels of "auto", exactly.
+    opts = [
+        "TRAIN.DATASET",
+        str(root),
+        "TEST.DATASET",
+        str(root),
+        "DATA.DECODER",
+        decoder,
+        "DATA.BATCHED_AUGMENT",
+        "False",
+    ]
     opts += ["TRAIN.WORKERS", str(workers), "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16", *extra]
     return load_cfg(None, opts)
 
@@ -128,7 +140,16 @@ def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_pa
     def train(decoder: str, workers: int):
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
-        args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
+        args += [
+            "DATA.DECODER",
+            decoder,
+            "DATA.BATCHED_AUGMENT",
+            "False",
+            "TRAIN.WORKERS",
+            str(workers),
+            "OPTIM.MAX_EPOCH",
+            "2",
+        ]
         args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", TINY_ARCH]  # any model will do
         assert_ok(run(python(FAULT, *args), timeout=300, env=clean_env()))
         weights = [
