@@ -4,6 +4,7 @@ any number of workers and from any start, and the prepare thread's hand-over."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -212,3 +213,45 @@ def test_the_prepare_thread_keeps_order_raises_where_it_failed_and_ends_when_lef
     assert next(batches) == 0
     batches.close()  # the training loop left early
     assert not any(t.name == "distribuuuu-batch-prepare" for t in threading.enumerate())
+
+
+def test_the_training_stream_waits_on_each_batchs_event_before_it_is_used(monkeypatch):
+    # Recording stand-ins for CUDA's streams and events: the batch is prepared on the side stream,
+    # its event recorded there, and the training stream waits on that event (not the host) and
+    # marks the batch's tensors as used by it, before the loop sees the batch.
+    log = []
+
+    class Stream:
+        def __init__(self, name="side"):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait", event.n))
+
+    class Event:
+        count = 0
+
+        def record(self, stream):
+            Event.count += 1
+            self.n = Event.count
+            log.append(("record", self.n, stream.name, threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("training"))
+
+    class Prepared:
+        def __init__(self, n):
+            self.n = n
+
+        def tensors(self):
+            return []
+
+    for prepared in prefetched(range(3), Prepared, torch.device("cuda")):
+        log.append(("use", prepared.n))
+    thread = "distribuuuu-batch-prepare"
+    recorded = [entry for entry in log if entry[0] == "record"]
+    assert recorded == [("record", n, "side", thread) for n in (1, 2, 3)]
+    consumer = [entry for entry in log if entry[0] != "record"]
+    assert consumer == [("wait", 1), ("use", 0), ("wait", 2), ("use", 1), ("wait", 3), ("use", 2)]

@@ -112,6 +112,8 @@ class EncodedBatch:
         # DataLoader(pin_memory=True) calls this: decoded pixels and targets then reach the GPU by
         # asynchronous copies, and nvJPEG reads the JPEG bytes from pinned memory.
         self.buffer, self.targets = self.buffer.pin_memory(), self.targets.pin_memory()
+        if self.plans is not None:
+            self.plans = self.plans.pin_memory()
         return self
 
 

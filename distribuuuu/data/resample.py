@@ -140,16 +140,21 @@ def resample(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[in
     """Crop, resize (antialiased bilinear) and flip each (3, H, W) image as its plan says: a float32
     (B, 3, out_h, out_w) batch on the images' device, pixel values in 0..255 unrounded."""
     device = images[0].device
-    plans = plans.to(device, non_blocking=True)
+    plans = _to_device(plans, device)
     out = torch.empty((len(images), 3, *out_size), device=device)
     for group in size_groups([tuple(image.shape[1:]) for image in images]):
         height, width = (max(images[i].shape[d] for i in group) for d in (1, 2))
         pixels = pad_images([images[i] for i in group], height, width)
-        index = torch.tensor(group, device=device) if len(group) < len(images) else slice(None)
+        index = _to_device(torch.tensor(group), device) if len(group) < len(images) else slice(None)
         wy = axis_weights(_axis(plans[index], 0), out_size[0], height)
         wx = axis_weights(_axis(plans[index], 1), out_size[1], width)
         out[index] = wy[:, None] @ pixels @ wx[:, None].transpose(-1, -2)
     return out
+
+
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # From pinned memory: a copy from pageable memory would make the host wait for the stream.
+    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
 
 
 def _axis(plans: torch.Tensor, axis: int) -> torch.Tensor:
@@ -157,9 +162,3 @@ def _axis(plans: torch.Tensor, axis: int) -> torch.Tensor:
     columns = plans[:, 2 + 4 * axis : 6 + 4 * axis]
     flip = plans[:, 10:11] if axis == 1 else torch.zeros_like(plans[:, 10:11])
     return torch.cat([columns, flip], dim=1)
-
-
-def expected_sizes_match(images: list[torch.Tensor], plans: torch.Tensor) -> list[int]:
-    """Indices of images whose decoded size differs from the size their plan was drawn for."""
-    sizes = plans[:, :2].tolist()
-    return [i for i, image in enumerate(images) if list(image.shape[1:]) != sizes[i]]
