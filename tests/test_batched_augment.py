@@ -20,7 +20,7 @@ from distribuuuu.config import load_cfg
 from distribuuuu.data import build_train_split, build_val_split
 from distribuuuu.data.datasets import seeded_cpu_rng
 from distribuuuu.data.prefetch import prefetched
-from distribuuuu.data.resample import EvalGeometry, TrainGeometry, resample
+from distribuuuu.data.resample import EvalGeometry, TrainGeometry, resample_batched, resample_each, size_groups
 from distribuuuu.data.transforms import _after_crop_and_flip, _crop_and_flip
 from distribuuuu.launch import DistEnv
 
@@ -44,15 +44,20 @@ def _reference(image: torch.Tensor, plan: list[int], out_size, dtype=torch.float
 SIZES = [(375, 500), (500, 375), (7, 9), (33, 21), (100, 100), (1, 1), (11, 200)]
 
 
+IMPLEMENTATIONS = pytest.mark.parametrize("impl", [resample_batched, resample_each], ids=["matmuls", "each"])
+
+
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("scale_min", [0.005, 0.6])  # crops of a few pixels (upscaled), and large ones
-def test_the_batched_resample_is_torchvisions_antialiased_resized_crop_and_flip(scale_min):
+def test_the_batched_resample_is_torchvisions_antialiased_resized_crop_and_flip(scale_min, impl):
     g = torch.Generator().manual_seed(0)
     images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in SIZES]
     geometry = TrainGeometry(v2.RandomResizedCrop(24, scale=(scale_min, 1.0), antialias=True), 0.5)
     with seeded_cpu_rng(1):
         plans = torch.stack([geometry.draw(h, w) for h, w in SIZES])
     assert plans[:, 10].any() and not plans[:, 10].all()  # flipped and not
-    out = resample(images, plans, (24, 24))
+    assert len(size_groups(SIZES)) > 1  # padded buffers of several sizes
+    out = impl(images, plans, (24, 24))
     for image, plan, pixels in zip(images, plans.tolist(), out):
         error = (pixels - _reference(image, plan, (24, 24))).abs().max().item()
         assert error <= _float32_tolerance(*image.shape[1:]), (plan, error)
@@ -67,16 +72,17 @@ def test_the_tolerance_catches_a_box_one_pixel_off():
     plan = torch.tensor([[50, 60, 5, 30, 24, 0, 7, 40, 24, 0, 0]])
     shifted = plan.clone()
     shifted[0, 6] += 1  # the crop's left edge one pixel over
-    out = resample([image], shifted, (24, 24))[0]
+    out = resample_batched([image], shifted, (24, 24))[0]
     assert (out - _reference(image, plan[0].tolist(), (24, 24))).abs().max() > 100 * _float32_tolerance(50, 60)
 
 
-def test_eval_geometry_is_resize_then_center_crop():
+@IMPLEMENTATIONS
+def test_eval_geometry_is_resize_then_center_crop(impl):
     g = torch.Generator().manual_seed(3)
     sizes = [(375, 500), (500, 375), (41, 41), (30, 97)]
     images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
     geometry = EvalGeometry(36, 32)
-    out = resample(images, torch.stack([geometry.draw(h, w) for h, w in sizes]), (32, 32))
+    out = impl(images, torch.stack([geometry.draw(h, w) for h, w in sizes]), (32, 32))
     reference = v2.Compose([v2.Resize(36, antialias=True), v2.CenterCrop(32)])
     for image, pixels in zip(images, out):
         assert (pixels - reference(image.float())).abs().max() <= _float32_tolerance(*image.shape[1:])
@@ -98,7 +104,7 @@ def test_the_workers_draws_leave_the_generator_where_the_per_sample_transforms_d
             expected = per_sample(image)
             after_transform = torch.get_rng_state()
         assert torch.equal(after_draws, after_transform)
-        out = resample([image.as_subclass(torch.Tensor)], plan[None], (32, 32))[0]
+        out = resample_batched([image.as_subclass(torch.Tensor)], plan[None], (32, 32))[0]
         assert (out - expected).abs().max() <= _float32_tolerance(h, w)
 
 
@@ -186,7 +192,7 @@ def test_auto_augment_and_erasing_run_per_sample_after_the_batched_crop(photo_tr
     after_crop = v2.Compose(_after_crop_and_flip(_cfg(photo_tree, "batched", 0, *augment)))
     pixels = decoder.decode(batch)
     for i, image in enumerate(images):
-        crop = resample([pixels[i]], batch.plans[i : i + 1], (32, 32)).round_().clamp_(0, 255).to(torch.uint8)[0]
+        crop = resample_each([pixels[i]], batch.plans[i : i + 1], (32, 32)).round_().clamp_(0, 255).to(torch.uint8)[0]
         with seeded_cpu_rng(batch.seeds[i]):
             decoder.geometry.draw(*pixels[i].shape[1:])
             expected = after_crop(tv_tensors.Image(crop))

@@ -138,7 +138,33 @@ def pad_images(images: list[torch.Tensor], height: int, width: int) -> torch.Ten
 
 def resample(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
     """Crop, resize (antialiased bilinear) and flip each (3, H, W) image as its plan says: a float32
-    (B, 3, out_h, out_w) batch on the images' device, pixel values in 0..255 unrounded."""
+    (B, 3, out_h, out_w) batch on the images' device, pixel values in 0..255 unrounded.
+
+    On a GPU, two batched matmuls (``resample_batched``); on a CPU, aten's own kernel image by
+    image (``resample_each``): the dense matrices cost H x W x out multiply-adds an image where
+    aten's taps cost a few per output pixel, which a GPU's matmul units absorb (about 86 GFLOP for
+    256 images of 500x375 to 224, a millisecond or two) and 2 CPU cores do not (6 img/s against
+    30 measured at batch 8, docs/performance.md). Both give torchvision's pixels
+    (tests/test_batched_augment.py runs both)."""
+    if images[0].device.type == "cpu":
+        return resample_each(images, plans, out_size)
+    return resample_batched(images, plans, out_size)
+
+
+def resample_each(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
+    """``resample`` by aten's antialiased bilinear interpolation of each crop (float32)."""
+    out = torch.empty((len(images), 3, *out_size), device=images[0].device)
+    for image, plan, pixels in zip(images, plans.tolist(), out):
+        _, _, top, crop_h, resized_h, out_top, left, crop_w, resized_w, out_left, flip = plan
+        crop = image[None, :, top : top + crop_h, left : left + crop_w].float()
+        resized = torch.nn.functional.interpolate(crop, (resized_h, resized_w), mode="bilinear", antialias=True)
+        kept = resized[0, :, out_top : out_top + out_size[0], out_left : out_left + out_size[1]]
+        pixels.copy_(kept.flip(-1) if flip else kept)
+    return out
+
+
+def resample_batched(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
+    """``resample`` as ``Wy @ X @ Wx.T`` over images padded to one buffer per size group."""
     device = images[0].device
     plans = _to_device(plans, device)
     out = torch.empty((len(images), 3, *out_size), device=device)
