@@ -140,23 +140,25 @@ def resample(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[in
     """Crop, resize (antialiased bilinear) and flip each (3, H, W) image as its plan says: a float32
     (B, 3, out_h, out_w) batch on the images' device, pixel values in 0..255 unrounded.
 
-    On a GPU, two batched matmuls (``resample_batched``); on a CPU, aten's own kernel image by
-    image (``resample_each``): the dense matrices cost H x W x out multiply-adds an image where
-    aten's taps cost a few per output pixel, which a GPU's matmul units absorb (about 86 GFLOP for
-    256 images of 500x375 to 224, a millisecond or two) and 2 CPU cores do not (6 img/s against
-    30 measured at batch 8, docs/performance.md). Both give torchvision's pixels
-    (tests/test_batched_augment.py runs both)."""
+    On a GPU, two batched matmuls (``resample_batched``): float32, torchvision's float pixels up to
+    rounding. On a CPU, aten's own kernel image by image (``resample_each``) on the uint8 pixels:
+    exactly today's per-sample pixels, at the speed of its vectorised uint8 path. The dense
+    matrices cost H x W x out multiply-adds an image where aten's taps cost a few per output pixel:
+    a GPU's matmul units absorb that (about 86 GFLOP for 256 images of 500x375 to 224, a
+    millisecond or two) and 2 CPU cores do not (7 img/s against 30 for aten's kernel, batch 8).
+    tests/test_batched_augment.py checks both against torchvision."""
     if images[0].device.type == "cpu":
         return resample_each(images, plans, out_size)
     return resample_batched(images, plans, out_size)
 
 
 def resample_each(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
-    """``resample`` by aten's antialiased bilinear interpolation of each crop (float32)."""
+    """``resample`` by aten's antialiased bilinear interpolation of each uint8 crop (rounded, as
+    torchvision's per-sample resize of uint8 pixels), returned as float32."""
     out = torch.empty((len(images), 3, *out_size), device=images[0].device)
     for image, plan, pixels in zip(images, plans.tolist(), out):
         _, _, top, crop_h, resized_h, out_top, left, crop_w, resized_w, out_left, flip = plan
-        crop = image[None, :, top : top + crop_h, left : left + crop_w].float()
+        crop = image[None, :, top : top + crop_h, left : left + crop_w]
         resized = torch.nn.functional.interpolate(crop, (resized_h, resized_w), mode="bilinear", antialias=True)
         kept = resized[0, :, out_top : out_top + out_size[0], out_left : out_left + out_size[1]]
         pixels.copy_(kept.flip(-1) if flip else kept)
