@@ -117,15 +117,19 @@ def bad_tree(mixed_tree, tmp_path) -> tuple[Path, Path, Path]:
     return root, bad, misnamed
 
 
-def test_a_bad_jpeg_in_a_batch_is_named(bad_tree):
+@pytest.mark.parametrize("batched_augment", ["False", "True"])
+def test_a_bad_jpeg_in_a_batch_is_named(bad_tree, batched_augment):
     root, bad, _ = bad_tree
     with pytest.raises(BadImageError, match=f"unreadable image {bad}"):
-        list(build_train_split(_cfg(root, "batched", 0), DistEnv()).loader)
+        list(build_train_split(_cfg(root, "batched", 0, "DATA.BATCHED_AUGMENT", batched_augment), DistEnv()).loader)
 
 
-def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree):
+@pytest.mark.parametrize("batched_augment", ["False", "True"])
+def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree, batched_augment):
+    # On a CPU the batched resample gives "auto"'s pixels exactly, as the per-sample path does.
     root, _, _ = bad_tree
-    by_batch = list(build_train_split(_cfg(root, "batched", 2, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
+    opts = ("DATA.BAD_IMAGE", "skip", "DATA.BATCHED_AUGMENT", batched_augment)
+    by_batch = list(build_train_split(_cfg(root, "batched", 2, *opts), DistEnv()).loader)
     per_sample = list(build_train_split(_cfg(root, "auto", 0, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
     assert sum(d for _, _, d in by_batch) == sum(d for _, _, d in per_sample) == 1
     for (images_a, targets_a, _), (images_b, targets_b, _) in zip(by_batch, per_sample):
