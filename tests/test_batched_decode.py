@@ -49,16 +49,8 @@ def mixed_tree(tmp_path_factory) -> Path:
 
 def _cfg(root: Path, decoder: str, workers: int, *extra: str):
     # The per-sample transforms after the batched decode: the pixels of "auto", exactly.
-    opts = [
-        "TRAIN.DATASET",
-        str(root),
-        "TEST.DATASET",
-        str(root),
-        "DATA.DECODER",
-        decoder,
-        "DATA.BATCHED_AUGMENT",
-        "False",
-    ]
+    opts = ["TRAIN.DATASET", str(root), "TEST.DATASET", str(root), "DATA.DECODER", decoder]
+    opts += ["DATA.BATCHED_AUGMENT", "False"]
     opts += ["TRAIN.WORKERS", str(workers), "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16", *extra]
     return load_cfg(None, opts)
 
@@ -144,16 +136,8 @@ def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_pa
     def train(decoder: str, workers: int):
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
-        args += [
-            "DATA.DECODER",
-            decoder,
-            "DATA.BATCHED_AUGMENT",
-            "False",
-            "TRAIN.WORKERS",
-            str(workers),
-            "OPTIM.MAX_EPOCH",
-            "2",
-        ]
+        # The batched resample (the default): on a CPU, "auto"'s pixels exactly, prepared on a thread
+        args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
         args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", TINY_ARCH]  # any model will do
         assert_ok(run(python(FAULT, *args), timeout=300, env=clean_env()))
         weights = [

@@ -141,7 +141,7 @@ def resample(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[in
     (B, 3, out_h, out_w) batch on the images' device, pixel values in 0..255 unrounded.
 
     On a GPU, two batched matmuls (``resample_batched``): float32, torchvision's float pixels up to
-    rounding. On a CPU, aten's own kernel image by image (``resample_each``) on the uint8 pixels:
+    rounding (TF32, if a user's script allows it for matmuls, adds about 0.1 of a uint8 level). On a CPU, aten's own kernel image by image (``resample_each``) on the uint8 pixels:
     exactly today's per-sample pixels, at the speed of its vectorised uint8 path. The dense
     matrices cost H x W x out multiply-adds an image where aten's taps cost a few per output pixel:
     a GPU's matmul units absorb that (about 86 GFLOP for 256 images of 500x375 to 224, a
