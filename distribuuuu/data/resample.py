@@ -14,7 +14,8 @@ few launches however many images; grid_sample has no antialiasing (aliasing on 0
 crops), roi_align's adaptive sampling is a box filter (other pixels), and a kernel of our own
 would be code to keep that cuBLAS already is. Cost: a batch of 256 images of 500x375 (padded to
 500x500 where orientations mix) is 768 MB of float32 pixels, two weight tensors of 115 MB, a
-344 MB intermediate and the 154 MB output: about 1.5 GB on the device while a batch is prepared.
+344 MB intermediate (as much again where the matmul broadcasts Wx) and the 154 MB output: about
+2 GB on the device while a batch is prepared.
 
 A plan is 11 integers per sample: the decoded image's height and width, then for each axis
 (y, then x) the crop's start and length, the length the crop is resized to, and the first output
