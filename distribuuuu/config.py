@@ -189,11 +189,16 @@ _C.DATA.BAD_IMAGE = "error"
 # Image decoding: "auto" (JPEG with TorchCodec if installed, else torchvision.io while it has its
 # deprecated decoders, else PIL; PIL for the rest), "pil", "torchvision" (torchvision.io for JPEG
 # and PNG), or "batched" (workers read JPEG bytes; the training process decodes each batch's JPEGs
-# in one call on its device, nvJPEG on GPU, and augments them there; other formats as "auto"; a
-# failing GPU decoder falls back to the CPU with one warning), or "draft" (PIL, decoding a JPEG at
+# in one call on its device, nvJPEG on GPU, and crops, resizes and flips the batch there at once,
+# from crops drawn in the workers; other formats as "auto"; a failing GPU decoder falls back to the
+# CPU with one warning; docs/performance.md), or "draft" (PIL, decoding a JPEG at
 # 1/2, 1/4 or 1/8 scale, libjpeg's DCT scaling, when the sampled crop or the val resize is at least
 # that many times the output: fewer pixels decoded, slightly different ones; docs/packed-data.md)
 _C.DATA.DECODER = "auto"
+# DATA.DECODER batched: crop, resize, flip and normalise each batch at once on the device (True), or
+# run the per-sample transforms there one image at a time, as before the batched resample (False:
+# the same pixels as "auto", for comparison)
+_C.DATA.BATCHED_AUGMENT = True
 # Folder for shards of a packed dataset read from a URL ("": <temp dir>/distribuuuu-shards/<hash>)
 _C.DATA.SHARD_CACHE = ""
 # Shuffle a packed TRAIN.DATASET by windows of this many shards (0: one global permutation): the
