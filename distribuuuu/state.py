@@ -6,7 +6,9 @@ which format it is written, which checkpoint a run resumes, and what TRAIN.LOAD_
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from torch import nn
@@ -15,6 +17,7 @@ from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import sharded_checkpoint as shards
+from distribuuuu.background_write import host_copy
 from distribuuuu.checkpoint_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
 from distribuuuu.components import (
     file_states,
@@ -40,30 +43,71 @@ def training_state(run: Run) -> dict:
     return file_states(run_components(run))[0]
 
 
-def save_training_checkpoint(run: Run, is_best: bool = False) -> str:
-    """Write the current state to OUT_DIR/checkpoints (and the best weights); all ranks call this."""
+def save_training_checkpoint(run: Run, is_best: bool = False, background: bool = False) -> str:
+    """Write the current state to OUT_DIR/checkpoints (and the best weights); all ranks call this.
+
+    Returns once it is on disk, unless ``background`` and the run has a background writer
+    (TRAIN.CKPT_ASYNC): a single file is then written from a host copy of the state while training
+    goes on. Either way the write in flight is waited for first (at most one at a time), and its
+    error raised here on every rank.
+    """
     epoch_1based = run.state.epoch + (1 if run.state.step_in_epoch else 0)
     ckpt_dir, keep = os.path.join(run.cfg.OUT_DIR, ckpt.CKPT_DIR), run.cfg.TRAIN.KEEP_CKPTS
     path = os.path.join(ckpt_dir, ckpt.checkpoint_name(epoch_1based, run.state.step_in_epoch, run.sharded_checkpoints))
     components = run_components(run)
+    wait_for_checkpoint(run)
     if run.sharded_checkpoints:  # each rank writes its own shard (DCP), never the whole model on one rank
         save_sharded_state(components, path)
         if is_best:
             best = {name: c for name, c in components.items() if c.in_weights}
             save_sharded_state(best, os.path.join(run.cfg.OUT_DIR, ckpt.BEST_SHARDED))
         rank0_decides(lambda: prune(ckpt_dir, keep, "sharded"))
-    else:
-        state, best = file_states(components)  # on all ranks: the RNG gather, ZeRO's consolidation
-
-        def write() -> None:
-            ckpt.save_checkpoint(state, path)
-            if is_best:
-                ckpt.save_checkpoint(best, os.path.join(run.cfg.OUT_DIR, ckpt.BEST_NAME))
-            prune(ckpt_dir, keep, "file")
-
-        rank0_decides(write)  # every rank stops on a failed write, not only rank 0
-    logger.info("saved %s%s", path, " (best)" if is_best else "")
+        logger.info("saved %s%s", path, " (best)" if is_best else "")
+        return path
+    state, best = file_states(components)  # on all ranks: the RNG gather, ZeRO's consolidation
+    best_path = os.path.join(run.cfg.OUT_DIR, ckpt.BEST_NAME) if is_best else None
+    if run.checkpoint_writer is None:
+        rank0_decides(lambda: write_files(state, path, best, best_path, keep))  # every rank stops on a failed write
+        return path
+    if run.env.is_main_process:  # the one rank that writes files: copied before the next step changes them
+        state, best = host_copy((state, best))
+        run.checkpoint_writer.submit(lambda: write_files(state, path, best, best_path, keep))
+    logger.info("writing %s%s in the background", path, " (best)" if is_best else "")
+    if not background:
+        wait_for_checkpoint(run)
     return path
+
+
+def write_files(state: dict, path: str, best: dict, best_path: str | None, keep: int) -> None:
+    """Rank 0: write the checkpoint file (and the best weights), prune the old ones, say it is saved."""
+    ckpt.save_checkpoint(state, path)
+    if best_path is not None:
+        ckpt.save_checkpoint(best, best_path)
+    prune(os.path.dirname(path), keep, "file")
+    logger.info("saved %s%s", path, " (best)" if best_path else "")
+
+
+def wait_for_checkpoint(run: Run) -> None:
+    """Return once the checkpoint in flight is on disk (collective); a failed write raises its error on every rank."""
+    if run.checkpoint_writer is not None:
+        rank0_decides(run.checkpoint_writer.wait)
+
+
+@contextlib.contextmanager
+def writing_checkpoints(run: Run) -> Iterator[None]:
+    """The block's background checkpoint writes are on disk when it ends: at a clean exit waited
+    for on every rank (a failed write raised on all); on an error, this rank alone lets its write
+    in flight finish (no collective: a peer may be gone) and logs its failure."""
+    try:
+        yield
+    except BaseException:
+        if run.checkpoint_writer is not None:
+            try:
+                run.checkpoint_writer.wait()
+            except Exception as e:
+                logger.error("the checkpoint being written when the run failed was not written: %s", e)
+        raise
+    wait_for_checkpoint(run)
 
 
 def prune(ckpt_dir: str, keep: int, fmt: str) -> None:
