@@ -79,6 +79,7 @@ class Run:
     preempt: PreemptionHandler | None = None
     # TRAIN.CKPT_ASYNC: writes checkpoint files in the background (None: every write blocks training)
     checkpoint_writer: BackgroundWriter | None = None
+    checkpoint_group: object = None  # the process group of background DCP writes (state.checkpoint_group)
 
     @property
     def global_step(self) -> int:

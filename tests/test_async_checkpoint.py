@@ -9,6 +9,7 @@ events, never a timing. A kill during a write, which needs a process, is in test
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections import OrderedDict
 
@@ -68,7 +69,8 @@ def test_a_write_waits_for_the_one_in_flight_and_its_error_is_raised_at_the_next
 # A training run with gated writes
 # ------------------------------------------------------------------------------------------------
 class GatedWrites:
-    """Records steps, writes and waits in order; holds each write until 2 steps ran or the trainer waits."""
+    """Records steps, background writes and waits in order; holds each background write until 2 steps
+    ran or the trainer waits."""
 
     def __init__(self, monkeypatch, steps_per_write: int = 2):
         self.events: list[tuple] = []
@@ -77,14 +79,12 @@ class GatedWrites:
         self.cond = threading.Condition()
         self.steps = 0
         self.waiting = False
-        real_write, real_step, real_save, real_wait = (
-            state.write_files,
-            trainer.train_step,
-            trainer.save_training_checkpoint,
-            BackgroundWriter.wait,
-        )
+        real_writes = {"write_files": state.write_files, "finish_sharded": state.finish_sharded}
+        real_step, real_save, real_wait = trainer.train_step, trainer.save_training_checkpoint, BackgroundWriter.wait
 
-        def write_files(st, path, *args):
+        def gated(name: str, first, path, *args):  # a file's write, or the finish of a DCP folder
+            if threading.current_thread() is threading.main_thread():  # written at once: nothing to hold
+                return real_writes[name](first, path, *args)
             with self.cond:
                 self.event("write starts", path)
                 self.in_flight += 1
@@ -94,7 +94,7 @@ class GatedWrites:
                     lambda: self.steps - started >= self.steps_per_write or self.waiting, timeout=60
                 )
             assert released, "the gate was never released: training stopped while the write was in flight"
-            real_write(st, path, *args)
+            real_writes[name](first, path, *args)
             with self.cond:
                 self.in_flight -= 1
                 self.event("write ends", path)
@@ -125,7 +125,8 @@ class GatedWrites:
             finally:
                 self.waiting = False
 
-        monkeypatch.setattr(state, "write_files", write_files)
+        for name in real_writes:
+            monkeypatch.setattr(state, name, functools.partial(gated, name))
         monkeypatch.setattr(trainer, "train_step", train_step)
         monkeypatch.setattr(trainer, "save_training_checkpoint", save_training_checkpoint)
         monkeypatch.setattr(BackgroundWriter, "wait", wait)
@@ -143,9 +144,9 @@ class GatedWrites:
         return found
 
 
-def _args(out, *extra: str) -> list[str]:
+def _args(out, fmt: str, *extra: str) -> list[str]:
     register_tiny_model()
-    return [
+    return ["DIST.CKPT_FORMAT", fmt,
         "OUT_DIR", str(out), *DUMMY_OPTS, "MODEL.ARCH", TINY_ARCH, "TRAIN.BATCH_SIZE", "8", "OPTIM.MAX_EPOCH", "2",
         "TRAIN.CKPT_PERIOD_ITERS", "3", "TRAIN.KEEP_CKPTS", "100", "OPTIM.EMA_DECAY", "0.9", "TRAIN.WORKERS", "0",
         *extra,
@@ -161,16 +162,17 @@ def _assert_holds_its_snapshot(path: str, snapshot: dict) -> None:
 
 
 @pytest.mark.slow  # a whole run, its plot and summary included (~15 s here)
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
 def test_training_goes_on_while_a_checkpoint_is_written_one_at_a_time_and_the_run_ends_with_it_on_disk(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, fmt
 ):
     gate = GatedWrites(monkeypatch)
     out = tmp_path / "out"
-    assert cli.run_tool(trainer.train_model, _args(out)) == 0
+    assert cli.run_tool(trainer.train_model, _args(out, fmt)) == 0
     writes = gate.writes()
     # 8 steps an epoch: checkpoints after steps 3 and 6, and each epoch's end; 2 epochs.
     names = [p.rsplit("/", 1)[1] for p, _ in writes]
-    assert names == [ckpt.checkpoint_name(e, s) for e in (1, 2) for s in (3, 6, 0)]
+    assert names == [ckpt.checkpoint_name(e, s, fmt == "sharded") for e in (1, 2) for s in (3, 6, 0)]
     assert gate.most_in_flight == 1
     for path, during in writes[:-1]:
         steps = [e for e in during if e[0] == "step"]
@@ -180,11 +182,12 @@ def test_training_goes_on_while_a_checkpoint_is_written_one_at_a_time_and_the_ru
     assert gate.events[-1] == ("write ends", last_path), "nothing ran after the last write: the run ended on it"
     for path, snapshot in gate.snapshots.items():
         _assert_holds_its_snapshot(path, snapshot)
-    assert (out / ckpt.BEST_NAME).is_file()
+    assert (out / (ckpt.BEST_NAME if fmt == "file" else ckpt.BEST_SHARDED)).exists()
 
 
 @pytest.mark.usefixtures("own_signal_handlers")
-def test_a_preemption_waits_for_the_write_in_flight_then_writes_its_own_before_exiting(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["file", "sharded"])
+def test_a_preemption_waits_for_the_write_in_flight_then_writes_its_own_before_exiting(tmp_path, monkeypatch, fmt):
     gate = GatedWrites(monkeypatch, steps_per_write=100)  # released only by the trainer's wait
     gated_step = trainer.train_step
 
@@ -205,11 +208,16 @@ def test_a_preemption_waits_for_the_write_in_flight_then_writes_its_own_before_e
     monkeypatch.setattr(trainer, "train_step", train_step)
     monkeypatch.setattr(trainer, "stop_for_preemption", stop_for_preemption)
     out = tmp_path / "out"
-    assert cli.run_tool(trainer.train_model, _args(out, "TRAIN.PRINT_FREQ", "2")) == EXIT_PREEMPTED
+    assert cli.run_tool(trainer.train_model, _args(out, fmt, "TRAIN.PRINT_FREQ", "2")) == EXIT_PREEMPTED
     writes = gate.writes()
     # After step 3 a background write; the stop agreed at step 4 (PRINT_FREQ 2) writes its own.
-    assert [p.rsplit("/", 1)[1] for p, _ in writes] == [ckpt.checkpoint_name(1, 3), ckpt.checkpoint_name(1, 4)]
+    # A preemption's own checkpoint is written at once, in the trainer's thread: no gate holds it.
+    assert [p.rsplit("/", 1)[1] for p, _ in writes] == [ckpt.checkpoint_name(1, 3, fmt == "sharded")]
     assert ("step", 4) in writes[0][1] and ("trainer waits",) in writes[0][1]
-    assert gate.events[-2:] == [("write ends", writes[1][0]), ("exits",)], "exited once its checkpoint was on disk"
+    assert gate.events[-1] == ("exits",) and ("write ends", writes[0][0]) in gate.events
+    assert set(gate.snapshots) == {
+        writes[0][0],
+        str(out / "checkpoints" / ckpt.checkpoint_name(1, 4, fmt == "sharded")),
+    }
     for path, snapshot in gate.snapshots.items():
         _assert_holds_its_snapshot(path, snapshot)
