@@ -120,6 +120,9 @@ _C.TRAIN.NAN_POLICY = "stop"
 _C.TRAIN.CKPT_PERIOD_ITERS = 0
 # How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart)
 _C.TRAIN.KEEP_CKPTS = 3
+# Write checkpoint files in the background while training goes on (rank 0 keeps a host copy of
+# the state until the file is on disk; one write at a time); False: each write blocks training
+_C.TRAIN.CKPT_ASYNC = True
 # Evaluate on the val split every N epochs (and always after the last)
 _C.TRAIN.EVAL_PERIOD = 1
 # Stop the run after this many epochs of this invocation (0: run to OPTIM.MAX_EPOCH); for tests
