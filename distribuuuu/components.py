@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from yacs.config import CfgNode
 
 from distribuuuu import sharded_checkpoint as shards
+from distribuuuu.config import ConfigError
 from distribuuuu.data.transforms import eval_preprocessing
 from distribuuuu.distributed import all_gather_object, is_main_process
 from distribuuuu.ema import ModelEMA
@@ -273,6 +274,36 @@ class Described(Component):
         pass
 
 
+class TeacherIdentity(Component):
+    """Which teacher the run distils from: ``teacher`` (DISTILL.TEACHER's path, its weights' SHA-256,
+    architecture, weights kind); nothing without one. Its logits are never saved. Resuming with
+    another teacher (other weights, or none where there was one) is refused: a run has one teacher."""
+
+    in_weights = True  # what the weights were distilled from, beside the config
+
+    def __init__(self, identity: dict | None):
+        self.identity = identity
+
+    def state_dict(self) -> dict:
+        return {"teacher": self.identity} if self.identity is not None else {}  # without one: as before distillation
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("teacher")
+        if _sha256(saved) != _sha256(self.identity):
+            raise ConfigError(
+                f"DISTILL.TEACHER: the checkpoint to resume was distilled from {_teacher_text(saved)}, this run from "
+                f"{_teacher_text(self.identity)}: give this run its own OUT_DIR, or set DISTILL.TEACHER to its teacher"
+            )
+
+
+def _sha256(identity: dict | None) -> str | None:
+    return identity["sha256"] if identity else None
+
+
+def _teacher_text(identity: dict | None) -> str:
+    return f"{identity['path']} (weights sha256 {identity['sha256'][:12]})" if identity else "no teacher"
+
+
 def run_components(run: Run) -> dict[str, Component]:
     """The run's state, defined once: every component a checkpoint holds, in the order they load."""
     components = {
@@ -287,6 +318,7 @@ def run_components(run: Run) -> dict[str, Component]:
         "config": Described(arch=run.cfg.MODEL.ARCH, cfg=run.cfg.dump()),
         # What validation did to the images: predict.py and export.py preprocess as it did
         "preprocessing": Described(preprocessing=eval_preprocessing(run.cfg).as_dict()),
+        "teacher": TeacherIdentity(run.teacher.identity if run.teacher is not None else None),
     }
     for name, stateful in run.registered_state.items():
         components[name] = stateful if isinstance(stateful, Component) else Registered(name, stateful)

@@ -220,6 +220,27 @@ _C.DATA.SHARD_PREFETCH = 2
 _C.DATA.DUMMY_SIZE = 1024
 
 # ------------------------------------------------------------------------------------------------
+# Knowledge distillation: a frozen teacher's logits mixed into the training loss (docs/distillation.md)
+# ------------------------------------------------------------------------------------------------
+_C.DISTILL = CN()
+# The teacher's checkpoint, a file or a .dcp folder ("": no distillation); its architecture, class
+# count and MODEL.KWARGS come from the config it stores
+_C.DISTILL.TEACHER = ""
+# The teacher's architecture, for weights that store none (a bare state_dict); "" takes the checkpoint's
+_C.DISTILL.ARCH = ""
+# Which of the teacher checkpoint's weights: "model" (raw) or "ema" (averaged)
+_C.DISTILL.WEIGHTS_KIND = "model"
+# Weight of the distillation term: loss = (1 - ALPHA) x task loss + ALPHA x distillation loss
+_C.DISTILL.ALPHA = 0.5
+# Softmax temperature T of the soft term, T^2 x KL(teacher / T || student / T) (Hinton et al.)
+_C.DISTILL.TEMPERATURE = 4.0
+# Hard-label distillation (DeiT): cross-entropy against the teacher's argmax instead of the soft term
+_C.DISTILL.HARD = False
+# fsdp/hsdp: shard the teacher with fully_shard too (for a teacher too large to replicate); False
+# replicates it on every rank
+_C.DISTILL.SHARD_TEACHER = False
+
+# ------------------------------------------------------------------------------------------------
 # Precise BatchNorm (pycls): running statistics recomputed before each evaluation
 # ------------------------------------------------------------------------------------------------
 _C.BN = CN()
@@ -692,6 +713,12 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DIST.CKPT_FORMAT", ((lambda v, c: v != "sharded" or not c.OPTIM.ZERO),
                           "sharded cannot save OPTIM.ZERO's optimizer (ZeRO-1 consolidates into one file): "
                           "set DIST.CKPT_FORMAT '' or OPTIM.ZERO False")),
+    ("DISTILL.ARCH", ((lambda v, c: not v or c.DISTILL.TEACHER), "needs DISTILL.TEACHER (the teacher's weights)")),
+    ("DISTILL.WEIGHTS_KIND", _choice(("model", "ema"))),
+    ("DISTILL.ALPHA", _between(0, 1)),
+    ("DISTILL.TEMPERATURE", _POSITIVE),
+    ("DISTILL.SHARD_TEACHER", ((lambda v, c: not v or c.DIST.STRATEGY != "ddp"),
+                               "needs DIST.STRATEGY fsdp or hsdp (ddp replicates the teacher)")),
     ("BN.PRECISE_IMAGES", _NON_NEGATIVE),
     ("BN.PRECISE_IMAGES", ((lambda v, c: v == 0 or not c.MODEL.SYNCBN),
                            "cannot combine with MODEL.SYNCBN True (SyncBatchNorm all-reduces each batch, and "

@@ -69,3 +69,29 @@ def inverse_frequency_weights(targets: Sequence[int] | torch.Tensor, num_classes
     if empty:
         raise ValueError(f"class weights: classes {empty} have no samples")
     return (counts.sum() / (num_classes * counts.double())).float()
+
+
+class DistillationLoss(nn.Module):
+    """``(1 - alpha) * task + alpha * distillation`` of the student's logits against a teacher's.
+
+    Soft (Hinton et al.): ``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, averaged over
+    the batch; the ``T^2`` keeps the soft term's gradients at the task loss's scale as T grows.
+    Hard (DeiT's hard distillation): cross-entropy against the teacher's argmax, as if it were
+    the label (T unused). ``task`` is the training loss on the (possibly mixed) targets.
+    """
+
+    def __init__(self, task: nn.Module, alpha: float, temperature: float = 1.0, hard: bool = False):
+        super().__init__()
+        self.task, self.alpha, self.temperature, self.hard = task, alpha, temperature, hard
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        task = self.task(logits, target)
+        return (1.0 - self.alpha) * task + self.alpha * self.distillation(logits, teacher_logits.to(logits.dtype))
+
+    def distillation(self, logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """The distillation term alone: soft KL at temperature T (times T^2), or CE on the teacher's argmax."""
+        if self.hard:
+            return F.cross_entropy(logits, teacher_logits.argmax(dim=1))
+        t = self.temperature
+        student, teacher = F.log_softmax(logits / t, dim=1), F.log_softmax(teacher_logits / t, dim=1)
+        return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * (t * t)

@@ -66,7 +66,7 @@ def train_step(run: Run, micro_batches: list, sums: MetricSums) -> torch.Tensor:
             images, soft_targets = run.mixer(images, targets)
         with gradient_sync(run.forward_model, i == len(micro_batches) - 1), autocast(cfg.TRAIN.PRECISION, env.device):
             logits = run.forward_model(images)
-            loss = run.criterion(logits.float(), soft_targets)
+            loss = training_loss(run, images, logits, soft_targets)
         run.scaler.scale(loss / len(micro_batches)).backward()
         sums.add(loss, logits, targets)
         if skipped:
@@ -74,6 +74,13 @@ def train_step(run: Run, micro_batches: list, sums: MetricSums) -> torch.Tensor:
         losses.append(loss.detach())
     optimizer_step(run, sums)
     return torch.stack(losses).mean()
+
+
+def training_loss(run: Run, images: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The criterion on the student's logits; with DISTILL.TEACHER, mixed with the teacher's on the same (mixed) images."""
+    if run.teacher is None:
+        return run.criterion(logits.float(), targets)
+    return run.criterion(logits.float(), targets, run.teacher(images).float())
 
 
 def optimizer_step(run: Run, sums: MetricSums) -> None:

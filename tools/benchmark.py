@@ -374,7 +374,7 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
     batches = iter(run.train.loader)
     sums = MetricSums(env.device, cfg.TRAIN.TOPK)
     parts: dict[str, list[float]] = {
-        k: [] for k in ("data", "fwd_bwd", "fwd_bwd_allreduce", "optimizer", "bookkeeping")
+        k: [] for k in ("data", "fwd_bwd", "fwd_bwd_allreduce", "optimizer", "bookkeeping", "teacher")
     }
     steps = min(bench.steps or SYNTHETIC_STEPS, run.steps_per_epoch)
     for i in range(steps):
@@ -384,11 +384,12 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
         sync_device(env)
         data_s = time.perf_counter() - tic
         out: dict = {}
+        teacher = timed(partial(_teacher_forward, run, images, out), env) if run.teacher is not None else 0.0
         fb = [timed(partial(_forward_backward, run, images, targets, sync, out), env) for sync in (False, True)]
         bookkeeping = timed(partial(_bookkeeping, run, sums, out, targets), env)
         opt = timed(partial(trainer.optimizer_step, run, sums), env)
         if i >= min(bench.warmup, steps - 1):
-            for key, value in zip(parts, (data_s, fb[0], fb[1], opt, bookkeeping)):
+            for key, value in zip(parts, (data_s, fb[0], fb[1], opt, bookkeeping, teacher)):
                 parts[key].append(1000 * value)
     med = {k: statistics.median(v) for k, v in parts.items()}
     report.emit(
@@ -401,6 +402,9 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
             "allreduce_exposed_ms": med["fwd_bwd_allreduce"] - med["fwd_bwd"],
             "optimizer_ms": med["optimizer"],
             "bookkeeping_ms": med["bookkeeping"],
+            # DISTILL.TEACHER: its forward on the step's images (no gradients, the student's autocast)
+            "teacher_ms": med["teacher"] if run.teacher is not None else None,
+            "teacher_arch": run.teacher.identity["arch"] if run.teacher is not None else None,
             "ddp": isinstance(run.forward_model, nn.parallel.DistributedDataParallel),
         }
     )
@@ -409,11 +413,18 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
 def _forward_backward(run: run_setup.Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
     """One forward and backward through the trainer's model, with or without DDP's gradient all-reduce."""
     run.optimizer.zero_grad(set_to_none=True)
+    teacher = [out["teacher_logits"]] if run.teacher is not None else []  # timed apart: _teacher_forward
     with gradient_sync(run.forward_model, sync), autocast(run.cfg.TRAIN.PRECISION, run.env.device):
         logits = run.forward_model(images)
-        loss = run.criterion(logits.float(), targets)
+        loss = run.criterion(logits.float(), targets, *teacher)
     loss.backward()
     out.update(logits=logits.detach(), loss=loss.detach())
+
+
+def _teacher_forward(run: run_setup.Run, images: torch.Tensor, out: dict) -> None:
+    """DISTILL.TEACHER's forward as the trainer's step runs it: under the student's autocast, no gradients."""
+    with autocast(run.cfg.TRAIN.PRECISION, run.env.device):
+        out["teacher_logits"] = run.teacher(images).float()
 
 
 def _bookkeeping(run: run_setup.Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
@@ -457,10 +468,10 @@ def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> N
     """
     cfg, steps = run.cfg, bench.steps or SYNTHETIC_STEPS
     framework_epoch(run, max(bench.warmup, 1), 0)  # creates the optimizer state
-    images, targets = next(iter(run.train.loader))[:2]
+    images, targets = (t.to(env.device) for t in next(iter(run.train.loader))[:2])
     gradient_sync(run.forward_model, True)
     with autocast(cfg.TRAIN.PRECISION, env.device):
-        loss = run.criterion(run.forward_model(images.to(env.device)).float(), targets.to(env.device))
+        loss = trainer.training_loss(run, images, run.forward_model(images), targets)
     loss.backward()
     held = local_state_bytes(run.model, getattr(run.optimizer, "optim", run.optimizer))  # ZeRO: the local optimizer
     run.optimizer.zero_grad(set_to_none=True)
@@ -795,6 +806,11 @@ def format_table(records: list[dict]) -> str:
                 f"breakdown {r['arch']:<20} np={r['world_size']}  data {r['data_ms']:.2f} ms  fwd+bwd "
                 f"{r['fwd_bwd_ms']:.1f} ms  all-reduce (exposed) {r['allreduce_exposed_ms']:.1f} ms  optimizer "
                 f"{r['optimizer_ms']:.1f} ms  lr+metrics {r['bookkeeping_ms']:.2f} ms"
+                + (
+                    f"  teacher ({r['teacher_arch']}) fwd {r['teacher_ms']:.1f} ms"
+                    if r.get("teacher_ms") is not None
+                    else ""
+                )
             )
         elif w in ("data", "decode_pipeline"):
             lines.append(
