@@ -5,17 +5,17 @@ targets against their closed forms."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import EVAL_TINY, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
+from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
 from torch.nn import functional as F
 
 from distribuuuu import checkpoint as ckpt
-from distribuuuu import cli, trainer
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import load_cfg
 from distribuuuu.data import load_image
@@ -25,8 +25,9 @@ from distribuuuu.losses import MultiLabelBCE
 from distribuuuu.models import build_model
 from distribuuuu.multilabel import MultiLabelSums, metrics_from_counts, score_levels
 
-register_tiny_model()  # the multi-label run below is in this process
-pytestmark = pytest.mark.usefixtures("plain_logging")
+register_tiny_model()  # test_net.py, predict.py and export.py run in this process and build the tiny CNN
+# In-process runs on one thread: they run beside the background jobs (tests/background.py).
+pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
 
 N, C, BINS, THRESHOLD = 257, 6, 64, 0.4
 PAIRS, PREDICT, EXPORT = (str(REPO / "tools" / t) for t in ("make_digit_pairs.py", "predict.py", "export.py"))
@@ -155,7 +156,7 @@ def pairs_run(tmp_path_factory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("pairs")
     assert_ok(in_process(PAIRS, str(root / "data"), "--train", "160", "--val", "48"))
     opts = [*PAIRS_RUN, "TRAIN.DATASET", str(root / "data"), "TEST.DATASET", str(root / "data")]
-    assert cli.run_tool(trainer.train_model, [*opts, "OUT_DIR", str(root / "out")]) == 0
+    assert_ok(in_process(FAULT, *opts, "OUT_DIR", str(root / "out")))
     return root / "out", opts
 
 
@@ -204,7 +205,7 @@ def test_a_mid_epoch_resume_of_a_multilabel_run_is_bit_identical(pairs_run, tmp_
     (resumed / ckpt.CKPT_DIR).mkdir(parents=True)
     mid = ckpt.checkpoint_name(2, 4)  # 4 steps into epoch 2
     shutil.copy(out / ckpt.CKPT_DIR / mid, resumed / ckpt.CKPT_DIR / mid)
-    assert cli.run_tool(trainer.train_model, [*opts, "OUT_DIR", str(resumed)]) == 0
+    assert_ok(in_process(FAULT, *opts, "OUT_DIR", str(resumed)))
     end = [load_checkpoint(str(d / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))) for d in (out, resumed)]
     for key in ("model", "ema", "optimizer"):
         assert torch.equal(
@@ -223,3 +224,18 @@ def _tensors(tree) -> list[torch.Tensor]:
     if isinstance(tree, (list, tuple)):
         return [t for v in tree for t in _tensors(v)]
     return []
+
+
+def test_pack_tool_packs_multi_label_annotations_with_every_class_of_each_sample(pairs_run, tmp_path):
+    from distribuuuu.data.annotations import AnnotationSpec, read_annotations
+    from distribuuuu.data.packed import PackedDataset
+
+    pytest.importorskip("webdataset")
+    _, opts = pairs_run
+    data = Path(opts[opts.index("TRAIN.DATASET") + 1])
+    args = [str(data), str(tmp_path / "packed"), "--splits", "val", "--ann-files", "val.csv", "--ann-header"]
+    assert_ok(in_process(str(REPO / "tools" / "pack_dataset.py"), *args, "--label-sep", " "))
+    listed, classes = read_annotations(str(data), AnnotationSpec("val.csv", True, label_sep=" "))
+    packed = PackedDataset(str(tmp_path / "packed"), "val")
+    assert packed.classes == classes and any(len(t) == 2 for _, t in listed)
+    assert dict(packed.samples) == {os.path.relpath(p, data): t for p, t in listed}

@@ -2,12 +2,13 @@
 
     python tools/pack_dataset.py SRC OUT [--splits train,val] [--shard-size 1000]
                                  [--max-side 0] [--quality 0] [--shuffle-seed 0 | --no-shuffle] [--verify]
-                                 [--ann-files train.csv,val.csv [--ann-header] [--ann-classes FILE]]
+                                 [--ann-files train.csv,val.csv [--ann-header] [--ann-classes FILE] [--label-sep " "]]
 
 SRC is an ImageFolder root (SRC/<split>/<class>/<image>) or "cifar10:<root>" / "cifar100:<root>".
 With --ann-files, each split is the annotation file in the same place of that list (relative to SRC
 unless absolute; docs/annotations.md), its images relative to SRC: the index carries each sample's
-target(s) and the classes (--ann-classes, a file of names relative to SRC, else the labels found).
+target(s) and the classes (--ann-classes, a file of names relative to SRC, else the labels found);
+--label-sep makes them multi-label (the label field's class names joined by it; MODEL.TASK multilabel).
 OUT/<split>/ receives shard-NNNNNN.tar and index.json; serve OUT over HTTP(S) and use its URL
 as TRAIN.DATASET to read it remotely. OUT may be an object store (s3://bucket/x, gs://, az://;
 the cloud extra): the splits are packed into --staging, then uploaded, the index last.
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ann-header", action="store_true", help="the annotation files' first line is a header")
     p.add_argument("--ann-classes", default="", help="file of class names, one a line, relative to SRC")
+    p.add_argument("--label-sep", default="", help="multi-label annotation files: the class names' separator")
     p.add_argument("--staging", default="", help="local folder an object-store OUT is packed in (default: a temp dir)")
     a = p.parse_args(argv)
     if a.shard_size < 1 or a.max_side < 0 or not 0 <= a.quality <= 100:
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if ann_files and len(ann_files) != len(splits):
         p.error(f"--ann-files names {len(ann_files)} file(s) for {len(splits)} split(s) ({','.join(splits)})")
     classes = os.path.join(a.src, a.ann_classes) if a.ann_classes else ""
-    annotations = [AnnotationSpec(f, a.ann_header, classes) for f in ann_files] or [None] * len(splits)
+    annotations = [AnnotationSpec(f, a.ann_header, classes, a.label_sep) for f in ann_files] or [None] * len(splits)
     try:
         if a.verify:
             bad = [b for s in splits for b in verify_split(os.path.join(a.out, s))]

@@ -105,7 +105,11 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, li
 
 def _targets_for_task(cfg: CfgNode, base: Dataset) -> Dataset:
     """``base`` with multi-hot targets under MODEL.TASK multilabel (after any class remapping), else itself."""
-    return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES) if cfg.MODEL.TASK == "multilabel" else base
+    if cfg.MODEL.TASK == "multilabel":
+        return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES)
+    if any(isinstance(t, tuple) for t in getattr(base, "targets", [])[:1]):  # a multi-label pack
+        raise ConfigError("the dataset's samples have several classes each: set MODEL.TASK multilabel")
+    return base
 
 
 def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform) -> tuple[Dataset, BatchDecoder | None]:
