@@ -12,6 +12,7 @@ component in ``run_components`` (or, from outside the package, one entry of ``Ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -327,6 +328,17 @@ def load_file_state(components: dict[str, Component], state: dict, path: str) ->
 
 def save_sharded_state(components: dict[str, Component], path: str) -> None:
     """Write a DCP folder: the components' shards by DCP, everything else into extra.pt (collective)."""
+    shards.save_states(path, *_sharded_parts(components))
+
+
+def start_saving_sharded_state(components: dict[str, Component], path: str, group) -> Callable[[], None]:
+    """``save_sharded_state`` in the background: the shards copied now, written by DCP's ``async_save``
+    over ``group``; returns what finishes the folder (collective over ``group``), for a writer thread."""
+    return shards.start_saving_states(path, *_sharded_parts(components), group)
+
+
+def _sharded_parts(components: dict[str, Component]) -> tuple[dict[str, Stateful], dict]:
+    """The Stateful shard views DCP writes, and the small state extra.pt holds."""
     states, extra = {}, {}
     for name, c in components.items():
         if not c.sharded:
@@ -335,7 +347,7 @@ def save_sharded_state(components: dict[str, Component], path: str) -> None:
         extra.update(c.extra_state_dict())
         if (view := c.shards()) is not None:
             states[name] = view
-    shards.save_states(path, states, extra)
+    return states, extra
 
 
 def load_sharded_state(components: dict[str, Component], path: str) -> None:

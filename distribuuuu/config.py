@@ -130,6 +130,9 @@ _C.TRAIN.NAN_POLICY = "stop"
 _C.TRAIN.CKPT_PERIOD_ITERS = 0
 # How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart)
 _C.TRAIN.KEEP_CKPTS = 3
+# Write checkpoint files in the background while training goes on (rank 0 keeps a host copy of
+# the state until the file is on disk; one write at a time); False: each write blocks training
+_C.TRAIN.CKPT_ASYNC = True
 # Evaluate on the val split every N epochs (and always after the last)
 _C.TRAIN.EVAL_PERIOD = 1
 # Stop the run after this many epochs of this invocation (0: run to OPTIM.MAX_EPOCH); for tests
@@ -209,11 +212,16 @@ _C.DATA.BAD_IMAGE = "error"
 # Image decoding: "auto" (JPEG with TorchCodec if installed, else torchvision.io while it has its
 # deprecated decoders, else PIL; PIL for the rest), "pil", "torchvision" (torchvision.io for JPEG
 # and PNG), or "batched" (workers read JPEG bytes; the training process decodes each batch's JPEGs
-# in one call on its device, nvJPEG on GPU, and augments them there; other formats as "auto"; a
-# failing GPU decoder falls back to the CPU with one warning), or "draft" (PIL, decoding a JPEG at
+# in one call on its device, nvJPEG on GPU, and crops, resizes and flips the batch there at once,
+# from crops drawn in the workers; other formats as "auto"; a failing GPU decoder falls back to the
+# CPU with one warning; docs/performance.md), or "draft" (PIL, decoding a JPEG at
 # 1/2, 1/4 or 1/8 scale, libjpeg's DCT scaling, when the sampled crop or the val resize is at least
 # that many times the output: fewer pixels decoded, slightly different ones; docs/packed-data.md)
 _C.DATA.DECODER = "auto"
+# DATA.DECODER batched: crop, resize, flip and normalise each batch at once on the device (True), or
+# run the per-sample transforms there one image at a time, as before the batched resample (False:
+# the same pixels as "auto", for comparison)
+_C.DATA.BATCHED_AUGMENT = True
 # Folder for shards of a packed dataset read from a URL ("": <temp dir>/distribuuuu-shards/<hash>)
 _C.DATA.SHARD_CACHE = ""
 # Shuffle a packed TRAIN.DATASET by windows of this many shards (0: one global permutation): the

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from distribuuuu.background_write import BackgroundWriter
 from distribuuuu.checkpoint_names import CKPT_DIR
 from distribuuuu.config import ConfigError
 from distribuuuu.data import (
@@ -78,6 +79,9 @@ class Run:
     # a caller outside the package; the package's own is listed in components.run_components.
     registered_state: dict[str, object] = field(default_factory=dict)
     preempt: PreemptionHandler | None = None
+    # TRAIN.CKPT_ASYNC: writes checkpoint files in the background (None: every write blocks training)
+    checkpoint_writer: BackgroundWriter | None = None
+    checkpoint_group: object = None  # the process group of background DCP writes (state.checkpoint_group)
 
     @property
     def global_step(self) -> int:
@@ -256,6 +260,7 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         mixer=build_batch_mixer(cfg),
         extra_val=extra_val,
         precise_bn=build_precise_bn_split(cfg, env) if cfg.BN.PRECISE_IMAGES else None,
+        checkpoint_writer=BackgroundWriter() if t.CKPT_ASYNC else None,
     )
 
 

@@ -50,6 +50,7 @@ from distribuuuu.state import (
     log_config_changes,
     resume_or_load_weights,
     save_training_checkpoint,
+    writing_checkpoints,
 )
 from distribuuuu.validation import precise_bn, test_model, validate
 
@@ -160,12 +161,12 @@ def train_epoch(run: Run, epoch: int) -> dict:
             epoch_sums.add_totals(totals)
             if totals["stop"]:
                 position = f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"
-                save = functools.partial(save_training_checkpoint, run)
+                save = functools.partial(save_training_checkpoint, run)  # on disk before the exit
                 stop_for_preemption(
                     run.preempt, position, save, cfg.DIST.REQUEUE, interrupted=bool(totals["interrupt"])
                 )
         if checkpoint_due:
-            save_training_checkpoint(run)
+            save_training_checkpoint(run, background=True)
     return dict(epoch_sums.totals(), time_s=time.perf_counter() - clock["epoch_start"])
 
 
@@ -280,14 +281,15 @@ def _train(cfg: CfgNode, env: DistEnv, table: list[dict], resume: ResumePoint) -
 def train_epochs(run: Run) -> dict:
     """From the resumed epoch on: train, agree on BatchNorm statistics, evaluate, checkpoint."""
     cfg, last_val, first_epoch = run.cfg, {}, run.state.epoch
-    for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
-        train_one_epoch(run, epoch)
-        is_best = False
-        if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
-            last_val, is_best = evaluate_epoch(run, epoch)
-        save_training_checkpoint(run, is_best)
-        if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
-            break
+    with writing_checkpoints(run):  # the run ends (or fails) with its last checkpoint written
+        for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
+            train_one_epoch(run, epoch)
+            is_best = False
+            if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
+                last_val, is_best = evaluate_epoch(run, epoch)
+            save_training_checkpoint(run, is_best, background=True)
+            if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
+                break
     return last_val
 
 

@@ -518,8 +518,33 @@ def steady_rate(loader, timed: int, workers: int, queued: int) -> tuple[float, i
     rounds = max(1, workers)
     n = max(rounds, timed // rounds * rounds)
     tic = time.perf_counter()
-    images = sum(len(next(it)[1]) for _ in range(n))
+    images = 0
+    for _ in range(n):
+        batch = next(it)
+        images += len(batch[1])
+    if isinstance(batch[0], torch.Tensor) and batch[0].is_cuda:  # DATA.DECODER batched: the device's work too
+        torch.cuda.synchronize(batch[0].device)
     return images / (time.perf_counter() - tic), images
+
+
+def pipeline_name(cfg: CfgNode) -> str:
+    """The decoder, and for "batched" which augmentation: the batched resample or per sample."""
+    batched_per_sample = cfg.DATA.DECODER == "batched" and not cfg.DATA.BATCHED_AUGMENT
+    return "batched-per-sample" if batched_per_sample else cfg.DATA.DECODER
+
+
+def worker_side_rate(cfg: CfgNode, env: DistEnv, batches: int) -> float:
+    """Images/s one worker process sustains: the training split's dataset and collate in this
+    process (TRAIN.WORKERS 0), without the training process's decode: for DATA.DECODER batched,
+    reading bytes and headers and drawing the crops."""
+    split = build_train_split(cfg, env)
+    loader = split.loader.loader  # the DataLoader under DeviceLoader: the workers' side alone
+    it = iter(loader)
+    next(it)
+    tic, images = time.perf_counter(), 0
+    for _, batch in zip(range(batches), it):
+        images += len(batch)
+    return images / (time.perf_counter() - tic)
 
 
 def loader_rate(cfg: CfgNode, env: DistEnv, batches: int) -> tuple[float, int]:
@@ -550,7 +575,7 @@ def measure_data(cfg_args, env: DistEnv, bench, report: Report, label: str = "da
             {
                 "what": label,
                 "dataset": cfg.TRAIN.DATASET,
-                "decoder": cfg.DATA.DECODER,
+                "decoder": pipeline_name(cfg),
                 "workers": workers,
                 "world_size": env.world_size,
                 "batch_per_proc": cfg.TRAIN.BATCH_SIZE,
@@ -597,6 +622,25 @@ def decode_files(files: list[str], decoder: str, device: torch.device, batch: in
         torch.cuda.synchronize(device)
 
 
+# The full pipelines measure_decode times: each decoder, and "batched" with its batched resample
+# (the default) and with the per-sample transforms after the batched decode (DATA.BATCHED_AUGMENT False).
+PIPELINES = (("pil", ()), ("torchvision", ()), ("batched", ()), ("batched", ("DATA.BATCHED_AUGMENT", "False")))
+
+
+def measure_worker_side(cfg: CfgNode, env: DistEnv, bench, report: Report) -> None:
+    """What one DataLoader worker sustains for a batched pipeline: how many workers a GPU needs."""
+    rates = [worker_side_rate(cfg, env, bench.data_batches) for _ in range(bench.repeats)]
+    report.emit(
+        {
+            "what": "worker_side",
+            "decoder": pipeline_name(cfg),
+            "batch_per_proc": cfg.TRAIN.BATCH_SIZE,
+            "images_per_s_per_worker": statistics.median(rates),
+            **spread(rates, "images_per_s"),
+        }
+    )
+
+
 def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
     """PIL vs torchvision.io vs batched decode_jpeg on 500x375 JPEGs: decode alone, then the full pipeline."""
     root = tempfile.mkdtemp(prefix="distribuuuu-photos-") if env.is_main_process else None
@@ -631,10 +675,12 @@ def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
                     **spread(rates[decoder], "images_per_s"),
                 }
             )
-        for decoder in decoders:
-            photo = ("TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", decoder)
+        for decoder, extra in PIPELINES:
+            photo = ("TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", decoder, *extra)
             photo += ("TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "256", "TRAIN.BATCH_SIZE", str(photo_batch))
             measure_data(cfg_args, env, bench, report, "decode_pipeline", *photo)
+            if decoder == "batched":
+                measure_worker_side(bench_cfg(cfg_args, *photo, "TRAIN.WORKERS", "0"), env, bench, report)
         barrier()
     finally:
         if env.is_main_process and root:
@@ -752,7 +798,7 @@ def format_table(records: list[dict]) -> str:
             )
         elif w in ("data", "decode_pipeline"):
             lines.append(
-                f"{w:<15} {r['decoder']:<11} workers={r['workers']} np={r['world_size']} im={r['im_size']}  "
+                f"{w:<15} {r['decoder']:<18} workers={r['workers']} np={r['world_size']} im={r['im_size']}  "
                 f"{r['images_per_s']:9.1f} img/s ({r['images_per_s_per_proc']:.1f} per process)"
             )
         elif w == "packed_pipeline":
@@ -760,6 +806,11 @@ def format_table(records: list[dict]) -> str:
                 f"packed    {r['path']:<26} workers={r['workers']} im=224  {r['images_per_s_per_proc']:8.1f} img/s "
                 f"({r['images_per_s_per_core']:.1f} per core; min {r['images_per_s_min']:.1f}, max "
                 f"{r['images_per_s_max']:.1f}; {r['over_folder_pil_paired_median']:.2f}x folder+pil, paired)"
+            )
+        elif w == "worker_side":
+            lines.append(
+                f"worker_side {r['decoder']:<18} batch {r['batch_per_proc']}  {r['images_per_s_per_worker']:9.1f} img/s "
+                f"per worker (min {r['images_per_s_min']:.1f}, max {r['images_per_s_max']:.1f})"
             )
         elif w == "decode":
             lines.append(

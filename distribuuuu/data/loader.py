@@ -24,6 +24,7 @@ from distribuuuu.data.datasets import (
     collate_skipping_bad,
 )
 from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.prefetch import prefetched
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
     FixedBatchSampler,
@@ -33,7 +34,13 @@ from distribuuuu.data.samplers import (
     WeightedDistributedSampler,
 )
 from distribuuuu.data.shard_cache import ProgressReporter, ShardCache, ShardCacheError, ShardOrder
-from distribuuuu.data.transforms import build_normalize, build_train_transform, build_val_transform
+from distribuuuu.data.transforms import (
+    batched_eval_geometry,
+    batched_train_steps,
+    build_normalize,
+    build_train_transform,
+    build_val_transform,
+)
 from distribuuuu.launch import DistEnv
 from distribuuuu.losses import inverse_frequency_weights
 from distribuuuu.preemption import ignore_preemption_signals
@@ -52,8 +59,10 @@ class Split:
 class DeviceLoader:
     """A DataLoader whose batches arrive on the training device as ``(images, targets, dropped)``
     with normalised float images: uint8 pixels are copied (asynchronously from pinned memory) and
-    normalised there; DATA.DECODER batched decodes each batch's JPEGs there first. Float batches
-    (MODEL.DUMMY_INPUT) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
+    normalised there; DATA.DECODER batched decodes and augments each batch there first, on a
+    thread one batch ahead when there are workers (prefetch.py: with none, the dataset's seeded
+    draws run in this process and must not race the training thread's). Float batches
+    (MODEL.DUMMY_INPUT, or already normalised by the batched resample) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
     wrapped loader's. timm's PrefetchLoader idea without its side stream: the non-blocking copy
     frees the host at once but queues behind the step's kernels on the default stream; a uint8
     batch is a quarter of float32's bytes, small against a training step."""
@@ -62,10 +71,17 @@ class DeviceLoader:
         self.loader, self.device, self.normalize, self.decode = loader, device, normalize, decode
 
     def __iter__(self):
-        for batch in self.loader:
-            images, targets, dropped = batch if self.decode is None else self.decode(batch)
+        for batch in self._batches():
+            images, targets, dropped = batch if self.decode is None else self.decode.finish(batch)
             images = images.to(self.device, non_blocking=True)
             yield self.normalize(images) if images.dtype == torch.uint8 else images, targets, dropped
+
+    def _batches(self):
+        if self.decode is None:
+            return iter(self.loader)
+        if self.loader.num_workers > 0:
+            return prefetched(self.loader, self.decode.prepare, self.device)
+        return map(self.decode.prepare, self.loader)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -112,13 +128,26 @@ def _targets_for_task(cfg: CfgNode, base: Dataset) -> Dataset:
     return base
 
 
-def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform) -> tuple[Dataset, BatchDecoder | None]:
-    """The sampled dataset, and the training-process decoder when JPEGs are decoded by the batch."""
+def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str) -> tuple[Dataset, BatchDecoder | None]:
+    """The sampled dataset, and the training-process decoder when JPEGs are decoded by the batch.
+
+    ``split`` ("train" or "val") picks the batched resample's geometry (DATA.BATCHED_AUGMENT);
+    without one the per-sample ``transform`` runs on the device after the batched decode."""
     skip_bad = cfg.DATA.BAD_IMAGE == "skip"
     reader = base.base if isinstance(base, MultiHotTargets) else base
-    if cfg.DATA.DECODER == "batched" and isinstance(reader, (CheckedImageFolder, EncodedSamples, AnnotatedImages)):
-        return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad), BatchDecoder(transform, env.device, skip_bad)
-    return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
+    if cfg.DATA.DECODER != "batched" or not isinstance(reader, (CheckedImageFolder, EncodedSamples, AnnotatedImages)):
+        return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
+    geometry = None
+    if cfg.DATA.BATCHED_AUGMENT and split == "train":
+        geometry, transform = batched_train_steps(cfg)
+    elif cfg.DATA.BATCHED_AUGMENT and split == "val":
+        geometry = batched_eval_geometry(cfg)
+        transform = None if geometry is not None else transform
+    decoder = BatchDecoder(
+        transform, env.device, skip_bad, geometry=geometry, normalize=build_normalize(cfg),
+        channels_last=cfg.TRAIN.CHANNELS_LAST,
+    )  # fmt: skip
+    return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad, geometry), decoder
 
 
 def _loader(
@@ -147,7 +176,7 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform)
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
@@ -175,7 +204,7 @@ def build_precise_bn_split(cfg: CfgNode, env: DistEnv) -> Split:
         )
     build = build_train_transform if cfg.BN.PRECISE_TRANSFORM == "train" else build_val_transform
     transform = None if cfg.MODEL.DUMMY_INPUT else build(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, base, transform)
+    dataset, decoder = _dataset(cfg, env, base, transform, cfg.BN.PRECISE_TRANSFORM)
     indices = precise_bn_indices(len(base), cfg.BN.PRECISE_IMAGES, cfg.RNG_SEED)
     sampler = FixedBatchSampler(indices, cfg.TRAIN.BATCH_SIZE, env.world_size, env.rank)
     workers = cfg.TRAIN.WORKERS
@@ -285,7 +314,7 @@ def build_val_split(
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform)
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "val")
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, False, decoder)
     return Split(loader, dataset, sampler, classes)

@@ -8,6 +8,7 @@ the same step for one image at a time (predict, export).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -19,18 +20,36 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import eval_crop_size, get_cfg_defaults
 from distribuuuu.data.draft import DraftDecode, DraftRandomResizedCrop
+from distribuuuu.data.resample import EvalGeometry, TrainGeometry
+
+logger = logging.getLogger("distribuuuu.data")
 
 
 def build_train_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
     """RandomResizedCrop(TRAIN.IM_SIZE) + flip [+ auto-augment] [+ random erasing], uint8 pixels
     throughout [+ normalise]."""
+    steps = [*_crop_and_flip(cfg), *_after_crop_and_flip(cfg)]
+    if normalize:
+        steps.append(build_normalize(cfg))
+    return v2.Compose(steps)
+
+
+def _random_resized_crop(cfg: CfgNode) -> v2.RandomResizedCrop:
+    return v2.RandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(cfg.DATA.CROP_SCALE_MIN, 1.0), antialias=True)
+
+
+def _crop_and_flip(cfg: CfgNode) -> list[Callable]:
     d = cfg.DATA
     if d.DECODER == "draft":  # JPEGs arrive undecoded: the crop decodes them at a reduced scale
         steps = [DraftRandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
     else:
-        steps = [v2.ToImage(), v2.RandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
-    if d.HFLIP_PROB > 0:
-        steps.append(v2.RandomHorizontalFlip(d.HFLIP_PROB))
+        steps = [v2.ToImage(), _random_resized_crop(cfg)]
+    return steps + ([v2.RandomHorizontalFlip(d.HFLIP_PROB)] if d.HFLIP_PROB > 0 else [])
+
+
+def _after_crop_and_flip(cfg: CfgNode) -> list[Callable]:
+    d = cfg.DATA
+    steps = []
     policy = {
         "randaugment": lambda: v2.RandAugment(magnitude=d.RANDAUGMENT_MAGNITUDE),
         "trivialaugment": v2.TrivialAugmentWide,
@@ -41,9 +60,38 @@ def build_train_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
     p = eval_preprocessing(cfg)  # the same normalisation as evaluation (a timm model's own)
     if d.RANDOM_ERASING > 0:  # erased to the mean colour: about 0 once normalised
         steps.append(RandomErasing(p=d.RANDOM_ERASING, value=[round(255 * m) for m in p.mean]))
-    if normalize:
-        steps.append(build_normalize(cfg))
-    return v2.Compose(steps)
+    return steps
+
+
+def batched_train_steps(cfg: CfgNode) -> tuple[TrainGeometry, Callable | None]:
+    """DATA.DECODER batched's training transform: the crop and flip as one batched resample
+    (resample.TrainGeometry), and the steps it cannot do on the whole batch, or None.
+
+    The one place that says what the batched resample cannot do: an AUTO_AUGMENT policy and
+    RANDOM_ERASING pick different operations image by image. They run after it, per sample, on
+    its crops rounded to uint8 (as today's per-sample resize rounds), with the sample's own draws,
+    rather than refusing the config: a recipe keeps its augmentation and still gets the batched
+    decode and crop (logged once, in one line).
+    """
+    tail = _after_crop_and_flip(cfg)
+    if tail:
+        names = [
+            k
+            for k, on in (
+                ("DATA.AUTO_AUGMENT", cfg.DATA.AUTO_AUGMENT),
+                ("DATA.RANDOM_ERASING", cfg.DATA.RANDOM_ERASING > 0),
+            )
+            if on
+        ]
+        logger.info("DATA.DECODER batched: %s run per sample after the batched crop", " and ".join(names))
+    return TrainGeometry(_random_resized_crop(cfg), cfg.DATA.HFLIP_PROB), v2.Compose(tail) if tail else None
+
+
+def batched_eval_geometry(cfg: CfgNode) -> EvalGeometry | None:
+    """Evaluation's resize and centre crop as one batched resample, or None where it cannot: an
+    interpolation other than bilinear (a timm model's bicubic), which then runs per sample."""
+    p = eval_preprocessing(cfg)
+    return EvalGeometry(p.resize, p.crop) if p.interpolation == "bilinear" else None
 
 
 class RandomErasing(v2.RandomErasing):
