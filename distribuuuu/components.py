@@ -193,7 +193,8 @@ class RNG(Component):
 
 
 class Progress(Component):
-    """Epochs done and the best so far: ``epoch``, ``best_acc1``, ``best_weights``."""
+    """Epochs done and the best so far: ``epoch``, ``best_acc1``, ``best_weights``, and the best's
+    ``best_metric`` (TRAIN.BEST_METRIC) and ``best_value``."""
 
     in_weights = True
 
@@ -202,12 +203,19 @@ class Progress(Component):
 
     def state_dict(self) -> dict:
         s = self.run.state
-        return {"epoch": s.epoch, "best_acc1": s.best_acc1, "best_weights": s.best_weights}
+        metric = self.run.cfg.TRAIN.BEST_METRIC
+        return {
+            "epoch": s.epoch, "best_acc1": s.best_acc1, "best_weights": s.best_weights,
+            "best_metric": metric, "best_value": s.best_value,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict) -> None:
         s = self.run.state
         s.epoch, s.best_acc1 = state_dict["epoch"], state_dict["best_acc1"]
         s.best_weights = state_dict.get("best_weights", "model")
+        # A best chosen by another metric (or before metrics were recorded) is not this run's: the next evaluation sets it.
+        same = state_dict.get("best_metric", "top1") == self.run.cfg.TRAIN.BEST_METRIC
+        s.best_value = state_dict.get("best_value", s.best_acc1) if same else None
 
 
 class Position(Component):

@@ -21,6 +21,7 @@ from distribuuuu.data import (
     build_train_split,
     build_val_split,
     dataset_targets,
+    label_counts,
 )
 from distribuuuu.distillation import Teacher, load_teacher
 from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
@@ -28,7 +29,7 @@ from distribuuuu.ema import ModelEMA
 from distribuuuu.heartbeat import stall_seconds
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import attach_log_file, get_logger, setup_logging
-from distribuuuu.losses import DistillationLoss, build_criterion, inverse_frequency_weights
+from distribuuuu.losses import DistillationLoss, build_criterion, inverse_frequency_weights, positive_weights
 from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, find_blocks, has_batchnorm
 from distribuuuu.optim import build_optimizer, freeze, scaled_base_lr
@@ -47,8 +48,9 @@ class TrainState:
 
     epoch: int = 0  # completed epochs
     step_in_epoch: int = 0  # optimizer steps done in the epoch in progress
-    best_acc1: float = 0.0
-    best_weights: str = "model"  # which weights reached best_acc1: "model" or "ema"
+    best_acc1: float = 0.0  # the best checkpoint's val top-1
+    best_weights: str = "model"  # which weights reached the best: "model" or "ema"
+    best_value: float | None = None  # the best checkpoint's TRAIN.BEST_METRIC (None: no best yet)
     samples_in_epoch: int = 0  # global position in the epoch's permutation: samples all ranks consumed
 
 
@@ -94,7 +96,7 @@ class Run:
     def move_to(self, epoch: int, step_in_epoch: int = 0) -> None:
         """Put the run ``step_in_epoch`` steps into ``epoch`` (0-based), its best kept: where the next
         ``train_epoch`` continues (sampler, LR schedule) and what a checkpoint records."""
-        best = {"best_acc1": self.state.best_acc1, "best_weights": self.state.best_weights}
+        best = {k: getattr(self.state, k) for k in ("best_acc1", "best_weights", "best_value")}
         self.state = TrainState(**{**vars(self.at_step(epoch, step_in_epoch)), **best})
 
     @property
@@ -336,16 +338,18 @@ def build_train_criterion(cfg: CfgNode, train: Split) -> nn.Module:
     """TRAIN.LOSS with label smoothing, the BCE threshold and TRAIN.CLASS_WEIGHTS from the train split."""
     t, weights = cfg.TRAIN, None
     if t.CLASS_WEIGHTS == "balanced":
-        targets = dataset_targets(train.dataset)
         try:
-            found = inverse_frequency_weights(targets, len(train.classes))
+            if cfg.MODEL.TASK == "multilabel":  # positive weights: negatives / positives of each class
+                found = positive_weights(label_counts(train.dataset, len(train.classes)), len(train.dataset))
+            else:
+                found = inverse_frequency_weights(dataset_targets(train.dataset), len(train.classes))
         except ValueError as e:
             raise ConfigError(f"TRAIN.CLASS_WEIGHTS balanced: {e}") from None
         # Outputs beyond the dataset's classes (MODEL.NUM_CLASSES larger) never are targets: weight 1.
         weights = torch.ones(cfg.MODEL.NUM_CLASSES)
         weights[: len(found)] = found
         logger.info("TRAIN.CLASS_WEIGHTS balanced: %s", ", ".join(f"{w:.3g}" for w in found.tolist()))
-    return build_criterion(t.LOSS, t.LABEL_SMOOTHING, t.BCE_TARGET_THRESHOLD or None, weights)
+    return build_criterion(t.LOSS, t.LABEL_SMOOTHING, t.BCE_TARGET_THRESHOLD or None, weights, cfg.MODEL.TASK)
 
 
 def build_teacher(cfg: CfgNode, env: DistEnv, classes: list[str]) -> Teacher | None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import check_dataset_paths
+from distribuuuu.config import BEST_METRICS, check_dataset_paths
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
 from distribuuuu.heartbeat import reporting_position
@@ -27,7 +27,14 @@ from distribuuuu.optim import lr_at, set_lr
 from distribuuuu.out_dir_lock import OutDirLock, is_a_restart
 from distribuuuu.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
-from distribuuuu.records import log_train_window, reported_k, topk_text, write_eval_record, write_train_record
+from distribuuuu.records import (
+    log_train_window,
+    multilabel_text,
+    reported_k,
+    topk_text,
+    write_eval_record,
+    write_train_record,
+)
 from distribuuuu.run import (
     Run,
     TrainState,
@@ -334,13 +341,26 @@ def evaluate_epoch(run: Run, epoch: int) -> tuple[dict, bool]:
             k = reported_k(run.cfg)
             write_eval_record(run.writer, split_name, epoch + 1, totals, k, name)
             logger.info(
-                "%s %s epoch %d: loss %.4f  top1 %.2f%s  (%d images, %.0f img/s)",
+                "%s %s epoch %d: loss %.4f  top1 %.2f%s%s  (%d images, %.0f img/s)",
                 split_name, name, epoch + 1, totals["loss"], totals["top1_acc"], topk_text(k, totals["topk_acc"]),
-                totals["samples"], totals["images_per_s"],
+                multilabel_text(totals), totals["samples"], totals["images_per_s"],
             )  # fmt: skip
             if split_name != "val":
                 continue
             results[name] = totals
-            if totals["top1_acc"] > run.state.best_acc1:
-                run.state.best_acc1, run.state.best_weights, is_best = totals["top1_acc"], name, True
+            if improves_best(run.state, totals, run.cfg.TRAIN.BEST_METRIC):
+                field, _ = BEST_METRICS[run.cfg.TRAIN.BEST_METRIC]
+                value = totals["top1_acc" if field == "top1" else field]
+                run.state.best_acc1, run.state.best_value, run.state.best_weights = totals["top1_acc"], value, name
+                is_best = True
     return results["model"], is_best
+
+
+def improves_best(state: TrainState, totals: dict, metric: str) -> bool:
+    """Whether an evaluation beats the best so far by TRAIN.BEST_METRIC (top-1 as always: above the best)."""
+    if metric == "top1":
+        return totals["top1_acc"] > state.best_acc1
+    field, lower_is_better = BEST_METRICS[metric]
+    if state.best_value is None:
+        return True
+    return totals[field] < state.best_value if lower_is_better else totals[field] > state.best_value

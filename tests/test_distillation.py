@@ -186,6 +186,7 @@ def test_benchmark_breakdown_times_the_teachers_forward_apart(teachers):
         (["DISTILL.TEACHER", "{a}", "DISTILL.WEIGHTS_KIND", "ema"], "DISTILL.WEIGHTS_KIND"),
         (["DISTILL.ARCH", "resnet18"], "DISTILL.ARCH needs DISTILL.TEACHER"),
         (["DISTILL.SHARD_TEACHER", "True"], "DISTILL.SHARD_TEACHER needs DIST.STRATEGY fsdp"),
+        (["DISTILL.TEACHER", "{a}", "MODEL.TASK", "multilabel"], "DISTILL.TEACHER distils a softmax"),
     ],
 )
 def test_a_bad_teacher_is_one_line_naming_the_key_exit_2_before_training(tmp_path, teachers, opts, names):

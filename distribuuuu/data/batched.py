@@ -125,7 +125,7 @@ def collate_encoded(batch: list[EncodedSample | None]) -> EncodedBatch:
         buffer=torch.cat([s.data.reshape(-1) for s in kept]),
         offsets=[0, *itertools.accumulate(sizes)],
         shapes=[None if s.encoded else tuple(s.data.shape) for s in kept],
-        targets=torch.tensor([s.target for s in kept]),
+        targets=torch.utils.data.default_collate([s.target for s in kept]),  # class indices, or multi-hot rows
         seeds=[s.seed for s in kept],
         paths=[s.path for s in kept],
         dropped=len(batch) - len(kept),

@@ -12,10 +12,12 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
 from distribuuuu.data import remote
+from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
     CheckedImageFolder,
+    MultiHotTargets,
     SeededTransformDataset,
     SyntheticDataset,
     build_base_dataset,
@@ -90,17 +92,40 @@ class DeviceLoader:
         return getattr(self.loader, name)
 
 
+def annotation_spec(cfg: CfgNode, train: bool) -> AnnotationSpec | None:
+    """How to read TRAIN.ANN_FILE (``train``) or TEST.ANN_FILE; None when the split is a folder."""
+    ann_file = cfg.TRAIN.ANN_FILE if train else cfg.TEST.ANN_FILE
+    if not ann_file:
+        return None
+    classes_file = (
+        os.path.abspath(os.path.join(cfg.TRAIN.DATASET, cfg.DATA.ANN_CLASSES)) if cfg.DATA.ANN_CLASSES else ""
+    )
+    label_sep = cfg.DATA.ANN_LABEL_SEP if cfg.MODEL.TASK == "multilabel" else ""
+    return AnnotationSpec(ann_file, cfg.DATA.ANN_HEADER, classes_file, label_sep)
+
+
 def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, list[str]]:
     if cfg.MODEL.DUMMY_INPUT:
         size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(cfg.MODEL.NUM_CLASSES)]
         seed = cfg.RNG_SEED + (0 if train else 1)
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
-    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE)
+    spec = annotation_spec(cfg, train)
+    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec)
     if len(classes) > cfg.MODEL.NUM_CLASSES:
+        where = os.path.join(root, spec.file) if spec else f"{root}/{split}"
         raise ConfigError(
-            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {root}/{split} has {len(classes)} class folders"
+            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {where} has {len(classes)} {'classes' if spec else 'class folders'}"
         )
     return base, classes
+
+
+def _targets_for_task(cfg: CfgNode, base: Dataset) -> Dataset:
+    """``base`` with multi-hot targets under MODEL.TASK multilabel (after any class remapping), else itself."""
+    if cfg.MODEL.TASK == "multilabel":
+        return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES)
+    if any(isinstance(t, tuple) for t in getattr(base, "targets", [])[:1]):  # a multi-label pack
+        raise ConfigError("the dataset's samples have several classes each: set MODEL.TASK multilabel")
+    return base
 
 
 def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str) -> tuple[Dataset, BatchDecoder | None]:
@@ -109,7 +134,8 @@ def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str) -
     ``split`` ("train" or "val") picks the batched resample's geometry (DATA.BATCHED_AUGMENT);
     without one the per-sample ``transform`` runs on the device after the batched decode."""
     skip_bad = cfg.DATA.BAD_IMAGE == "skip"
-    if cfg.DATA.DECODER != "batched" or not isinstance(base, (CheckedImageFolder, EncodedSamples)):
+    reader = base.base if isinstance(base, MultiHotTargets) else base
+    if cfg.DATA.DECODER != "batched" or not isinstance(reader, (CheckedImageFolder, EncodedSamples, AnnotatedImages)):
         return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
     geometry = None
     if cfg.DATA.BATCHED_AUGMENT and split == "train":
@@ -150,7 +176,7 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, base, transform, "train")
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
@@ -257,6 +283,14 @@ def dataset_targets(dataset: Dataset) -> torch.Tensor:
     return torch.as_tensor(base.targets, dtype=torch.int64)
 
 
+def label_counts(dataset: Dataset, num_classes: int) -> torch.Tensor:
+    """How many samples each class labels (a multi-label sample counts for each of its classes)."""
+    counts = torch.zeros(num_classes, dtype=torch.int64)
+    for target in getattr(dataset, "base", dataset).targets:
+        counts[list(target) if isinstance(target, tuple) else target] += 1
+    return counts
+
+
 def sample_paths(dataset: Dataset) -> list[str]:
     """Each sample's file path (ImageFolder), or an empty list (CIFAR, synthetic data)."""
     base = getattr(dataset, "base", dataset)
@@ -275,11 +309,12 @@ def build_val_split(
     root = root or cfg.TEST.DATASET
     base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
-        where = f"{root}/{cfg.TEST.SPLIT}"
+        spec = annotation_spec(cfg, train=False)
+        where = os.path.join(root, spec.file) if spec else f"{root}/{cfg.TEST.SPLIT}"
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, base, transform, "val")
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "val")
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, False, decoder)
     return Split(loader, dataset, sampler, classes)

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
+from torch.nn.functional import one_hot
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
@@ -224,9 +225,15 @@ def build_eval_transform(p: EvalPreprocessing, decoder: str = "auto", normalize:
 def build_batch_mixer(cfg: CfgNode) -> Callable | None:
     """Return mixup/cutmix applied to a batch with probability MIX_PROB, or None if disabled.
 
-    The mixer maps (images, int targets) to (images, soft targets that sum to 1).
+    The mixer maps (images, int targets) to (images, soft targets that sum to 1); under MODEL.TASK
+    multilabel, (images, multi-hot targets) to (images, the mixed multi-hot targets).
     """
-    d, num_classes = cfg.DATA, cfg.MODEL.NUM_CLASSES
+    d, multilabel = cfg.DATA, cfg.MODEL.TASK == "multilabel"
+    # torchvision's MixUp and CutMix take class indices only. A multi-label batch of n is handed to
+    # them labelled 0..n-1 (at most TRAIN.BATCH_SIZE "classes"): the soft targets they return are
+    # then the n x n mixing weights of their very draws, and those weights times the multi-hot
+    # rows are the mixed multi-hot targets.
+    num_classes = cfg.TRAIN.BATCH_SIZE if multilabel else cfg.MODEL.NUM_CLASSES
     choices, weights = [], []
     if d.MIXUP_ALPHA > 0:
         choices.append(v2.MixUp(alpha=d.MIXUP_ALPHA, num_classes=num_classes))
@@ -241,7 +248,11 @@ def build_batch_mixer(cfg: CfgNode) -> Callable | None:
     def mixer(images: torch.Tensor, targets: torch.Tensor):
         # The coin is drawn on the CPU generator: no device sync, and saved in checkpoints.
         if d.MIX_PROB < 1.0 and torch.rand(()).item() >= d.MIX_PROB:
-            return images, torch.nn.functional.one_hot(targets, num_classes).to(images.dtype)
+            return images, targets.to(images.dtype) if multilabel else one_hot(targets, num_classes).to(images.dtype)
+        if multilabel:
+            n = len(images)
+            images, weights = mix(images, torch.arange(n, device=images.device))
+            return images, weights[:, :n] @ targets.to(weights.dtype)
         return mix(images, targets)
 
     return mixer
