@@ -43,6 +43,7 @@ setup(
             "moto[server]",  # a local S3-compatible server for the object-store tests
             "datasets",
             "torchcodec",
+            "scikit-learn",  # the reference the multi-label metrics are checked against
             RUFF,
         ],
         "plot": ["matplotlib"],

@@ -101,6 +101,25 @@ def test_multilabel_metrics_are_identical_for_1_2_3_ranks_and_equal_scikit_learn
     assert sums.reduce() == per_world[0]
 
 
+def test_multilabel_metrics_equal_scikit_learns_on_the_gathered_predictions():
+    metrics = pytest.importorskip("sklearn.metrics")
+    logits, targets = _predictions()
+    ours = metrics_from_counts(*_rank_counts(logits, targets, 3))
+    levels, y = score_levels(logits, BINS).numpy().astype(float), targets.numpy().astype(int)
+    with_positives = [c for c in range(C) if y[:, c].any()]  # AP is undefined without a positive
+    ap = [metrics.average_precision_score(y[:, c], levels[:, c]) for c in with_positives]
+    pred = (torch.sigmoid(logits) >= THRESHOLD).numpy().astype(int)
+    expected = {"map": 100 * np.mean(ap)}
+    for name, score in (
+        ("f1", metrics.f1_score),
+        ("precision", metrics.precision_score),
+        ("recall", metrics.recall_score),
+    ):
+        for average in ("macro", "micro"):
+            expected[f"{name}_{average}"] = 100 * score(y, pred, average=average, zero_division=0)
+    assert {k: ours[k] for k in expected} == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
 def test_average_precision_of_untied_scores_is_the_exact_ap_once_levels_separate_them():
     scores = torch.tensor([[2.0], [1.0], [0.5], [-1.0], [-3.0]])
     y = torch.tensor([[1.0], [0.0], [1.0], [1.0], [0.0]])
