@@ -130,7 +130,13 @@ class SeededTransformDataset(Dataset):
     ``fork_rng`` restores the global CPU RNG afterwards, so the main process's stream (dropout,
     mixup) is untouched when there are no workers. With ``skip_bad``, an undecodable image
     yields ``None`` and the collate function drops and counts it.
+
+    A transform with ``for_epoch`` (progressive resizing's EpochTransforms) is asked for the key's
+    epoch's own: the key's first element is an augmentation round, ``rounds_per_epoch`` of them an
+    epoch (1 but for the repeated and weighted samplers, whose value the loader sets here).
     """
+
+    rounds_per_epoch = 1
 
     def __init__(self, base: Dataset, transform: Callable | None, seed: int, skip_bad: bool = False):
         self.base, self.transform, self.seed, self.skip_bad = base, transform, seed, skip_bad
@@ -148,8 +154,11 @@ class SeededTransformDataset(Dataset):
             raise
         if self.transform is None:
             return image, target
+        transform = self.transform
+        if hasattr(transform, "for_epoch"):
+            transform = transform.for_epoch(epoch // self.rounds_per_epoch)
         with seeded_cpu_rng(sample_seed(self.seed, epoch, index)):
-            return self.transform(image), target
+            return transform(image), target
 
 
 def readable(batch: list) -> list:

@@ -22,6 +22,7 @@ from distribuuuu.data.datasets import (
     collate_skipping_bad,
 )
 from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.progressive import EpochTransforms, progressive_on
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
     FixedBatchSampler,
@@ -54,12 +55,20 @@ class DeviceLoader:
     (MODEL.DUMMY_INPUT) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
     wrapped loader's. timm's PrefetchLoader idea without its side stream: the non-blocking copy
     frees the host at once but queues behind the step's kernels on the default stream; a uint8
-    batch is a quarter of float32's bytes, small against a training step."""
+    batch is a quarter of float32's bytes, small against a training step. ``epoch_transforms``:
+    the batched decoder's transform under progressive resizing, told the sampler's epoch as each
+    epoch's iteration starts (the decoder transforms here, in this process)."""
 
-    def __init__(self, loader: DataLoader, device: torch.device, normalize, decode: BatchDecoder | None = None):
+    def __init__(
+        self, loader: DataLoader, device: torch.device, normalize, decode: BatchDecoder | None = None,
+        epoch_transforms: EpochTransforms | None = None,
+    ):  # fmt: skip
         self.loader, self.device, self.normalize, self.decode = loader, device, normalize, decode
+        self.epoch_transforms = epoch_transforms
 
     def __iter__(self):
+        if self.epoch_transforms is not None:
+            self.epoch_transforms.set_epoch(self.loader.sampler.epoch)
         for batch in self.loader:
             images, targets, dropped = batch if self.decode is None else self.decode(batch)
             images = images.to(self.device, non_blocking=True)
@@ -96,8 +105,9 @@ def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform) -> tuple[Data
 
 
 def _loader(
-    cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train: bool, decoder: BatchDecoder | None = None
-):
+    cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train: bool, decoder: BatchDecoder | None = None,
+    epoch_transforms: EpochTransforms | None = None,
+):  # fmt: skip
     workers = cfg.TRAIN.WORKERS
     loader = DataLoader(
         dataset,
@@ -114,22 +124,32 @@ def _loader(
         # otherwise a resumed run's random stream would drift from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.RNG_SEED),
     )
-    return DeviceLoader(loader, env.device, build_normalize(cfg), decoder)
+    return DeviceLoader(loader, env.device, build_normalize(cfg), decoder, epoch_transforms)
 
 
 def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
-    transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg, normalize=False)
+    transform = None if cfg.MODEL.DUMMY_INPUT else _train_transform(cfg)
     dataset, decoder = _dataset(cfg, env, base, transform)
     sampler = _train_sampler(cfg, env, dataset, len(classes))
+    if isinstance(dataset, SeededTransformDataset):  # how its keys' rounds count epochs
+        dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
             f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS}) "
             f"exceeds the {len(sampler)} training samples each of {env.world_size} rank(s) gets"
         )
-    loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, True, decoder)
+    by_epoch = transform if isinstance(transform, EpochTransforms) and decoder is not None else None
+    loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, True, decoder, by_epoch)
     return Split(loader, dataset, sampler, classes)
+
+
+def _train_transform(cfg: CfgNode):
+    """The training transform; under progressive resizing one per size, picked by the epoch (data/progressive.py)."""
+    if progressive_on(cfg.TRAIN):
+        return EpochTransforms(cfg, lambda size: build_train_transform(cfg, normalize=False, size=size))
+    return build_train_transform(cfg, normalize=False)
 
 
 def precise_bn_indices(dataset_len: int, images: int, seed: int) -> list[int]:

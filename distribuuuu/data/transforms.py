@@ -20,14 +20,14 @@ from distribuuuu.config import eval_crop_size, get_cfg_defaults
 from distribuuuu.data.draft import DraftDecode, DraftRandomResizedCrop
 
 
-def build_train_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
-    """RandomResizedCrop(TRAIN.IM_SIZE) + flip [+ auto-augment] [+ random erasing], uint8 pixels
-    throughout [+ normalise]."""
-    d = cfg.DATA
+def build_train_transform(cfg: CfgNode, normalize: bool = True, size: int | None = None) -> Callable:
+    """RandomResizedCrop(``size``, default TRAIN.IM_SIZE) + flip [+ auto-augment] [+ random erasing],
+    uint8 pixels throughout [+ normalise]. Progressive resizing builds one per size (data/progressive.py)."""
+    d, size = cfg.DATA, size or cfg.TRAIN.IM_SIZE
     if d.DECODER == "draft":  # JPEGs arrive undecoded: the crop decodes them at a reduced scale
-        steps = [DraftRandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
+        steps = [DraftRandomResizedCrop(size, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
     else:
-        steps = [v2.ToImage(), v2.RandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
+        steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
     if d.HFLIP_PROB > 0:
         steps.append(v2.RandomHorizontalFlip(d.HFLIP_PROB))
     policy = {
