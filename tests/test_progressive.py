@@ -22,6 +22,7 @@ from distribuuuu import run as run_setup
 from distribuuuu.config import load_cfg
 from distribuuuu.data.datasets import sample_seed, seeded_cpu_rng
 from distribuuuu.data.loader import build_train_split
+from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.progressive import schedule_sizes, train_size
 from distribuuuu.data.transforms import build_normalize, build_train_transform
 from distribuuuu.launch import DistEnv
@@ -79,34 +80,38 @@ def _split(world: int = 1, rank: int = 0, *opts: str):
     return cfg, build_train_split(cfg, DistEnv(rank=rank, world_size=world))
 
 
-def _expected_images(cfg, split, epoch: int, indices: list[int]) -> torch.Tensor:
-    """Each sample's crop at the epoch's size, drawn from its own seed: built here from the base images."""
+def _expected_images(cfg, split, epoch: int, keys: list[tuple[int, int]]) -> torch.Tensor:
+    """Each sample's crop at the epoch's size, drawn from its key's seed: built here from the base images."""
     transform = build_train_transform(cfg, normalize=False, size=SIZES[epoch])
     images = []
-    for index in indices:
-        with seeded_cpu_rng(sample_seed(cfg.RNG_SEED, epoch, index)):
+    for round_, index in keys:
+        with seeded_cpu_rng(sample_seed(cfg.RNG_SEED, round_, index)):
             images.append(transform(split.dataset.base[index][0]))
     return build_normalize(cfg)(torch.stack(images))
 
 
-@pytest.mark.parametrize("decoder", ["auto", "batched"])
-def test_persistent_workers_and_the_batched_decoder_crop_each_epoch_at_its_size(decoder):
+@pytest.mark.parametrize(
+    "decoder, sampler", [("auto", "default"), ("batched", "default"), ("auto", "repeated"), ("batched", "weighted")]
+)
+def test_persistent_workers_and_the_batched_decoder_crop_each_epoch_at_its_size(decoder, sampler):
     """One persistent worker, made once before epoch 0, crops every epoch at that epoch's size; the
-    batched decoder (in this process) does too: each batch equals the crops computed here."""
-    cfg, split = _split(1, 0, "TRAIN.WORKERS", "1", "TRAIN.PERSISTENT_WORKERS", "True", "DATA.DECODER", decoder)
+    batched decoder (in this process) does too: each batch equals the crops computed here. The
+    repeated and weighted samplers' keys count augmentation rounds, several an epoch."""
+    opts = ["TRAIN.WORKERS", "1", "TRAIN.PERSISTENT_WORKERS", "True", "DATA.DECODER", decoder, "TRAIN.SAMPLER", sampler]
+    cfg, split = _split(1, 0, *opts)
     for epoch in (0, 1, 2, 1):  # back to 1: a size is the epoch's, not the last one's
         split.sampler.set_epoch(epoch)
-        indices = [index for _, index in list(split.sampler)[:8]]
+        keys = list(split.sampler)[:8]
         images, _, _ = next(iter(split.loader))
         assert images.shape == (8, 3, SIZES[epoch], SIZES[epoch])
-        assert torch.equal(images, _expected_images(cfg, split, epoch, indices))
+        assert torch.equal(images, _expected_images(cfg, split, epoch, keys))
 
 
-def _steps(world: int, epoch: int, position: int, steps: int) -> list[torch.Tensor]:
+def _steps(world: int, epoch: int, position: int, steps: int, *opts: str) -> list[torch.Tensor]:
     """The images W ranks train on in ``steps`` steps from global ``position``, in global order."""
     per_rank = []
     for rank in range(world):
-        _, split = _split(world, rank)
+        _, split = _split(world, rank, *opts)
         split.sampler.set_epoch(epoch)
         split.sampler.set_position(position)  # what start_epoch_sampler does with the checkpoint's position
         batches = iter(split.loader)
@@ -115,11 +120,19 @@ def _steps(world: int, epoch: int, position: int, steps: int) -> list[torch.Tens
     return [per_rank[r][s][j] for s in range(steps) for j in range(8) for r in range(world)]
 
 
-def test_an_epoch_of_the_ramp_resumed_on_3_ranks_after_2_reads_the_images_of_one_uninterrupted_rank():
+@pytest.mark.parametrize("data", ["imagefolder", "packed shards, windowed order"])
+def test_an_epoch_of_the_ramp_resumed_on_3_ranks_after_2_reads_the_images_of_one_uninterrupted_rank(
+    data, tmp_path, monkeypatch
+):
+    opts = []
+    if data != "imagefolder":  # 5 shards of 300 read 2 at a time (DATA.SHUFFLE_WINDOW)
+        monkeypatch.setattr("distribuuuu.data.packed.default_cache_dir", lambda root: str(tmp_path / "links"))
+        pack_split(DIGITS, "train", str(tmp_path / "packed"), PackOptions(shard_size=300))
+        opts = ["TRAIN.DATASET", str(tmp_path / "packed"), "DATA.SHUFFLE_WINDOW", "2"]
     epoch = 1  # the middle of the ramp: 12 px
-    before = _steps(2, epoch, 0, steps=3)  # 48 samples
-    after = _steps(3, epoch, len(before), steps=2)  # 48 more, from where the 2 ranks stopped
-    uninterrupted = _steps(1, epoch, 0, steps=12)
+    before = _steps(2, epoch, 0, 3, *opts)  # 48 samples
+    after = _steps(3, epoch, len(before), 2, *opts)  # 48 more, from where the 2 ranks stopped
+    uninterrupted = _steps(1, epoch, 0, 12, *opts)
     assert all(image.shape == (3, 12, 12) for image in before + after)
     assert torch.equal(torch.stack(before + after), torch.stack(uninterrupted))
 
