@@ -21,7 +21,7 @@ from distribuuuu.data import (
     build_val_split,
     dataset_targets,
 )
-from distribuuuu.data.progressive import progressive_on, schedule_sizes
+from distribuuuu.data.progressive import progressive_on, schedule_sizes, schedule_text, train_size
 from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
 from distribuuuu.ema import ModelEMA
 from distribuuuu.heartbeat import stall_seconds
@@ -208,6 +208,17 @@ def wrap_model(model: nn.Module, cfg: CfgNode, env: DistEnv) -> nn.Module:
     return ddp
 
 
+def log_progressive_schedule(cfg: CfgNode) -> None:
+    """Log the training crop of each epoch; warn when the run ends inside the ramp, below TRAIN.IM_SIZE."""
+    logger.info("progressive resizing (TRAIN.PROGRESSIVE_*): %s", schedule_text(cfg))
+    last = train_size(cfg.OPTIM.MAX_EPOCH - 1, cfg.TRAIN)
+    if last != cfg.TRAIN.IM_SIZE:
+        logger.warning(
+            "TRAIN.PROGRESSIVE_END_EPOCH %d is not below OPTIM.MAX_EPOCH %d: the last epoch trains at %d px, "
+            "not TRAIN.IM_SIZE %d", cfg.TRAIN.PROGRESSIVE_END_EPOCH, cfg.OPTIM.MAX_EPOCH, last, cfg.TRAIN.IM_SIZE,
+        )  # fmt: skip
+
+
 def compile_model(model: nn.Module, cfg: CfgNode) -> nn.Module:
     """torch.compile ``model``; under progressive resizing with static shapes, one graph per size.
 
@@ -253,6 +264,8 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         steps_per_epoch, base_lr,
         f" (OPTIM.BASE_LR x {global_batch}/{cfg.OPTIM.REFERENCE_BATCH})" if cfg.OPTIM.REFERENCE_BATCH else "",
     )  # fmt: skip
+    if progressive_on(t):
+        log_progressive_schedule(cfg)
     if shards(cfg, env):
         model, ema = shard_for_training(model, cfg, env)
         forward_model = compiled_or_plain = model  # under TRAIN.COMPILE its blocks are compiled

@@ -191,12 +191,7 @@ BAD_INPUTS = {
             (
                 "ramp-ends-before-it-starts",
                 ["TRAIN.PROGRESSIVE_START_EPOCH", "3"],
-                "TRAIN.PROGRESSIVE_END_EPOCH must be above TRAIN.PROGRESSIVE_START_EPOCH",
-            ),
-            (
-                "ramp-ends-after-the-run",
-                ["TRAIN.PROGRESSIVE_END_EPOCH", "10"],
-                "TRAIN.PROGRESSIVE_END_EPOCH must be above TRAIN.PROGRESSIVE_START_EPOCH and below OPTIM.MAX_EPOCH",
+                "TRAIN.PROGRESSIVE_END_EPOCH must be above TRAIN.PROGRESSIVE_START_EPOCH with progressive resizing",
             ),
             ("on-synthetic-data", ["MODEL.DUMMY_INPUT", "True"], "TRAIN.PROGRESSIVE_START_SIZE needs real images"),
         ]

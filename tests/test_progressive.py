@@ -23,7 +23,7 @@ from distribuuuu.config import load_cfg
 from distribuuuu.data.datasets import sample_seed, seeded_cpu_rng
 from distribuuuu.data.loader import build_train_split
 from distribuuuu.data.pack import PackOptions, pack_split
-from distribuuuu.data.progressive import schedule_sizes, train_size
+from distribuuuu.data.progressive import schedule_sizes, schedule_text, train_size
 from distribuuuu.data.transforms import build_normalize, build_train_transform
 from distribuuuu.launch import DistEnv
 
@@ -73,6 +73,17 @@ def test_ffcvs_resnet50_ramp_switches_where_the_line_crosses_the_midpoint_of_the
     assert [train_size(e, cfg.TRAIN) for e in range(88)] == [160] * 71 + [192] * 17
     off = load_cfg(None, ["TRAIN.IM_SIZE", "48", "TEST.IM_SIZE", "48"])
     assert {train_size(e, off.TRAIN) for e in range(20)} == {48}
+
+
+@pytest.mark.usefixtures("plain_logging")
+def test_the_run_logs_its_sizes_by_epoch_and_warns_when_it_ends_inside_the_ramp(caplog):
+    assert schedule_text(load_cfg(None, RAMP)) == "8 px: epoch 1; 12 px: epoch 2; 16 px: epoch 3"
+    assert schedule_text(_ramp(160, 192, 65, 76, 88)) == "160 px: epochs 1-71; 192 px: epochs 72-88"
+    # A run shorter than the ramp is valid (test_net.py reads these keys from a checkpoint, and not
+    # OPTIM.MAX_EPOCH), and says where it ends.
+    with caplog.at_level("WARNING", logger="distribuuuu"):
+        run_setup.log_progressive_schedule(_ramp(160, 192, 65, 76, 70))
+    assert "the last epoch trains at 160 px, not TRAIN.IM_SIZE 192" in caplog.text
 
 
 def _split(world: int = 1, rank: int = 0, *opts: str):

@@ -42,6 +42,18 @@ def schedule_sizes(cfg: CfgNode) -> list[int]:
     return list(dict.fromkeys(train_size(epoch, cfg.TRAIN) for epoch in range(cfg.OPTIM.MAX_EPOCH)))
 
 
+def schedule_text(cfg: CfgNode) -> str:
+    """The run's sizes by epoch as the log counts them (from 1): '8 px: epoch 1; 12 px: epochs 2-3; ...'."""
+    spans: list[list[int]] = []  # [size, first epoch, last epoch]
+    for epoch in range(cfg.OPTIM.MAX_EPOCH):
+        size = train_size(epoch, cfg.TRAIN)
+        if spans and spans[-1][0] == size:
+            spans[-1][2] = epoch + 1
+        else:
+            spans.append([size, epoch + 1, epoch + 1])
+    return "; ".join(f"{s} px: epoch{'s' if a < b else ''} {a}{f'-{b}' if a < b else ''}" for s, a, b in spans)
+
+
 class EpochTransforms:
     """The training transform of each epoch: ``build(size)`` made once for each size of the schedule.
 
