@@ -15,7 +15,8 @@ from distribuuuu.config import flatten, get_cfg_defaults, load_cfg, merge_pairs
 # Keys that make another experiment: resuming a checkpoint trained with other values would mix
 # two runs in one OUT_DIR (and one record). TRAIN.RESUME_ANYWAY overrides.
 EXPERIMENT_KEYS = (
-    "MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.DATASET", "TRAIN.SPLIT", "TRAIN.IM_SIZE", "OPTIM.OPTIMIZER",
+    "MODEL.ARCH", "MODEL.NUM_CLASSES", "TRAIN.DATASET", "TRAIN.SPLIT", "TRAIN.ANN_FILE", "TRAIN.IM_SIZE",
+    "OPTIM.OPTIMIZER",
 )  # fmt: skip
 # Keys that may change on a resume without changing what is trained: logged, not warned about.
 # Nor are they taken from a checkpoint: where and how the run ran is not what it trained (and
@@ -29,7 +30,7 @@ RUNTIME_KEYS = (
 # The keys that shape the model and its input: what predict.py and export.py take from a checkpoint.
 MODEL_KEYS = (
     "MODEL.ARCH", "MODEL.NUM_CLASSES", "MODEL.KWARGS", "TRAIN.IM_SIZE", "TEST.IM_SIZE", "TEST.CROP_SIZE",
-    "TEST.CROP_PCT", "TEST.INTERPOLATION", "DATA.MEAN", "DATA.STD", "TRAIN.TOPK",
+    "TEST.CROP_PCT", "TEST.INTERPOLATION", "DATA.MEAN", "DATA.STD", "TRAIN.TOPK", "MODEL.TASK", "TEST.THRESHOLD",
 )  # fmt: skip
 # The keys whose values change the model's tensors: the ones a weights mismatch names.
 SHAPE_KEYS = ("MODEL.ARCH", "MODEL.NUM_CLASSES", "MODEL.KWARGS")

@@ -12,6 +12,7 @@ component in ``run_components`` (or, from outside the package, one entry of ``Ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from yacs.config import CfgNode
 
 from distribuuuu import sharded_checkpoint as shards
+from distribuuuu.config import ConfigError
 from distribuuuu.data.transforms import eval_preprocessing
 from distribuuuu.distributed import all_gather_object, is_main_process
 from distribuuuu.ema import ModelEMA
@@ -191,7 +193,8 @@ class RNG(Component):
 
 
 class Progress(Component):
-    """Epochs done and the best so far: ``epoch``, ``best_acc1``, ``best_weights``."""
+    """Epochs done and the best so far: ``epoch``, ``best_acc1``, ``best_weights``, and the best's
+    ``best_metric`` (TRAIN.BEST_METRIC) and ``best_value``."""
 
     in_weights = True
 
@@ -200,12 +203,19 @@ class Progress(Component):
 
     def state_dict(self) -> dict:
         s = self.run.state
-        return {"epoch": s.epoch, "best_acc1": s.best_acc1, "best_weights": s.best_weights}
+        metric = self.run.cfg.TRAIN.BEST_METRIC
+        return {
+            "epoch": s.epoch, "best_acc1": s.best_acc1, "best_weights": s.best_weights,
+            "best_metric": metric, "best_value": s.best_value,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict) -> None:
         s = self.run.state
         s.epoch, s.best_acc1 = state_dict["epoch"], state_dict["best_acc1"]
         s.best_weights = state_dict.get("best_weights", "model")
+        # A best chosen by another metric (or before metrics were recorded) is not this run's: the next evaluation sets it.
+        same = state_dict.get("best_metric", "top1") == self.run.cfg.TRAIN.BEST_METRIC
+        s.best_value = state_dict.get("best_value", s.best_acc1) if same else None
 
 
 class Position(Component):
@@ -272,6 +282,36 @@ class Described(Component):
         pass
 
 
+class TeacherIdentity(Component):
+    """Which teacher the run distils from: ``teacher`` (DISTILL.TEACHER's path, its weights' SHA-256,
+    architecture, weights kind); nothing without one. Its logits are never saved. Resuming with
+    another teacher (other weights, or none where there was one) is refused: a run has one teacher."""
+
+    in_weights = True  # what the weights were distilled from, beside the config
+
+    def __init__(self, identity: dict | None):
+        self.identity = identity
+
+    def state_dict(self) -> dict:
+        return {"teacher": self.identity} if self.identity is not None else {}  # without one: as before distillation
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("teacher")
+        if _sha256(saved) != _sha256(self.identity):
+            raise ConfigError(
+                f"DISTILL.TEACHER: the checkpoint to resume was distilled from {_teacher_text(saved)}, this run from "
+                f"{_teacher_text(self.identity)}: give this run its own OUT_DIR, or set DISTILL.TEACHER to its teacher"
+            )
+
+
+def _sha256(identity: dict | None) -> str | None:
+    return identity["sha256"] if identity else None
+
+
+def _teacher_text(identity: dict | None) -> str:
+    return f"{identity['path']} (weights sha256 {identity['sha256'][:12]})" if identity else "no teacher"
+
+
 def run_components(run: Run) -> dict[str, Component]:
     """The run's state, defined once: every component a checkpoint holds, in the order they load."""
     components = {
@@ -286,6 +326,7 @@ def run_components(run: Run) -> dict[str, Component]:
         "config": Described(arch=run.cfg.MODEL.ARCH, cfg=run.cfg.dump()),
         # What validation did to the images: predict.py and export.py preprocess as it did
         "preprocessing": Described(preprocessing=eval_preprocessing(run.cfg).as_dict()),
+        "teacher": TeacherIdentity(run.teacher.identity if run.teacher is not None else None),
     }
     for name, stateful in run.registered_state.items():
         components[name] = stateful if isinstance(stateful, Component) else Registered(name, stateful)
@@ -319,6 +360,17 @@ def load_file_state(components: dict[str, Component], state: dict, path: str) ->
 
 def save_sharded_state(components: dict[str, Component], path: str) -> None:
     """Write a DCP folder: the components' shards by DCP, everything else into extra.pt (collective)."""
+    shards.save_states(path, *_sharded_parts(components))
+
+
+def start_saving_sharded_state(components: dict[str, Component], path: str, group) -> Callable[[], None]:
+    """``save_sharded_state`` in the background: the shards copied now, written by DCP's ``async_save``
+    over ``group``; returns what finishes the folder (collective over ``group``), for a writer thread."""
+    return shards.start_saving_states(path, *_sharded_parts(components), group)
+
+
+def _sharded_parts(components: dict[str, Component]) -> tuple[dict[str, Stateful], dict]:
+    """The Stateful shard views DCP writes, and the small state extra.pt holds."""
     states, extra = {}, {}
     for name, c in components.items():
         if not c.sharded:
@@ -327,7 +379,7 @@ def save_sharded_state(components: dict[str, Component], path: str) -> None:
         extra.update(c.extra_state_dict())
         if (view := c.shards()) is not None:
             states[name] = view
-    shards.save_states(path, states, extra)
+    return states, extra
 
 
 def load_sharded_state(components: dict[str, Component], path: str) -> None:

@@ -32,6 +32,9 @@ _C.MODEL = CN()
 _C.MODEL.ARCH = "resnet18"
 # Number of output classes
 _C.MODEL.NUM_CLASSES = 10
+# "multiclass" (one class an image: softmax, cross-entropy, top-k accuracy) or "multilabel" (any
+# number of classes an image: per-class sigmoid, BCE, mAP and F1; docs/annotations.md)
+_C.MODEL.TASK = "multiclass"
 # Start from the architecture's default pretrained torchvision/timm weights (needs them cached locally)
 _C.MODEL.PRETRAINED = False
 # Pretrained weights by name (implies pretrained): a torchvision weight enum name ("IMAGENET1K_V2",
@@ -71,6 +74,9 @@ _C.TRAIN.IM_SIZE = 32
 _C.TRAIN.DATASET = "data/digits"
 # Split folder under TRAIN.DATASET
 _C.TRAIN.SPLIT = "train"
+# Annotation file listing the training images and their labels (CSV, TSV or text; docs/annotations.md),
+# relative to TRAIN.DATASET unless absolute, its image paths too ("": TRAIN.DATASET's SPLIT folder)
+_C.TRAIN.ANN_FILE = ""
 # Resume from the newest loadable checkpoint in OUT_DIR/checkpoints, if one exists
 _C.TRAIN.AUTO_RESUME = True
 # On resume, also restore optimizer, LR-schedule position, scaler and EMA (False: weights only)
@@ -103,12 +109,16 @@ _C.TRAIN.COMPILE = False
 _C.TRAIN.CLIP_GRAD_NORM = 0.0
 # Label smoothing factor of the loss
 _C.TRAIN.LABEL_SMOOTHING = 0.0
-# Training loss: "ce" (cross-entropy) or "bce" (binary cross-entropy per class, timm A1 / DeiT III)
+# Training loss: "ce" (cross-entropy) or "bce" (binary cross-entropy per class, timm A1 / DeiT III);
+# MODEL.TASK multilabel always trains with per-class sigmoid BCE
 _C.TRAIN.LOSS = "ce"
 # BCE only: targets above this become 1, the rest 0 (timm's bce_target_thresh, e.g. 0.2; 0 disables)
 _C.TRAIN.BCE_TARGET_THRESHOLD = 0.0
 # Class weights of the training loss: "none" or "balanced" (N / (C x count), from the train split)
 _C.TRAIN.CLASS_WEIGHTS = "none"
+# The val metric that chooses best.pth.tar: "top1" (highest), "map", "f1_macro" (highest; MODEL.TASK
+# multilabel) or "loss" (lowest); recorded in the checkpoint and the run summary
+_C.TRAIN.BEST_METRIC = "top1"
 # Training sampler: "default" (shuffled), "repeated" (repeated augmentation, DeiT) or "weighted"
 # (classes drawn equally often, with replacement)
 _C.TRAIN.SAMPLER = "default"
@@ -120,6 +130,9 @@ _C.TRAIN.NAN_POLICY = "stop"
 _C.TRAIN.CKPT_PERIOD_ITERS = 0
 # How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart)
 _C.TRAIN.KEEP_CKPTS = 3
+# Write checkpoint files in the background while training goes on (rank 0 keeps a host copy of
+# the state until the file is on disk; one write at a time); False: each write blocks training
+_C.TRAIN.CKPT_ASYNC = True
 # Evaluate on the val split every N epochs (and always after the last)
 _C.TRAIN.EVAL_PERIOD = 1
 # Stop the run after this many epochs of this invocation (0: run to OPTIM.MAX_EPOCH); for tests
@@ -148,10 +161,20 @@ _C.TEST = CN()
 _C.TEST.DATASET = "data/digits"
 # Split folder under TEST.DATASET
 _C.TEST.SPLIT = "val"
+# Annotation file of the evaluation images, relative to TEST.DATASET (and to each of
+# TEST.EXTRA_DATASETS) unless absolute, as TRAIN.ANN_FILE ("": the SPLIT folder)
+_C.TEST.ANN_FILE = ""
 # Images per process for evaluation
 _C.TEST.BATCH_SIZE = 64
 # Resize size (shorter side) before the center crop; timm and torchvision name the crop instead
 _C.TEST.IM_SIZE = 32
+# MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this (F1,
+# precision, recall; predict.py)
+_C.TEST.THRESHOLD = 0.5
+# MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class (logits in
+# [-16, 16]); the counts take 16 x MODEL.NUM_CLASSES x AP_BINS bytes on each rank, whatever the
+# val set's size (docs/annotations.md)
+_C.TEST.AP_BINS = 4096
 # Center-crop size of evaluation (0: TRAIN.IM_SIZE)
 _C.TEST.CROP_SIZE = 0
 # Crop ratio: if > 0, resize to crop size / CROP_PCT instead of TEST.IM_SIZE (timm's crop_pct;
@@ -203,11 +226,16 @@ _C.DATA.BAD_IMAGE = "error"
 # Image decoding: "auto" (JPEG with TorchCodec if installed, else torchvision.io while it has its
 # deprecated decoders, else PIL; PIL for the rest), "pil", "torchvision" (torchvision.io for JPEG
 # and PNG), or "batched" (workers read JPEG bytes; the training process decodes each batch's JPEGs
-# in one call on its device, nvJPEG on GPU, and augments them there; other formats as "auto"; a
-# failing GPU decoder falls back to the CPU with one warning), or "draft" (PIL, decoding a JPEG at
+# in one call on its device, nvJPEG on GPU, and crops, resizes and flips the batch there at once,
+# from crops drawn in the workers; other formats as "auto"; a failing GPU decoder falls back to the
+# CPU with one warning; docs/performance.md), or "draft" (PIL, decoding a JPEG at
 # 1/2, 1/4 or 1/8 scale, libjpeg's DCT scaling, when the sampled crop or the val resize is at least
 # that many times the output: fewer pixels decoded, slightly different ones; docs/packed-data.md)
 _C.DATA.DECODER = "auto"
+# DATA.DECODER batched: crop, resize, flip and normalise each batch at once on the device (True), or
+# run the per-sample transforms there one image at a time, as before the batched resample (False:
+# the same pixels as "auto", for comparison)
+_C.DATA.BATCHED_AUGMENT = True
 # Folder for shards of a packed dataset read from a URL ("": <temp dir>/distribuuuu-shards/<hash>)
 _C.DATA.SHARD_CACHE = ""
 # Shuffle a packed TRAIN.DATASET by windows of this many shards (0: one global permutation): the
@@ -224,6 +252,34 @@ _C.DATA.SHARD_CACHE_LIMIT = 0
 _C.DATA.SHARD_PREFETCH = 2
 # Number of synthetic samples per split when MODEL.DUMMY_INPUT is on
 _C.DATA.DUMMY_SIZE = 1024
+# The first line of TRAIN.ANN_FILE / TEST.ANN_FILE is a header (skipped)
+_C.DATA.ANN_HEADER = False
+# MODEL.TASK multilabel: the separator of the class names in an annotation file's label field
+_C.DATA.ANN_LABEL_SEP = " "
+# Class names of annotation files, one a line, in class-index order, relative to TRAIN.DATASET
+# unless absolute ("": the labels the file holds, sorted as ImageFolder sorts its folders)
+_C.DATA.ANN_CLASSES = ""
+
+# ------------------------------------------------------------------------------------------------
+# Knowledge distillation: a frozen teacher's logits mixed into the training loss (docs/distillation.md)
+# ------------------------------------------------------------------------------------------------
+_C.DISTILL = CN()
+# The teacher's checkpoint, a file or a .dcp folder ("": no distillation); its architecture, class
+# count and MODEL.KWARGS come from the config it stores
+_C.DISTILL.TEACHER = ""
+# The teacher's architecture, for weights that store none (a bare state_dict); "" takes the checkpoint's
+_C.DISTILL.ARCH = ""
+# Which of the teacher checkpoint's weights: "model" (raw) or "ema" (averaged)
+_C.DISTILL.WEIGHTS_KIND = "model"
+# Weight of the distillation term: loss = (1 - ALPHA) x task loss + ALPHA x distillation loss
+_C.DISTILL.ALPHA = 0.5
+# Softmax temperature T of the soft term, T^2 x KL(teacher / T || student / T) (Hinton et al.)
+_C.DISTILL.TEMPERATURE = 4.0
+# Hard-label distillation (DeiT): cross-entropy against the teacher's argmax instead of the soft term
+_C.DISTILL.HARD = False
+# fsdp/hsdp: shard the teacher with fully_shard too (for a teacher too large to replicate); False
+# replicates it on every rank
+_C.DISTILL.SHARD_TEACHER = False
 
 # ------------------------------------------------------------------------------------------------
 # Precise BatchNorm (pycls): running statistics recomputed before each evaluation
@@ -378,6 +434,9 @@ LR_POLICIES = ("cos", "steps", "lin")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 INTERPOLATIONS = ("", "bilinear", "bicubic", "nearest")
 SAMPLERS = ("default", "repeated", "weighted")
+TASKS = ("multiclass", "multilabel")
+# TRAIN.BEST_METRIC: each metric's metrics.jsonl field and whether a lower value is better
+BEST_METRICS = {"top1": ("top1", False), "map": ("map", False), "f1_macro": ("f1_macro", False), "loss": ("loss", True)}
 AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
 STRATEGIES = ("ddp", "fsdp", "hsdp")
@@ -605,6 +664,19 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TEST.INTERPOLATION", _choice(INTERPOLATIONS)),
     ("TEST.EXTRA_DATASETS", ((lambda v, c: all(isinstance(d, str) and d for d in v)), "must be a list of dataset roots")),
     ("MODEL.NUM_CLASSES", _POSITIVE),
+    ("MODEL.TASK", _choice(TASKS)),
+    ("TEST.THRESHOLD", _between(0, 1, lo_open=True, hi_open=True)),
+    ("TEST.AP_BINS", ((lambda v, c: 2 <= v <= 2**20), "must be in 2..1048576")),
+    ("DATA.ANN_LABEL_SEP", ((lambda v, c: v != "" and v != "\n"), "must be a separator such as ' ', ';' or '|'")),
+    ("MODEL.TASK", ((lambda v, c: v == "multiclass" or c.TRAIN.SAMPLER != "weighted"),
+                    "multilabel cannot draw classes equally often (TRAIN.SAMPLER weighted): a sample has "
+                    "several; set TRAIN.SAMPLER default or TRAIN.CLASS_WEIGHTS balanced (positive weights)")),
+    ("MODEL.TASK", ((lambda v, c: v == "multiclass" or not (c.TEST.CONFUSION or c.TEST.SAVE_PREDICTIONS)),
+                    "multilabel has no confusion matrix or top-k predictions file: set TEST.CONFUSION and "
+                    "TEST.SAVE_PREDICTIONS False")),
+    ("DISTILL.TEACHER", ((lambda v, c: not v or c.MODEL.TASK == "multiclass"),
+                         "distils a softmax over one label per image (KL between the teacher's and the "
+                         "student's class distributions): MODEL.TASK multilabel has none; set DISTILL.TEACHER ''")),
     ("TRAIN.TOPK", ((lambda v, c: 1 <= v <= c.MODEL.NUM_CLASSES), "must be in 1..MODEL.NUM_CLASSES")),
     ("TRAIN.PRINT_FREQ", _POSITIVE),
     ("TEST.PRINT_FREQ", _POSITIVE),
@@ -618,6 +690,10 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TRAIN.BCE_TARGET_THRESHOLD", _between(0, 1, hi_open=True)),
     ("TRAIN.CLASS_WEIGHTS", _choice(("none", "balanced"))),
     ("TRAIN.SAMPLER", _choice(SAMPLERS)),
+    ("TRAIN.BEST_METRIC", _choice(tuple(BEST_METRICS))),
+    ("TRAIN.BEST_METRIC", ((lambda v, c: v in ("top1", "loss") or c.MODEL.TASK == "multilabel"),
+                           "map and f1_macro are multi-label metrics: set MODEL.TASK multilabel, or "
+                           "TRAIN.BEST_METRIC top1 or loss")),
     ("TRAIN.REPEATED_AUG", _AT_LEAST_1),
     ("TRAIN.NAN_POLICY", _choice(("stop", "skip"))),
     ("TRAIN.CKPT_PERIOD_ITERS", _NON_NEGATIVE),
@@ -717,6 +793,12 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DIST.CKPT_FORMAT", ((lambda v, c: v != "sharded" or not c.OPTIM.ZERO),
                           "sharded cannot save OPTIM.ZERO's optimizer (ZeRO-1 consolidates into one file): "
                           "set DIST.CKPT_FORMAT '' or OPTIM.ZERO False")),
+    ("DISTILL.ARCH", ((lambda v, c: not v or c.DISTILL.TEACHER), "needs DISTILL.TEACHER (the teacher's weights)")),
+    ("DISTILL.WEIGHTS_KIND", _choice(("model", "ema"))),
+    ("DISTILL.ALPHA", _between(0, 1)),
+    ("DISTILL.TEMPERATURE", _POSITIVE),
+    ("DISTILL.SHARD_TEACHER", ((lambda v, c: not v or c.DIST.STRATEGY != "ddp"),
+                               "needs DIST.STRATEGY fsdp or hsdp (ddp replicates the teacher)")),
     ("BN.PRECISE_IMAGES", _NON_NEGATIVE),
     ("BN.PRECISE_IMAGES", ((lambda v, c: v == 0 or not c.MODEL.SYNCBN),
                            "cannot combine with MODEL.SYNCBN True (SyncBatchNorm all-reduces each batch, and "
@@ -805,11 +887,14 @@ def check_dataset_paths(c: CN) -> None:
     """Raise ConfigError naming a dataset folder that does not exist (unless DUMMY_INPUT)."""
     if c.MODEL.DUMMY_INPUT:
         return
-    for key, root, split in (
-        ("TRAIN.DATASET", c.TRAIN.DATASET, c.TRAIN.SPLIT),
-        ("TEST.DATASET", c.TEST.DATASET, c.TEST.SPLIT),
-        *(("TEST.EXTRA_DATASETS", extra, c.TEST.SPLIT) for extra in c.TEST.EXTRA_DATASETS),
+    for key, root, split, ann_file in (
+        ("TRAIN.DATASET", c.TRAIN.DATASET, c.TRAIN.SPLIT, c.TRAIN.ANN_FILE),
+        ("TEST.DATASET", c.TEST.DATASET, c.TEST.SPLIT, c.TEST.ANN_FILE),
+        *(("TEST.EXTRA_DATASETS", extra, c.TEST.SPLIT, c.TEST.ANN_FILE) for extra in c.TEST.EXTRA_DATASETS),
     ):
+        if ann_file:
+            _check_annotation_paths(key, root, ann_file)
+            continue
         if is_remote(root):
             continue  # a packed dataset's URL: its index is read (and named if it fails) when the data is built
         kind, _, path = root.partition(":") if root.split(":", 1)[0] in ("cifar10", "cifar100") else ("", "", root)
@@ -820,6 +905,17 @@ def check_dataset_paths(c: CN) -> None:
         folder = os.path.join(root, split)
         if not os.path.isdir(folder):
             raise ConfigError(f"{key}: dataset folder not found: {folder} (split {split!r})")
+
+
+def _check_annotation_paths(key: str, root: str, ann_file: str) -> None:
+    ann_key = key.split(".")[0] + ".ANN_FILE"
+    if is_remote(root) or not os.path.isdir(root):
+        raise ConfigError(
+            f"{key}: {ann_key} needs a local folder that its image paths are relative to, got {root!r} "
+            "(pack an annotated dataset with tools/pack_dataset.py --ann-files to read it from a URL)"
+        )
+    if not os.path.isfile(os.path.join(root, ann_file)):
+        raise ConfigError(f"{ann_key}: annotation file not found: {os.path.join(root, ann_file)}")
 
 
 def dump_cfg(c: CN, out_dir: str) -> str:

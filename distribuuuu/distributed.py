@@ -209,21 +209,21 @@ def broadcast_buffers(module: torch.nn.Module, src: int = 0) -> None:
             dist.broadcast(buffer, src)
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Gather a picklable object from every rank (a one-element list without a process group)."""
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Gather a picklable object from every rank of ``group`` (a one-element list without a process group)."""
     if not is_dist():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return rank ``src``'s object on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Return global rank ``src``'s object on every rank of ``group``."""
     if not is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

@@ -38,23 +38,57 @@ class BinaryCrossEntropy(nn.Module):
         return F.binary_cross_entropy_with_logits(logits, target.to(logits.dtype), weight=self.weight)
 
 
+class MultiLabelBCE(nn.Module):
+    """Per-class sigmoid BCE over multi-hot (or mixed) targets, averaged over samples and classes
+    (MODEL.TASK multilabel).
+
+    Label smoothing moves every target towards 1/2, ``t (1 - smoothing) + smoothing / 2``: each
+    class is its own binary problem, so the smoothing of two-class cross-entropy. ``pos_weight``
+    (one per class) weights the positive term, as PyTorch's BCEWithLogitsLoss does.
+    """
+
+    def __init__(self, smoothing: float = 0.0, pos_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.smoothing = smoothing
+        self.register_buffer("pos_weight", pos_weight, persistent=False)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        target = target.to(logits.dtype)
+        if self.smoothing:
+            target = target * (1.0 - self.smoothing) + self.smoothing / 2
+        return F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight)
+
+
 def build_criterion(
     loss: str = "ce",
     label_smoothing: float = 0.0,
     bce_target_threshold: float | None = None,
     class_weights: Sequence[float] | torch.Tensor | None = None,
+    task: str = "multiclass",
 ) -> nn.Module:
-    """Build the training loss: ``ce`` (PyTorch's, with label smoothing) or ``bce``, with optional class weights.
+    """Build the training loss: ``ce`` (PyTorch's, with label smoothing) or ``bce``, with optional class
+    weights; for ``task`` multilabel, per-class sigmoid BCE with the weights as positive weights.
 
     With class weights, CE weights each sample by its class's weight (soft targets: each class's
     term) and, for hard labels, divides by the summed weights of the batch (PyTorch's mean).
     """
     weight = None if class_weights is None else torch.as_tensor(class_weights, dtype=torch.float32)
+    if task == "multilabel":
+        return MultiLabelBCE(label_smoothing, weight)
     if loss == "ce":
         return nn.CrossEntropyLoss(weight=weight, label_smoothing=label_smoothing)
     if loss == "bce":
         return BinaryCrossEntropy(label_smoothing, bce_target_threshold, weight)
     raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+
+
+def positive_weights(positives: torch.Tensor, samples: int) -> torch.Tensor:
+    """Each class's positive weight ``negatives / positives`` (a multi-label class's "balanced"
+    weight: its positive and negative terms then weigh alike). A class without positives is an error."""
+    empty = torch.nonzero(positives == 0).flatten().tolist()
+    if empty:
+        raise ValueError(f"class weights: classes {empty} have no samples")
+    return ((samples - positives) / positives.double()).float()
 
 
 def inverse_frequency_weights(targets: Sequence[int] | torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -69,3 +103,29 @@ def inverse_frequency_weights(targets: Sequence[int] | torch.Tensor, num_classes
     if empty:
         raise ValueError(f"class weights: classes {empty} have no samples")
     return (counts.sum() / (num_classes * counts.double())).float()
+
+
+class DistillationLoss(nn.Module):
+    """``(1 - alpha) * task + alpha * distillation`` of the student's logits against a teacher's.
+
+    Soft (Hinton et al.): ``T^2 * KL(softmax(teacher / T) || softmax(student / T))``, averaged over
+    the batch; the ``T^2`` keeps the soft term's gradients at the task loss's scale as T grows.
+    Hard (DeiT's hard distillation): cross-entropy against the teacher's argmax, as if it were
+    the label (T unused). ``task`` is the training loss on the (possibly mixed) targets.
+    """
+
+    def __init__(self, task: nn.Module, alpha: float, temperature: float = 1.0, hard: bool = False):
+        super().__init__()
+        self.task, self.alpha, self.temperature, self.hard = task, alpha, temperature, hard
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        task = self.task(logits, target)
+        return (1.0 - self.alpha) * task + self.alpha * self.distillation(logits, teacher_logits.to(logits.dtype))
+
+    def distillation(self, logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+        """The distillation term alone: soft KL at temperature T (times T^2), or CE on the teacher's argmax."""
+        if self.hard:
+            return F.cross_entropy(logits, teacher_logits.argmax(dim=1))
+        t = self.temperature
+        student, teacher = F.log_softmax(logits / t, dim=1), F.log_softmax(teacher_logits / t, dim=1)
+        return F.kl_div(student, teacher, reduction="batchmean", log_target=True) * (t * t)

@@ -30,9 +30,10 @@ class AverageMeter:
 
 @torch.no_grad()
 def topk_correct(logits: torch.Tensor, target: torch.Tensor, ks: tuple[int, ...]) -> list[torch.Tensor]:
-    """Number of samples whose target is among the top-k logits, for each k (no host sync)."""
+    """Number of samples whose target is among the top-k logits, for each k (no host sync); with
+    multi-hot targets (MODEL.TASK multilabel), whose top-k logits hold one of its classes."""
     pred = logits.topk(max(ks), dim=1).indices
-    hits = pred.eq(target.view(-1, 1))
+    hits = target.gather(1, pred) > 0 if target.dim() == 2 else pred.eq(target.view(-1, 1))
     return [hits[:, :k].any(dim=1).sum() for k in ks]
 
 

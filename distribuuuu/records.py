@@ -13,6 +13,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.logger import get_logger
 from distribuuuu.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
+from distribuuuu.multilabel import FIELDS as MULTILABEL_FIELDS
 from distribuuuu.progress import WINDOW
 
 logger = get_logger("trainer")  # the training log's own name: its lines read as the trainer's
@@ -93,11 +94,21 @@ def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int | Non
             "loss": totals["loss"],
             "top1": totals["top1_acc"],
             **_topk_fields(k, totals),
+            **{f: totals[f] for f in MULTILABEL_FIELDS if f in totals},
             "images_per_s": totals["images_per_s"],
             "time_s": totals["time_s"],
             "samples": int(totals["samples"]),
             "skipped_images": int(totals["skipped_images"]),
         }
+    )
+
+
+def multilabel_text(totals: dict, digits: int = 2) -> str:
+    """'  mAP 71.20  F1 65.00 (micro 70.10)' for a multi-label evaluation's log line, else ''."""
+    if "map" not in totals:
+        return ""
+    return (
+        f"  mAP {totals['map']:.{digits}f}  F1 {totals['f1_macro']:.{digits}f} (micro {totals['f1_micro']:.{digits}f})"
     )
 
 
@@ -108,7 +119,7 @@ def hms(seconds: float) -> str:
 
 # What TensorBoard and the trackers plot: the rest of a metrics.jsonl record (samples, step,
 # time_s, skipped counts) is bookkeeping, kept in metrics.jsonl and out of the scalar dashboard.
-CURVES = ("loss", "top1", "topk", "lr", "images_per_s")
+CURVES = ("loss", "top1", "topk", "map", "f1_macro", "f1_micro", "lr", "images_per_s")
 WINDOW_PREFIX = "train_step"  # the PRINT_FREQ windows' tags, against the global optimizer step
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from distribuuuu.background_write import BackgroundWriter
 from distribuuuu.checkpoint_names import CKPT_DIR
 from distribuuuu.config import ConfigError
 from distribuuuu.data import (
@@ -20,14 +21,16 @@ from distribuuuu.data import (
     build_train_split,
     build_val_split,
     dataset_targets,
+    label_counts,
 )
 from distribuuuu.data.progressive import progressive_on, schedule_sizes, schedule_text, train_size
+from distribuuuu.distillation import Teacher, load_teacher
 from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
 from distribuuuu.ema import ModelEMA
 from distribuuuu.heartbeat import stall_seconds
 from distribuuuu.launch import DistEnv
 from distribuuuu.logger import attach_log_file, get_logger, setup_logging
-from distribuuuu.losses import build_criterion, inverse_frequency_weights
+from distribuuuu.losses import DistillationLoss, build_criterion, inverse_frequency_weights, positive_weights
 from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, find_blocks, has_batchnorm
 from distribuuuu.optim import build_optimizer, freeze, scaled_base_lr
@@ -46,8 +49,9 @@ class TrainState:
 
     epoch: int = 0  # completed epochs
     step_in_epoch: int = 0  # optimizer steps done in the epoch in progress
-    best_acc1: float = 0.0
-    best_weights: str = "model"  # which weights reached best_acc1: "model" or "ema"
+    best_acc1: float = 0.0  # the best checkpoint's val top-1
+    best_weights: str = "model"  # which weights reached the best: "model" or "ema"
+    best_value: float | None = None  # the best checkpoint's TRAIN.BEST_METRIC (None: no best yet)
     samples_in_epoch: int = 0  # global position in the epoch's permutation: samples all ranks consumed
 
 
@@ -72,11 +76,15 @@ class Run:
     mixer: object = None
     extra_val: dict[str, Split] = field(default_factory=dict)  # TEST.EXTRA_DATASETS by split name
     precise_bn: Split | None = None  # BN.PRECISE_IMAGES training images, when set
+    teacher: Teacher | None = None  # DISTILL.TEACHER, frozen; then ``criterion`` is a DistillationLoss
     state: TrainState = field(default_factory=TrainState)
     # Further state checkpointed with the run (name -> Stateful: state_dict()/load_state_dict()), for
     # a caller outside the package; the package's own is listed in components.run_components.
     registered_state: dict[str, object] = field(default_factory=dict)
     preempt: PreemptionHandler | None = None
+    # TRAIN.CKPT_ASYNC: writes checkpoint files in the background (None: every write blocks training)
+    checkpoint_writer: BackgroundWriter | None = None
+    checkpoint_group: object = None  # the process group of background DCP writes (state.checkpoint_group)
 
     @property
     def global_step(self) -> int:
@@ -89,7 +97,7 @@ class Run:
     def move_to(self, epoch: int, step_in_epoch: int = 0) -> None:
         """Put the run ``step_in_epoch`` steps into ``epoch`` (0-based), its best kept: where the next
         ``train_epoch`` continues (sampler, LR schedule) and what a checkpoint records."""
-        best = {"best_acc1": self.state.best_acc1, "best_weights": self.state.best_weights}
+        best = {k: getattr(self.state, k) for k in ("best_acc1", "best_weights", "best_value")}
         self.state = TrainState(**{**vars(self.at_step(epoch, step_in_epoch)), **best})
 
     @property
@@ -251,6 +259,7 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
     val = build_val_split(cfg, env, train.classes)
     extra_val = build_extra_val_splits(cfg, env, train.classes)
     model = build_model_for(cfg, env)
+    teacher = build_teacher(cfg, env, train.classes)  # a bad teacher stops the run here, before training
     freeze_parameters(model, cfg.MODEL.FREEZE)  # before the DDP wrap and the optimizer: both skip them
     t = cfg.TRAIN
     global_batch = t.BATCH_SIZE * env.world_size * t.ACCUM_STEPS
@@ -284,7 +293,9 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
             model, cfg.OPTIM, zero=cfg.OPTIM.ZERO and is_dist(), fused=t.PRECISION == "fp16" and not shards(cfg, env)
         ),  # built after sharding: fully_shard replaces the parameters
         scaler=build_scaler(cfg, env),
-        criterion=build_train_criterion(cfg, train).to(env.device),  # class weights are a buffer
+        criterion=distilled(build_train_criterion(cfg, train), cfg.DISTILL, teacher).to(
+            env.device
+        ),  # weights: a buffer
         train=train,
         val=val,
         steps_per_epoch=steps_per_epoch,
@@ -294,6 +305,8 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         mixer=build_batch_mixer(cfg),
         extra_val=extra_val,
         precise_bn=build_precise_bn_split(cfg, env) if cfg.BN.PRECISE_IMAGES else None,
+        teacher=teacher,
+        checkpoint_writer=BackgroundWriter() if t.CKPT_ASYNC else None,
     )
 
 
@@ -367,16 +380,36 @@ def build_train_criterion(cfg: CfgNode, train: Split) -> nn.Module:
     """TRAIN.LOSS with label smoothing, the BCE threshold and TRAIN.CLASS_WEIGHTS from the train split."""
     t, weights = cfg.TRAIN, None
     if t.CLASS_WEIGHTS == "balanced":
-        targets = dataset_targets(train.dataset)
         try:
-            found = inverse_frequency_weights(targets, len(train.classes))
+            if cfg.MODEL.TASK == "multilabel":  # positive weights: negatives / positives of each class
+                found = positive_weights(label_counts(train.dataset, len(train.classes)), len(train.dataset))
+            else:
+                found = inverse_frequency_weights(dataset_targets(train.dataset), len(train.classes))
         except ValueError as e:
             raise ConfigError(f"TRAIN.CLASS_WEIGHTS balanced: {e}") from None
         # Outputs beyond the dataset's classes (MODEL.NUM_CLASSES larger) never are targets: weight 1.
         weights = torch.ones(cfg.MODEL.NUM_CLASSES)
         weights[: len(found)] = found
         logger.info("TRAIN.CLASS_WEIGHTS balanced: %s", ", ".join(f"{w:.3g}" for w in found.tolist()))
-    return build_criterion(t.LOSS, t.LABEL_SMOOTHING, t.BCE_TARGET_THRESHOLD or None, weights)
+    return build_criterion(t.LOSS, t.LABEL_SMOOTHING, t.BCE_TARGET_THRESHOLD or None, weights, cfg.MODEL.TASK)
+
+
+def build_teacher(cfg: CfgNode, env: DistEnv, classes: list[str]) -> Teacher | None:
+    """DISTILL.TEACHER on this rank's device: replicated, or under DISTILL.SHARD_TEACHER sharded like the student."""
+    if not cfg.DISTILL.TEACHER:
+        return None
+    teacher = load_teacher(cfg, classes, env.device)
+    if cfg.DISTILL.SHARD_TEACHER and shards(cfg, env):
+        mesh = build_mesh(cfg.DIST.STRATEGY, env.world_size, env.local_world_size, env.device.type)
+        shard_model(teacher.module, mesh, None, reshard_after_forward=True)  # fp32 weights, run under autocast
+    return teacher
+
+
+def distilled(criterion: nn.Module, distill_cfg: CfgNode, teacher: Teacher | None) -> nn.Module:
+    """The training loss, mixed with the teacher's (DISTILL.ALPHA, TEMPERATURE, HARD) when there is one."""
+    if teacher is None:
+        return criterion
+    return DistillationLoss(criterion, distill_cfg.ALPHA, distill_cfg.TEMPERATURE, distill_cfg.HARD)
 
 
 def report_finished_run(cfg: CfgNode, env: DistEnv, epochs_done: int) -> None:

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -147,22 +148,56 @@ def save_states(path: str, states: dict[str, Stateful], extra: dict) -> None:
     to ``path``. Raises CheckpointError on every rank if any rank failed.
     """
     tmp = broadcast_object(_temporary_folder(path) if is_main_process() else None)  # one folder for all
-    rank, error = get_rank(), None
+    error = None
     try:
         dcp.save(states, checkpoint_id=tmp)
-        files = _own_files(tmp, rank)
     # DCP's CheckpointException is a BaseException: named here, or it would escape with its traceback.
     except (Exception, CheckpointException) as e:  # reported collectively below: peers must not wait
-        error, files = (
-            f"rank {rank} could not write its shard of {path}: {_write_failure(e, rank, os.path.dirname(tmp))}",
-            {},
+        error = e
+    _finish_collectively(tmp, path, extra, error)
+
+
+def start_saving_states(path: str, states: dict[str, Stateful], extra: dict, group) -> Callable[[], None]:
+    """Copy ``states`` to host memory and start writing them (DCP's ``async_save`` over ``group``, a
+    process group of its own: its collectives run beside training's); every rank calls this.
+
+    Returns what finishes the checkpoint as ``save_states`` does (waits for DCP's write, then the
+    manifest and the rename; collective over ``group``), for a background thread to run.
+    """
+    tmp = broadcast_object(_temporary_folder(path) if is_main_process() else None)
+    upload = dcp.async_save(states, checkpoint_id=tmp, process_group=group)  # staged (copied) when it returns
+
+    def finish() -> None:
+        error = None
+        try:
+            upload.result()
+        except (Exception, CheckpointException) as e:  # reported collectively: peers must not wait
+            error = e
+        _finish_collectively(tmp, path, extra, error, group)
+
+    return finish
+
+
+def _finish_collectively(tmp: str, path: str, extra: dict, error: BaseException | None, group=None) -> None:
+    """Every rank hashes its shard files; rank 0 writes the manifest and moves ``tmp`` to ``path``,
+    or every rank raises the first rank's error (a CheckpointError)."""
+    rank, files = get_rank(), {}
+    if error is None:
+        try:
+            files = _own_files(tmp, rank)
+        except OSError as e:
+            error = e
+    message = None
+    if error is not None:
+        message = (
+            f"rank {rank} could not write its shard of {path}: {_write_failure(error, rank, os.path.dirname(tmp))}"
         )
-    gathered = all_gather_object((error, files))
+    gathered = all_gather_object((message, files), group)
     errors = [e for e, _ in gathered if e]
     if not errors and is_main_process():
         manifest = {name: d for _, f in gathered for name, d in f.items()}
         errors = _finish(tmp, path, manifest, extra)
-    errors = broadcast_object(errors)
+    errors = broadcast_object(errors, group=group)
     if errors:
         if is_main_process():
             shutil.rmtree(tmp, ignore_errors=True)

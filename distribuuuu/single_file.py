@@ -36,7 +36,7 @@ def state_checksum(state: dict) -> str:
     digest = hashlib.sha256()
     for t in _tensors({k: state.get(k) for k in ("model", "ema", "optimizer")}):
         t = t.detach().cpu().contiguous().reshape(-1)
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.view(torch.uint8).numpy() if t.numel() else b"")  # the buffer itself, not a copy
     return digest.hexdigest()
 
 

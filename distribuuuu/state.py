@@ -6,15 +6,19 @@ which format it is written, which checkpoint a run resumes, and what TRAIN.LOAD_
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from yacs.config import CfgNode
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import sharded_checkpoint as shards
+from distribuuuu.background_write import BackgroundWriter, host_copy
 from distribuuuu.checkpoint_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
 from distribuuuu.components import (
     file_states,
@@ -22,11 +26,12 @@ from distribuuuu.components import (
     load_sharded_state,
     run_components,
     save_sharded_state,
+    start_saving_sharded_state,
     to_restore,
 )
 from distribuuuu.config import ConfigError, config_changes
 from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
-from distribuuuu.distributed import rank0_decides
+from distribuuuu.distributed import is_main_process, rank0_decides
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.parallel import is_sharded
@@ -40,30 +45,121 @@ def training_state(run: Run) -> dict:
     return file_states(run_components(run))[0]
 
 
-def save_training_checkpoint(run: Run, is_best: bool = False) -> str:
-    """Write the current state to OUT_DIR/checkpoints (and the best weights); all ranks call this."""
+def save_training_checkpoint(run: Run, is_best: bool = False, background: bool = False) -> str:
+    """Write the current state to OUT_DIR/checkpoints (and the best weights); all ranks call this.
+
+    Returns once it is on disk, unless ``background`` and the run has a background writer
+    (TRAIN.CKPT_ASYNC): the state is then copied to host memory and written while training goes
+    on. Either way the write in flight is waited for first (one at a time), its error raised here
+    on every rank.
+    """
     epoch_1based = run.state.epoch + (1 if run.state.step_in_epoch else 0)
-    ckpt_dir, keep = os.path.join(run.cfg.OUT_DIR, ckpt.CKPT_DIR), run.cfg.TRAIN.KEEP_CKPTS
+    ckpt_dir = os.path.join(run.cfg.OUT_DIR, ckpt.CKPT_DIR)
     path = os.path.join(ckpt_dir, ckpt.checkpoint_name(epoch_1based, run.state.step_in_epoch, run.sharded_checkpoints))
     components = run_components(run)
+    wait_for_checkpoint(run)
+    writer = run.checkpoint_writer if background else None
     if run.sharded_checkpoints:  # each rank writes its own shard (DCP), never the whole model on one rank
-        save_sharded_state(components, path)
-        if is_best:
-            best = {name: c for name, c in components.items() if c.in_weights}
-            save_sharded_state(best, os.path.join(run.cfg.OUT_DIR, ckpt.BEST_SHARDED))
-        rank0_decides(lambda: prune(ckpt_dir, keep, "sharded"))
+        save_shards(run, components, path, is_best, writer)
     else:
-        state, best = file_states(components)  # on all ranks: the RNG gather, ZeRO's consolidation
-
-        def write() -> None:
-            ckpt.save_checkpoint(state, path)
-            if is_best:
-                ckpt.save_checkpoint(best, os.path.join(run.cfg.OUT_DIR, ckpt.BEST_NAME))
-            prune(ckpt_dir, keep, "file")
-
-        rank0_decides(write)  # every rank stops on a failed write, not only rank 0
-    logger.info("saved %s%s", path, " (best)" if is_best else "")
+        save_file(run, components, path, is_best, writer)
     return path
+
+
+def save_file(run: Run, components: dict, path: str, is_best: bool, writer: BackgroundWriter | None) -> None:
+    """A single file (and best.pth.tar), written by rank 0: now, or by ``writer`` from a host copy."""
+    state, best = file_states(components)  # on all ranks: the RNG gather, ZeRO's consolidation
+    best_path = os.path.join(run.cfg.OUT_DIR, ckpt.BEST_NAME) if is_best else None
+    keep = run.cfg.TRAIN.KEEP_CKPTS
+    if writer is None:
+        rank0_decides(lambda: write_files(state, path, best, best_path, keep))  # every rank stops on a failed write
+        return
+    if run.env.is_main_process:  # the one rank that writes files: copied before the next step changes them
+        state, best = host_copy((state, best))
+        writer.submit(lambda: write_files(state, path, best, best_path, keep))
+    logger.info("writing %s%s in the background", path, " (best)" if is_best else "")
+
+
+def save_shards(run: Run, components: dict, path: str, is_best: bool, writer: BackgroundWriter | None) -> None:
+    """A DCP folder, every rank its shards: now, or staged now and finished by each rank's ``writer``.
+
+    best.dcp (the weights alone) is written at once: a second background DCP write would share
+    the writer's process group with the first.
+    """
+    keep = run.cfg.TRAIN.KEEP_CKPTS
+    if is_best:
+        best = {name: c for name, c in components.items() if c.in_weights}
+        save_sharded_state(best, os.path.join(run.cfg.OUT_DIR, ckpt.BEST_SHARDED))
+    if writer is None:
+        save_sharded_state(components, path)
+        rank0_decides(lambda: finish_sharded(lambda: None, path, keep, is_best))
+        return
+    finish = start_saving_sharded_state(components, path, checkpoint_group(run))
+    writer.submit(lambda: finish_sharded(finish, path, keep, is_best))
+    logger.info("writing %s%s in the background", path, " (best)" if is_best else "")
+
+
+def write_files(state: dict, path: str, best: dict, best_path: str | None, keep: int) -> None:
+    """Rank 0: write the checkpoint file (and the best weights), prune the old ones, say it is saved."""
+    ckpt.save_checkpoint(state, path)
+    if best_path is not None:
+        ckpt.save_checkpoint(best, best_path)
+    prune(os.path.dirname(path), keep, "file")
+    logger.info("saved %s%s", path, " (best)" if best_path else "")
+
+
+def finish_sharded(finish: Callable[[], None], path: str, keep: int, is_best: bool) -> None:
+    """Finish a DCP folder (every rank, collective), then rank 0 prunes the old ones and says it is saved."""
+    finish()
+    if is_main_process():
+        prune(os.path.dirname(path), keep, "sharded")
+    logger.info("saved %s%s", path, " (best)" if is_best else "")
+
+
+def checkpoint_group(run: Run):
+    """The process group of background DCP writes, made on the first (collective): a gloo group of
+    every rank, whose collectives run in the writer's threads beside training's own (None: one process)."""
+    if run.checkpoint_group is None and dist.is_initialized():
+        run.checkpoint_group = dist.new_group(backend="gloo")
+    return run.checkpoint_group
+
+
+def wait_for_checkpoint(run: Run) -> None:
+    """Return once the checkpoint in flight is on disk (collective); a failed write raises its error on every rank.
+
+    Each rank joins its own writer (rank 0 alone writes a single file; every rank its DCP shards),
+    then rank 0's outcome is every rank's.
+    """
+    if run.checkpoint_writer is None:
+        return
+    failure = None
+    try:
+        run.checkpoint_writer.wait()
+    except Exception as e:
+        failure = e
+
+    def outcome() -> None:
+        if failure is not None:
+            raise failure
+
+    rank0_decides(outcome)
+
+
+@contextlib.contextmanager
+def writing_checkpoints(run: Run) -> Iterator[None]:
+    """The block's background checkpoint writes are on disk when it ends: at a clean exit waited
+    for on every rank (a failed write raised on all); on an error, this rank alone lets its write
+    in flight finish (no collective: a peer may be gone) and logs its failure."""
+    try:
+        yield
+    except BaseException:
+        if run.checkpoint_writer is not None:
+            try:
+                run.checkpoint_writer.wait()
+            except Exception as e:
+                logger.error("the checkpoint being written when the run failed was not written: %s", e)
+        raise
+    wait_for_checkpoint(run)
 
 
 def prune(ckpt_dir: str, keep: int, fmt: str) -> None:

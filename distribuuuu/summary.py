@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from distribuuuu.config import config_diff, get_cfg_defaults
+from distribuuuu.config import BEST_METRICS, config_diff, get_cfg_defaults
 from distribuuuu.metrics_file import METRICS_FILE, Record, read_records
 from distribuuuu.plots import PLOT_INSTALL, dedupe, load_run, save_plot
 
@@ -25,7 +25,8 @@ class Summary:
 
     out_dir: str
     epochs: int = 0
-    best: dict = field(default_factory=dict)  # the val record with the highest top-1 (model or EMA)
+    best: dict = field(default_factory=dict)  # the best val record by TRAIN.BEST_METRIC (model or EMA)
+    best_metric: str = "top1"
     last: dict = field(default_factory=dict)  # weights ("model"/"ema") -> the last val record
     train_s: float = 0.0
     val_s: float = 0.0
@@ -41,12 +42,25 @@ def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
     vals = {w: recs for (split, w), recs in series.items() if split == "val" and recs}
     s = Summary(out_dir=out_dir, epochs=len(train))
     s.last = {w: recs[-1] for w, recs in vals.items()}
-    s.best = max((r for recs in vals.values() for r in recs), key=lambda r: r["top1"], default={})
+    s.best_metric = best_metric_of(os.path.join(out_dir, "config.yaml"))
+    field, lower_is_better = BEST_METRICS[s.best_metric]
+    candidates = [r for recs in vals.values() for r in recs if field in r]
+    pick = min if lower_is_better else max
+    s.best = pick(candidates, key=lambda r: r[field], default={})
     s.train_s = sum(r["time_s"] for r in train)
     s.val_s = sum(r["time_s"] for recs in vals.values() for r in recs)
     s.images_per_s = sum(r["samples"] for r in train) / s.train_s if s.train_s else 0.0
     s.config_changes = changes_from_defaults(os.path.join(out_dir, "config.yaml"))
     return s
+
+
+def best_metric_of(path: str) -> str:
+    """The run's TRAIN.BEST_METRIC, from its config.yaml (top1 without one)."""
+    if not os.path.isfile(path):
+        return "top1"
+    with open(path) as f:
+        metric = ((yaml.safe_load(f) or {}).get("TRAIN") or {}).get("BEST_METRIC", "top1")
+    return metric if metric in BEST_METRICS else "top1"
 
 
 def changes_from_defaults(path: str) -> list[tuple[str, object, object]]:
@@ -60,9 +74,15 @@ def changes_from_defaults(path: str) -> list[tuple[str, object, object]]:
 def format_summary(s: Summary) -> str:
     """The summary as short Markdown."""
     lines = [f"# Run summary: {s.out_dir}", "", f"- epochs trained: {s.epochs}"]
-    if s.best:
+    if s.best and s.best_metric == "top1":
         lines.append(
             f"- best val top-1: {s.best['top1']:.2f}% ({s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
+        )
+    elif s.best:
+        field, _ = BEST_METRICS[s.best_metric]
+        lines.append(
+            f"- best val {field} (TRAIN.BEST_METRIC): {s.best[field]:.4g} (top-1 {s.best['top1']:.2f}%, "
+            f"{s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
         )
     for weights, r in sorted(s.last.items()):
         topk = f"top-{r['k']} {r['topk']:.2f}%, " if "k" in r else ""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import check_dataset_paths
+from distribuuuu.config import BEST_METRICS, check_dataset_paths
 from distribuuuu.data.progressive import progressive_on, train_size
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
@@ -28,7 +28,14 @@ from distribuuuu.optim import lr_at, set_lr
 from distribuuuu.out_dir_lock import OutDirLock, is_a_restart
 from distribuuuu.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
-from distribuuuu.records import log_train_window, reported_k, topk_text, write_eval_record, write_train_record
+from distribuuuu.records import (
+    log_train_window,
+    multilabel_text,
+    reported_k,
+    topk_text,
+    write_eval_record,
+    write_train_record,
+)
 from distribuuuu.run import (
     Run,
     TrainState,
@@ -44,6 +51,7 @@ from distribuuuu.state import (
     log_config_changes,
     resume_or_load_weights,
     save_training_checkpoint,
+    writing_checkpoints,
 )
 from distribuuuu.validation import precise_bn, test_model, validate
 
@@ -66,7 +74,7 @@ def train_step(run: Run, micro_batches: list, sums: MetricSums) -> torch.Tensor:
             images, soft_targets = run.mixer(images, targets)
         with gradient_sync(run.forward_model, i == len(micro_batches) - 1), autocast(cfg.TRAIN.PRECISION, env.device):
             logits = run.forward_model(images)
-            loss = run.criterion(logits.float(), soft_targets)
+            loss = training_loss(run, images, logits, soft_targets)
         run.scaler.scale(loss / len(micro_batches)).backward()
         sums.add(loss, logits, targets)
         if skipped:
@@ -74,6 +82,13 @@ def train_step(run: Run, micro_batches: list, sums: MetricSums) -> torch.Tensor:
         losses.append(loss.detach())
     optimizer_step(run, sums)
     return torch.stack(losses).mean()
+
+
+def training_loss(run: Run, images: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The criterion on the student's logits; with DISTILL.TEACHER, mixed with the teacher's on the same (mixed) images."""
+    if run.teacher is None:
+        return run.criterion(logits.float(), targets)
+    return run.criterion(logits.float(), targets, run.teacher(images).float())
 
 
 def optimizer_step(run: Run, sums: MetricSums) -> None:
@@ -154,12 +169,12 @@ def train_epoch(run: Run, epoch: int) -> dict:
             epoch_sums.add_totals(totals)
             if totals["stop"]:
                 position = f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"
-                save = functools.partial(save_training_checkpoint, run)
+                save = functools.partial(save_training_checkpoint, run)  # on disk before the exit
                 stop_for_preemption(
                     run.preempt, position, save, cfg.DIST.REQUEUE, interrupted=bool(totals["interrupt"])
                 )
         if checkpoint_due:
-            save_training_checkpoint(run)
+            save_training_checkpoint(run, background=True)
     return dict(epoch_sums.totals(), time_s=time.perf_counter() - clock["epoch_start"])
 
 
@@ -274,14 +289,15 @@ def _train(cfg: CfgNode, env: DistEnv, table: list[dict], resume: ResumePoint) -
 def train_epochs(run: Run) -> dict:
     """From the resumed epoch on: train, agree on BatchNorm statistics, evaluate, checkpoint."""
     cfg, last_val, first_epoch = run.cfg, {}, run.state.epoch
-    for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
-        train_one_epoch(run, epoch)
-        is_best = False
-        if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
-            last_val, is_best = evaluate_epoch(run, epoch)
-        save_training_checkpoint(run, is_best)
-        if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
-            break
+    with writing_checkpoints(run):  # the run ends (or fails) with its last checkpoint written
+        for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
+            train_one_epoch(run, epoch)
+            is_best = False
+            if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
+                last_val, is_best = evaluate_epoch(run, epoch)
+            save_training_checkpoint(run, is_best, background=True)
+            if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
+                break
     return last_val
 
 
@@ -330,13 +346,26 @@ def evaluate_epoch(run: Run, epoch: int) -> tuple[dict, bool]:
             k = reported_k(run.cfg)
             write_eval_record(run.writer, split_name, epoch + 1, totals, k, name)
             logger.info(
-                "%s %s epoch %d: loss %.4f  top1 %.2f%s  (%d images, %.0f img/s)",
+                "%s %s epoch %d: loss %.4f  top1 %.2f%s%s  (%d images, %.0f img/s)",
                 split_name, name, epoch + 1, totals["loss"], totals["top1_acc"], topk_text(k, totals["topk_acc"]),
-                totals["samples"], totals["images_per_s"],
+                multilabel_text(totals), totals["samples"], totals["images_per_s"],
             )  # fmt: skip
             if split_name != "val":
                 continue
             results[name] = totals
-            if totals["top1_acc"] > run.state.best_acc1:
-                run.state.best_acc1, run.state.best_weights, is_best = totals["top1_acc"], name, True
+            if improves_best(run.state, totals, run.cfg.TRAIN.BEST_METRIC):
+                field, _ = BEST_METRICS[run.cfg.TRAIN.BEST_METRIC]
+                value = totals["top1_acc" if field == "top1" else field]
+                run.state.best_acc1, run.state.best_value, run.state.best_weights = totals["top1_acc"], value, name
+                is_best = True
     return results["model"], is_best
+
+
+def improves_best(state: TrainState, totals: dict, metric: str) -> bool:
+    """Whether an evaluation beats the best so far by TRAIN.BEST_METRIC (top-1 as always: above the best)."""
+    if metric == "top1":
+        return totals["top1_acc"] > state.best_acc1
+    field, lower_is_better = BEST_METRICS[metric]
+    if state.best_value is None:
+        return True
+    return totals[field] < state.best_value if lower_is_better else totals[field] > state.best_value

@@ -17,9 +17,10 @@ from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
+from distribuuuu.multilabel import MultiLabelSums
 from distribuuuu.parallel import autocast, is_sharded, missing_forwards, to_device
 from distribuuuu.precise_bn import recompute_bn_stats
-from distribuuuu.records import reported_k, topk_text, write_eval_record
+from distribuuuu.records import multilabel_text, reported_k, topk_text, write_eval_record
 from distribuuuu.run import build_model_for, open_outputs, prepare_process, start_process_group
 from distribuuuu.state import load_weights, warn_if_evaluated_otherwise
 
@@ -36,9 +37,12 @@ def validate(
     saved there: one more all-reduce and one gather per evaluation, none per batch.
     """
     model.eval()
-    sums = MetricSums(env.device, cfg.TRAIN.TOPK)
-    names = split.classes + [str(c) for c in range(len(split.classes), cfg.MODEL.NUM_CLASSES)]
     t = cfg.TEST
+    sums = MetricSums(env.device, cfg.TRAIN.TOPK)
+    labels = None  # MODEL.TASK multilabel: mAP and F1 counts (multilabel.py)
+    if cfg.MODEL.TASK == "multilabel":
+        labels = MultiLabelSums(cfg.MODEL.NUM_CLASSES, t.AP_BINS, t.THRESHOLD, env.device)
+    names = split.classes + [str(c) for c in range(len(split.classes), cfg.MODEL.NUM_CLASSES)]
     extras = EvalOutputs(len(names), cfg.TRAIN.TOPK, env.device, t.CONFUSION, t.SAVE_PREDICTIONS) if outputs else None
     tic = time.perf_counter()
     # A sharded model all-gathers in every forward: ranks with fewer batches owe empty forwards,
@@ -48,7 +52,9 @@ def validate(
         images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
         with autocast(cfg.TRAIN.PRECISION, env.device):
             logits = model(images)
-        sums.add(nn.functional.cross_entropy(logits.float(), targets), logits, targets)
+        sums.add(eval_loss(logits.float(), targets), logits, targets)
+        if labels is not None:
+            labels.add(logits, targets)
         if extras is not None:
             extras.update(logits, targets, skipped)
         if skipped:
@@ -56,12 +62,19 @@ def validate(
         if (i + 1) % cfg.TEST.PRINT_FREQ == 0:
             logger.info("val  batch %d/%d (rank 0)", i + 1, len(split.loader))
     run_empty_forwards(model, owed, cfg, env)
-    totals = sums.reduce()
+    totals = sums.reduce() | (labels.reduce() if labels is not None else {})
     if extras is not None:
         extras.save(*outputs, indices=list(split.sampler), paths=sample_paths(split.dataset), names=names)
     totals["time_s"] = time.perf_counter() - tic
     totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
     return totals
+
+
+def eval_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The val loss: cross-entropy of class indices, or per-class sigmoid BCE of multi-hot targets."""
+    if targets.dim() == 2:
+        return nn.functional.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype))
+    return nn.functional.cross_entropy(logits, targets)
 
 
 def precise_bn(models: dict[str, nn.Module], split: Split, cfg: CfgNode, env: DistEnv) -> None:
@@ -126,8 +139,9 @@ def test_model(cfg: CfgNode) -> dict:
         k = reported_k(cfg)
         write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND)
         logger.info(
-            "test %s: top1 %.3f%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
-            cfg.MODEL.WEIGHTS, totals["top1_acc"], topk_text(k, totals["topk_acc"], 3), totals["loss"],
+            "test %s: top1 %.3f%s%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
+            cfg.MODEL.WEIGHTS, totals["top1_acc"], topk_text(k, totals["topk_acc"], 3), multilabel_text(totals, 3),
+            totals["loss"],
             totals["samples"], cfg.OUT_DIR,
         )  # fmt: skip
         return totals

@@ -3,7 +3,9 @@
 import contextlib
 import logging
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,16 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 _zygote_account = ""
+
+
+@pytest.fixture
+def own_signal_handlers() -> Iterator[None]:
+    """Put back this process's SIGINT/SIGTERM/SIGUSR1 handlers, which a stopped PreemptionHandler keeps."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture

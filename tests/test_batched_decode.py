@@ -1,5 +1,7 @@
 """DATA.DECODER "batched": one decode_jpeg call per batch in the training process gives exactly the
-batches of per-sample decoding in the workers, names or skips a bad JPEG, and trains the same weights."""
+batches of per-sample decoding in the workers (with DATA.BATCHED_AUGMENT False: the per-sample
+transforms; the batched resample's pixels are checked in test_batched_augment.py), names or skips
+a bad JPEG, and trains the same weights."""
 
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ def mixed_tree(tmp_path_factory) -> Path:
 
 
 def _cfg(root: Path, decoder: str, workers: int, *extra: str):
+    # The per-sample transforms after the batched decode: the pixels of "auto", exactly.
     opts = ["TRAIN.DATASET", str(root), "TEST.DATASET", str(root), "DATA.DECODER", decoder]
+    opts += ["DATA.BATCHED_AUGMENT", "False"]
     opts += ["TRAIN.WORKERS", str(workers), "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16", *extra]
     return load_cfg(None, opts)
 
@@ -105,15 +109,19 @@ def bad_tree(mixed_tree, tmp_path) -> tuple[Path, Path, Path]:
     return root, bad, misnamed
 
 
-def test_a_bad_jpeg_in_a_batch_is_named(bad_tree):
+@pytest.mark.parametrize("batched_augment", ["False", "True"])
+def test_a_bad_jpeg_in_a_batch_is_named(bad_tree, batched_augment):
     root, bad, _ = bad_tree
     with pytest.raises(BadImageError, match=f"unreadable image {bad}"):
-        list(build_train_split(_cfg(root, "batched", 0), DistEnv()).loader)
+        list(build_train_split(_cfg(root, "batched", 0, "DATA.BATCHED_AUGMENT", batched_augment), DistEnv()).loader)
 
 
-def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree):
+@pytest.mark.parametrize("batched_augment", ["False", "True"])
+def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree, batched_augment):
+    # On a CPU the batched resample gives "auto"'s pixels exactly, as the per-sample path does.
     root, _, _ = bad_tree
-    by_batch = list(build_train_split(_cfg(root, "batched", 2, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
+    opts = ("DATA.BAD_IMAGE", "skip", "DATA.BATCHED_AUGMENT", batched_augment)
+    by_batch = list(build_train_split(_cfg(root, "batched", 2, *opts), DistEnv()).loader)
     per_sample = list(build_train_split(_cfg(root, "auto", 0, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
     assert sum(d for _, _, d in by_batch) == sum(d for _, _, d in per_sample) == 1
     for (images_a, targets_a, _), (images_b, targets_b, _) in zip(by_batch, per_sample):
@@ -128,6 +136,7 @@ def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_pa
     def train(decoder: str, workers: int):
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
+        # The batched resample (the default): on a CPU, "auto"'s pixels exactly, prepared on a thread
         args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
         args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", TINY_ARCH]  # any model will do
         assert_ok(run(python(FAULT, *args), timeout=300, env=clean_env()))

@@ -22,11 +22,13 @@ FIELDS = {
     "train": COMMON + ["impl", "steps", "repeats", "images_per_s_median", "images_per_s_min", "images_per_s_max",
                        "images_per_s_iqr", "images_per_s_per_proc", "ms_per_step_median", "peak_mem_mib"],
     "ratio": COMMON + ["framework_over_plain", "paired_ratio_median", "paired_ratio_min", "paired_ratio_max"],
-    "breakdown": COMMON + ["data_ms", "fwd_bwd_ms", "allreduce_exposed_ms", "optimizer_ms", "bookkeeping_ms", "ddp"],
+    "breakdown": COMMON + ["data_ms", "fwd_bwd_ms", "allreduce_exposed_ms", "optimizer_ms", "bookkeeping_ms", "ddp",
+                         "teacher_ms"],
     "eval": COMMON + ["images", "images_per_s_median"],
     "variant": COMMON + ["impl", "steps", "images_per_s_median", "ms_per_step_median"],
     "data": ["dataset", "decoder", "workers", "world_size", "images_per_s", "images_per_s_per_proc"],
     "decode": ["decoder", "device", "batch", "image", "images", "images_per_s_per_proc"],
+    "worker_side": ["decoder", "batch_per_proc", "images_per_s_per_worker"],
     "decode_pipeline": ["dataset", "decoder", "workers", "im_size", "images_per_s", "images_per_s_per_proc"],
 }  # fmt: skip
 
@@ -46,12 +48,15 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     records = json_lines(result.stdout)
     assert records == json_lines(out.read_text()), "--json must hold exactly the printed JSON lines"
     kinds = [r["what"] for r in records]
-    # train and plain, their ratio, one breakdown, one eval, 4 variants, 2 worker counts, 3 decoders x (1 + 2)
+    # train and plain, their ratio, one breakdown, one eval, 4 variants, 2 worker counts, 3 decoders x
+    # (1 + 2) and batched's per-sample pipeline (2), each batched pipeline's worker side
     assert sorted(kinds) == sorted(
         ["train", "train", "ratio", "breakdown", "eval"]
         + ["variant"] * 4
         + ["data"] * 2
         + ["decode", "decode_pipeline", "decode_pipeline"] * 3
+        + ["decode_pipeline"] * 2
+        + ["worker_side"] * 2
     ), kinds
     for r in records:
         missing = [f for f in FIELDS[r["what"]] if f not in r]
@@ -71,7 +76,8 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     assert {r["workers"] for r in records if r["what"] == "data"} == {0, 1}
     decode = {r["decoder"]: r for r in records if r["what"] == "decode"}
     assert set(decode) == {"pil", "torchvision", "batched"} and decode["batched"]["batch"] == 8  # all 8 photos
-    assert {r["decoder"] for r in records if r["what"] == "decode_pipeline"} == set(decode)
+    assert {r["decoder"] for r in records if r["what"] == "decode_pipeline"} == {*decode, "batched-per-sample"}
+    assert {r["decoder"] for r in records if r["what"] == "worker_side"} == {"batched", "batched-per-sample"}
     assert "framework/plain" in result.stdout  # the table follows the JSON lines
 
 

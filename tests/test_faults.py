@@ -28,7 +28,7 @@ import zygote
 from helpers import DDP_FSDP_REL, FAST, FAULT, REPO, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu import checkpoint as ckpt
-from distribuuuu import cli, preemption, trainer
+from distribuuuu import cli, preemption, state, trainer
 from distribuuuu.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
 from distribuuuu.files import write_failure
 from distribuuuu.launch import find_free_port
@@ -334,16 +334,6 @@ def test_ctrl_c_to_torchrun_checkpoints_every_rank_at_one_step_without_worker_tr
     _assert_same_weights(_final_state(out, epochs=1), reference_two)
 
 
-@pytest.fixture
-def own_signal_handlers() -> Iterator[None]:
-    """Put back this process's SIGINT/SIGTERM/SIGUSR1 handlers, which a stopped PreemptionHandler keeps."""
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-    saved = {sig: signal.getsignal(sig) for sig in signals}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
-
-
 @pytest.mark.usefixtures("own_signal_handlers")
 def test_a_second_ctrl_c_stops_at_once_and_one_within_a_second_is_the_same_one(monkeypatch, capsys):
     clock, exits = [100.0], []
@@ -530,6 +520,28 @@ def test_preempted_run_resumes_to_bit_identical_weights(tmp_path, reference_one,
 
 
 @pytest.mark.slow
+def test_a_kill_during_a_background_checkpoint_write_resumes_from_the_previous_one(tmp_path, reference_one):
+    out, marker = tmp_path / "run", tmp_path / "stalled"
+    args = ["OUT_DIR", str(out), *ONE]
+    stalled, previous = ckpt.checkpoint_name(1, 20), ckpt.checkpoint_name(1, 10)  # TRAIN.CKPT_PERIOD_ITERS 10
+    env = clean_env(FAULT_STALL_CHECKPOINT=stalled, FAULT_STALL_MARKER=str(marker))
+    with Job(python(FAULT, *args), tmp_path / "killed", env=env) as job:
+        job.wait_until(marker.exists, 300, "the stalled checkpoint write")
+        # Training went on while the write stood still: the next PRINT_FREQ window (step 25) is logged.
+        job.wait_until(lambda: "step 25/" in job.out.read_text(), 300, "a step logged during the write")
+        os.killpg(job.proc.pid, signal.SIGKILL)
+        job.finish(60)
+    assert marker.read_text() == "checkpoint-writer", "the file was written by the background writer"
+    names = os.listdir(out / "checkpoints")
+    assert stalled not in names and any(n.startswith(f".{stalled}.") for n in names), names  # its partial temporary
+    resumed = run(python(FAULT, *args), timeout=300, env=ENV)
+    assert_ok(resumed)
+    assert RESUMED.search(resumed.stdout)[1] == str(out / "checkpoints" / previous)
+    assert not [n for n in os.listdir(out / "checkpoints") if n.endswith(".part")], "the next write pruned it"
+    _assert_same_weights(_final_state(out), reference_one)
+
+
+@pytest.mark.slow
 def test_auto_resume_after_an_epoch_continues_exactly_like_an_uninterrupted_run(
     tmp_path, stopped_after_epoch_1, reference_one_dir, reference_one
 ):
@@ -705,6 +717,7 @@ def test_disk_full_during_a_checkpoint_stops_the_run_in_one_line_and_loses_nothi
 
     def first_fits(run, *args, **kwargs):  # the disk fills up after the first checkpoint
         path = real_save_checkpoint(run, *args, **kwargs)
+        state.wait_for_checkpoint(run)  # the first one is on disk: the next (background) write fails
         disk["full"] = True
         return path
 

@@ -53,8 +53,10 @@ def test_a_finished_runs_best_holds_only_what_evaluation_needs(finished_run):
     best = ckpt.load_checkpoint(str(finished_run / ckpt.BEST_NAME))
     last = ckpt.load_checkpoint(str(finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(2)))
     assert set(best) == {
-        "model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "preprocessing", "checksum",
+        "model", "ema", "epoch", "best_acc1", "best_weights", "best_metric", "best_value", "classes", "arch", "cfg",
+        "preprocessing", "checksum",
     }  # fmt: skip
+    assert (best["best_metric"], best["best_value"]) == ("top1", best["best_acc1"])  # TRAIN.BEST_METRIC's default
     best_epoch_file = finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(best["epoch"])
     assert all(best["model"][k].equal(v) for k, v in ckpt.load_checkpoint(str(best_epoch_file))["model"].items())
     assert last["epoch"] == 2 and "optimizer" in last and "optimizer" not in best

@@ -425,7 +425,9 @@ def test_cifar_arrays_pack_as_png_and_read_back_exactly(tmp_path, monkeypatch):
         targets = [0, 1, 2, 0, 1, 2, 0]
         classes = ["plane", "car", "bird"]
 
-    monkeypatch.setattr(pack, "build_base_dataset", lambda root, split, decoder: (FakeCifar, FakeCifar.classes))
+    monkeypatch.setattr(
+        pack, "build_base_dataset", lambda root, split, decoder, annotations=None: (FakeCifar, FakeCifar.classes)
+    )
     report = pack_split("cifar10:/nowhere", "train", str(tmp_path), PackOptions(shard_size=3, shuffle_seed=None))
     assert (report.shards, report.samples) == (3, 7)
     pk = PackedDataset(str(tmp_path), "train", "pil", cache_dir=str(tmp_path / "cache"))

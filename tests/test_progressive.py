@@ -102,13 +102,21 @@ def _expected_images(cfg, split, epoch: int, keys: list[tuple[int, int]]) -> tor
 
 
 @pytest.mark.parametrize(
-    "decoder, sampler", [("auto", "default"), ("batched", "default"), ("auto", "repeated"), ("batched", "weighted")]
-)
-def test_persistent_workers_and_the_batched_decoder_crop_each_epoch_at_its_size(decoder, sampler):
+    "decoder, sampler, batched_augment",
+    [
+        ("auto", "default", False), ("batched", "default", True), ("batched", "default", False),
+        ("auto", "repeated", False), ("batched", "weighted", True), ("batched", "repeated", False),
+    ],
+)  # fmt: skip
+def test_persistent_workers_and_the_batched_decoder_crop_each_epoch_at_its_size(decoder, sampler, batched_augment):
     """One persistent worker, made once before epoch 0, crops every epoch at that epoch's size; the
-    batched decoder (in this process) does too: each batch equals the crops computed here. The
-    repeated and weighted samplers' keys count augmentation rounds, several an epoch."""
+    batched decoder does too: each batch equals the crops computed here. With DATA.BATCHED_AUGMENT
+    the worker draws the crop at the key's epoch's size and this process resamples the batch to
+    the size of its plans (on a CPU, aten's per-image kernel: today's pixels exactly); without, the
+    per-sample transform runs in this process, told the epoch by the loader. The repeated and
+    weighted samplers' keys count augmentation rounds, several an epoch."""
     opts = ["TRAIN.WORKERS", "1", "TRAIN.PERSISTENT_WORKERS", "True", "DATA.DECODER", decoder, "TRAIN.SAMPLER", sampler]
+    opts += ["DATA.BATCHED_AUGMENT", str(batched_augment)]
     cfg, split = _split(1, 0, *opts)
     for epoch in (0, 1, 2, 1):  # back to 1: a size is the epoch's, not the last one's
         split.sampler.set_epoch(epoch)

@@ -123,6 +123,7 @@ def _assert_same_weights(model: nn.Module, expected: nn.Module) -> None:
 
 # What evaluation, prediction, export and fine-tuning read of the best weights: no optimizer, RNG or position.
 BEST_KEYS = {"model", "ema", "epoch", "best_acc1", "best_weights", "classes", "arch", "cfg", "preprocessing"}
+BEST_KEYS |= {"best_metric", "best_value"}  # TRAIN.BEST_METRIC and the best's value of it
 
 
 @pytest.mark.parametrize("fmt", ["file", "sharded"])

@@ -374,7 +374,7 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
     batches = iter(run.train.loader)
     sums = MetricSums(env.device, cfg.TRAIN.TOPK)
     parts: dict[str, list[float]] = {
-        k: [] for k in ("data", "fwd_bwd", "fwd_bwd_allreduce", "optimizer", "bookkeeping")
+        k: [] for k in ("data", "fwd_bwd", "fwd_bwd_allreduce", "optimizer", "bookkeeping", "teacher")
     }
     steps = min(bench.steps or SYNTHETIC_STEPS, run.steps_per_epoch)
     for i in range(steps):
@@ -384,11 +384,12 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
         sync_device(env)
         data_s = time.perf_counter() - tic
         out: dict = {}
+        teacher = timed(partial(_teacher_forward, run, images, out), env) if run.teacher is not None else 0.0
         fb = [timed(partial(_forward_backward, run, images, targets, sync, out), env) for sync in (False, True)]
         bookkeeping = timed(partial(_bookkeeping, run, sums, out, targets), env)
         opt = timed(partial(trainer.optimizer_step, run, sums), env)
         if i >= min(bench.warmup, steps - 1):
-            for key, value in zip(parts, (data_s, fb[0], fb[1], opt, bookkeeping)):
+            for key, value in zip(parts, (data_s, fb[0], fb[1], opt, bookkeeping, teacher)):
                 parts[key].append(1000 * value)
     med = {k: statistics.median(v) for k, v in parts.items()}
     report.emit(
@@ -401,6 +402,9 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
             "allreduce_exposed_ms": med["fwd_bwd_allreduce"] - med["fwd_bwd"],
             "optimizer_ms": med["optimizer"],
             "bookkeeping_ms": med["bookkeeping"],
+            # DISTILL.TEACHER: its forward on the step's images (no gradients, the student's autocast)
+            "teacher_ms": med["teacher"] if run.teacher is not None else None,
+            "teacher_arch": run.teacher.identity["arch"] if run.teacher is not None else None,
             "ddp": isinstance(run.forward_model, nn.parallel.DistributedDataParallel),
         }
     )
@@ -409,11 +413,18 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
 def _forward_backward(run: run_setup.Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
     """One forward and backward through the trainer's model, with or without DDP's gradient all-reduce."""
     run.optimizer.zero_grad(set_to_none=True)
+    teacher = [out["teacher_logits"]] if run.teacher is not None else []  # timed apart: _teacher_forward
     with gradient_sync(run.forward_model, sync), autocast(run.cfg.TRAIN.PRECISION, run.env.device):
         logits = run.forward_model(images)
-        loss = run.criterion(logits.float(), targets)
+        loss = run.criterion(logits.float(), targets, *teacher)
     loss.backward()
     out.update(logits=logits.detach(), loss=loss.detach())
+
+
+def _teacher_forward(run: run_setup.Run, images: torch.Tensor, out: dict) -> None:
+    """DISTILL.TEACHER's forward as the trainer's step runs it: under the student's autocast, no gradients."""
+    with autocast(run.cfg.TRAIN.PRECISION, run.env.device):
+        out["teacher_logits"] = run.teacher(images).float()
 
 
 def _bookkeeping(run: run_setup.Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
@@ -457,10 +468,10 @@ def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> N
     """
     cfg, steps = run.cfg, bench.steps or SYNTHETIC_STEPS
     framework_epoch(run, max(bench.warmup, 1), 0)  # creates the optimizer state
-    images, targets = next(iter(run.train.loader))[:2]
+    images, targets = (t.to(env.device) for t in next(iter(run.train.loader))[:2])
     gradient_sync(run.forward_model, True)
     with autocast(cfg.TRAIN.PRECISION, env.device):
-        loss = run.criterion(run.forward_model(images.to(env.device)).float(), targets.to(env.device))
+        loss = trainer.training_loss(run, images, run.forward_model(images), targets)
     loss.backward()
     held = local_state_bytes(run.model, getattr(run.optimizer, "optim", run.optimizer))  # ZeRO: the local optimizer
     run.optimizer.zero_grad(set_to_none=True)
@@ -518,8 +529,33 @@ def steady_rate(loader, timed: int, workers: int, queued: int) -> tuple[float, i
     rounds = max(1, workers)
     n = max(rounds, timed // rounds * rounds)
     tic = time.perf_counter()
-    images = sum(len(next(it)[1]) for _ in range(n))
+    images = 0
+    for _ in range(n):
+        batch = next(it)
+        images += len(batch[1])
+    if isinstance(batch[0], torch.Tensor) and batch[0].is_cuda:  # DATA.DECODER batched: the device's work too
+        torch.cuda.synchronize(batch[0].device)
     return images / (time.perf_counter() - tic), images
+
+
+def pipeline_name(cfg: CfgNode) -> str:
+    """The decoder, and for "batched" which augmentation: the batched resample or per sample."""
+    batched_per_sample = cfg.DATA.DECODER == "batched" and not cfg.DATA.BATCHED_AUGMENT
+    return "batched-per-sample" if batched_per_sample else cfg.DATA.DECODER
+
+
+def worker_side_rate(cfg: CfgNode, env: DistEnv, batches: int) -> float:
+    """Images/s one worker process sustains: the training split's dataset and collate in this
+    process (TRAIN.WORKERS 0), without the training process's decode: for DATA.DECODER batched,
+    reading bytes and headers and drawing the crops."""
+    split = build_train_split(cfg, env)
+    loader = split.loader.loader  # the DataLoader under DeviceLoader: the workers' side alone
+    it = iter(loader)
+    next(it)
+    tic, images = time.perf_counter(), 0
+    for _, batch in zip(range(batches), it):
+        images += len(batch)
+    return images / (time.perf_counter() - tic)
 
 
 def loader_rate(cfg: CfgNode, env: DistEnv, batches: int) -> tuple[float, int]:
@@ -550,7 +586,7 @@ def measure_data(cfg_args, env: DistEnv, bench, report: Report, label: str = "da
             {
                 "what": label,
                 "dataset": cfg.TRAIN.DATASET,
-                "decoder": cfg.DATA.DECODER,
+                "decoder": pipeline_name(cfg),
                 "workers": workers,
                 "world_size": env.world_size,
                 "batch_per_proc": cfg.TRAIN.BATCH_SIZE,
@@ -597,6 +633,25 @@ def decode_files(files: list[str], decoder: str, device: torch.device, batch: in
         torch.cuda.synchronize(device)
 
 
+# The full pipelines measure_decode times: each decoder, and "batched" with its batched resample
+# (the default) and with the per-sample transforms after the batched decode (DATA.BATCHED_AUGMENT False).
+PIPELINES = (("pil", ()), ("torchvision", ()), ("batched", ()), ("batched", ("DATA.BATCHED_AUGMENT", "False")))
+
+
+def measure_worker_side(cfg: CfgNode, env: DistEnv, bench, report: Report) -> None:
+    """What one DataLoader worker sustains for a batched pipeline: how many workers a GPU needs."""
+    rates = [worker_side_rate(cfg, env, bench.data_batches) for _ in range(bench.repeats)]
+    report.emit(
+        {
+            "what": "worker_side",
+            "decoder": pipeline_name(cfg),
+            "batch_per_proc": cfg.TRAIN.BATCH_SIZE,
+            "images_per_s_per_worker": statistics.median(rates),
+            **spread(rates, "images_per_s"),
+        }
+    )
+
+
 def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
     """PIL vs torchvision.io vs batched decode_jpeg on 500x375 JPEGs: decode alone, then the full pipeline."""
     root = tempfile.mkdtemp(prefix="distribuuuu-photos-") if env.is_main_process else None
@@ -631,10 +686,12 @@ def measure_decode(cfg_args, env: DistEnv, bench, report: Report) -> None:
                     **spread(rates[decoder], "images_per_s"),
                 }
             )
-        for decoder in decoders:
-            photo = ("TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", decoder)
+        for decoder, extra in PIPELINES:
+            photo = ("TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.DECODER", decoder, *extra)
             photo += ("TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "256", "TRAIN.BATCH_SIZE", str(photo_batch))
             measure_data(cfg_args, env, bench, report, "decode_pipeline", *photo)
+            if decoder == "batched":
+                measure_worker_side(bench_cfg(cfg_args, *photo, "TRAIN.WORKERS", "0"), env, bench, report)
         barrier()
     finally:
         if env.is_main_process and root:
@@ -749,10 +806,15 @@ def format_table(records: list[dict]) -> str:
                 f"breakdown {r['arch']:<20} np={r['world_size']}  data {r['data_ms']:.2f} ms  fwd+bwd "
                 f"{r['fwd_bwd_ms']:.1f} ms  all-reduce (exposed) {r['allreduce_exposed_ms']:.1f} ms  optimizer "
                 f"{r['optimizer_ms']:.1f} ms  lr+metrics {r['bookkeeping_ms']:.2f} ms"
+                + (
+                    f"  teacher ({r['teacher_arch']}) fwd {r['teacher_ms']:.1f} ms"
+                    if r.get("teacher_ms") is not None
+                    else ""
+                )
             )
         elif w in ("data", "decode_pipeline"):
             lines.append(
-                f"{w:<15} {r['decoder']:<11} workers={r['workers']} np={r['world_size']} im={r['im_size']}  "
+                f"{w:<15} {r['decoder']:<18} workers={r['workers']} np={r['world_size']} im={r['im_size']}  "
                 f"{r['images_per_s']:9.1f} img/s ({r['images_per_s_per_proc']:.1f} per process)"
             )
         elif w == "packed_pipeline":
@@ -760,6 +822,11 @@ def format_table(records: list[dict]) -> str:
                 f"packed    {r['path']:<26} workers={r['workers']} im=224  {r['images_per_s_per_proc']:8.1f} img/s "
                 f"({r['images_per_s_per_core']:.1f} per core; min {r['images_per_s_min']:.1f}, max "
                 f"{r['images_per_s_max']:.1f}; {r['over_folder_pil_paired_median']:.2f}x folder+pil, paired)"
+            )
+        elif w == "worker_side":
+            lines.append(
+                f"worker_side {r['decoder']:<18} batch {r['batch_per_proc']}  {r['images_per_s_per_worker']:9.1f} img/s "
+                f"per worker (min {r['images_per_s_min']:.1f}, max {r['images_per_s_max']:.1f})"
             )
         elif w == "decode":
             lines.append(

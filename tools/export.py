@@ -48,6 +48,7 @@ from yacs.config import CfgNode  # noqa: E402
 from distribuuuu.checkpoint import CheckpointError  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError  # noqa: E402
+from distribuuuu.data.loader import annotation_spec  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform, checkpoint_preprocessing  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 
@@ -75,6 +76,15 @@ def preprocessing(p: EvalPreprocessing, arch: str, classes: list, weights: str) 
         "std": list(p.std),
         "classes": list(classes),
     }
+
+
+def task_of(cfg) -> dict:
+    """The task the logits serve: one class (softmax) or, multi-label, each class whose sigmoid
+    score reaches the run's threshold."""
+    if cfg.MODEL.TASK == "multilabel":
+        meaning = "logits (sigmoid per class; a class is predicted when its score >= threshold)"
+        return {"task": "multilabel", "threshold": cfg.TEST.THRESHOLD, "output": {"name": OUTPUT, "meaning": meaning}}
+    return {"task": "multiclass"}
 
 
 def export_onnx(program: torch.export.ExportedProgram, path: str, meta: dict) -> None:
@@ -170,7 +180,7 @@ def export(args: argparse.Namespace) -> int:
     model = load_model(state, cfg, kind, torch.device("cpu"), args.weights)
     prefix = args.out or args.weights.rstrip("/").removesuffix(".dcp").removesuffix(".tar").removesuffix(".pth")
     p = checkpoint_preprocessing(state)
-    meta = preprocessing(p, cfg.MODEL.ARCH, state["classes"], kind)
+    meta = preprocessing(p, cfg.MODEL.ARCH, state["classes"], kind) | task_of(cfg)
     example = torch.randn(2, 3, p.crop, p.crop)
     try:
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
@@ -191,12 +201,16 @@ def export(args: argparse.Namespace) -> int:
 
 
 def checked_samples(args: argparse.Namespace, state: dict, cfg: CfgNode) -> list[Sample]:
-    """--check's images, else the checkpoint's own val split (TEST.DATASET at TEST.SPLIT, in whichever form)."""
+    """--check's images, else the checkpoint's own val split (TEST.DATASET at TEST.SPLIT, in whichever
+    form, or its TEST.ANN_FILE)."""
     if args.check:
         images = find_samples(args.check, args.split)
     else:
-        saved = CfgNode.load_cfg(state["cfg"]).get("TEST", {}) if state.get("cfg") else {}
-        images = dataset_samples(saved.get("DATASET", cfg.TEST.DATASET), saved.get("SPLIT", cfg.TEST.SPLIT))
+        run_cfg = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+        saved = run_cfg.get("TEST", {})
+        spec = annotation_spec(run_cfg, train=False) if saved.get("ANN_FILE") else None
+        root, split = saved.get("DATASET", cfg.TEST.DATASET), saved.get("SPLIT", cfg.TEST.SPLIT)
+        images = dataset_samples(root, split, annotations=spec)
     return images[: args.max_check] if args.max_check > 0 else images
 
 

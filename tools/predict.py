@@ -7,7 +7,8 @@ checkpoint file or a sharded checkpoint folder (``best.dcp``). The model is rebu
 checkpoint's own model and evaluation keys (MODEL_KEYS; ``--cfg FILE`` and trailing ``KEY VALUE``
 pairs override them), images get the preprocessing the run validated with (stored in the
 checkpoint), and one line per image gives the top-k class names with probabilities (``--json``:
-one JSON object per line).
+one JSON object per line); a multi-label model's line (MODEL.TASK multilabel) gives every class
+whose sigmoid score reaches the run's TEST.THRESHOLD, with its score (``labels`` in JSON).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from distribuuuu.checkpoint import CheckpointError, load_checkpoint, model_state
 from distribuuuu.checkpoint_config import MODEL_KEYS, cfg_from_checkpoint, fit_hint, stored_cfg  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError, load_image  # noqa: E402
+from distribuuuu.data.annotations import AnnotationSpec  # noqa: E402
 from distribuuuu.data.datasets import build_base_dataset  # noqa: E402
 from distribuuuu.data.hf import is_saved_hf  # noqa: E402
 from distribuuuu.data.packed import is_packed  # noqa: E402
@@ -41,6 +43,7 @@ from distribuuuu.data.transforms import (  # noqa: E402
     eval_preprocessing,
 )
 from distribuuuu.models import build_model  # noqa: E402
+from distribuuuu.multilabel import predicted  # noqa: E402
 from distribuuuu.state import check_weights_fit, load_full_weights  # noqa: E402
 
 EXIT_BAD_INPUT = 2
@@ -111,9 +114,12 @@ def find_samples(paths: Sequence[str], split: str = "val", decoder: str = "auto"
     return samples
 
 
-def dataset_samples(root: str, split: str, decoder: str = "auto") -> list[Sample]:
-    """Every sample of ``split`` of a dataset root in any of TEST.DATASET's forms, in its order."""
-    dataset, _ = build_base_dataset(root, split, decoder)
+def dataset_samples(
+    root: str, split: str, decoder: str = "auto", annotations: AnnotationSpec | None = None
+) -> list[Sample]:
+    """Every sample of ``split`` of a dataset root in any of TEST.DATASET's forms (or the images
+    ``annotations`` lists under it), in its order."""
+    dataset, _ = build_base_dataset(root, split, decoder, annotations=annotations)
     return [Sample(name, partial(_image, dataset, i)) for i, (name, _) in enumerate(dataset.samples)]
 
 
@@ -183,20 +189,36 @@ def batches(items: list, size: int) -> Iterator[list]:
 
 @torch.no_grad()
 def predict(
-    model: nn.Module, samples: list[Sample], transform: Callable, device: torch.device, batch_size: int, k: int
+    model: nn.Module,
+    samples: list[Sample],
+    transform: Callable,
+    device: torch.device,
+    batch_size: int,
+    k: int,
+    threshold: float | None = None,
 ):
-    """Yield (name, top-k class indices, their probabilities) per sample, batch by batch."""
+    """Yield (name, class indices, their probabilities) per sample, batch by batch: the top-k by
+    softmax, or with ``threshold`` (MODEL.TASK multilabel) every class whose sigmoid score reaches
+    it, highest first."""
     for batch in batches(samples, batch_size):
         inputs = torch.stack([transform(sample.load()) for sample in batch]).to(device)
-        probs, indices = model(inputs).float().softmax(dim=1).topk(k, dim=1)
-        yield from zip([sample.name for sample in batch], indices.tolist(), probs.tolist())
+        logits = model(inputs).float()
+        names = [sample.name for sample in batch]
+        if threshold is None:
+            probs, indices = logits.softmax(dim=1).topk(k, dim=1)
+            yield from zip(names, indices.tolist(), probs.tolist())
+            continue
+        for name, row in zip(names, logits):
+            order = row.argsort(descending=True)
+            kept = order[predicted(row[order], threshold)]
+            yield name, kept.tolist(), torch.sigmoid(row[kept]).tolist()
 
 
-def format_line(path: str, names: list[str], probs: list[float], as_json: bool) -> str:
-    """One output line: ``path: name (p), ...`` or a JSON object."""
+def format_line(path: str, names: list[str], probs: list[float], as_json: bool, key: str = "topk") -> str:
+    """One output line: ``path: name (p), ...`` or a JSON object (its list under ``key``)."""
     if as_json:
-        return json.dumps({"path": path, "topk": [{"class": n, "prob": round(p, 6)} for n, p in zip(names, probs)]})
-    return f"{path}: " + ", ".join(f"{n} ({p:.3f})" for n, p in zip(names, probs))
+        return json.dumps({"path": path, key: [{"class": n, "prob": round(p, 6)} for n, p in zip(names, probs)]})
+    return f"{path}: " + (", ".join(f"{n} ({p:.3f})" for n, p in zip(names, probs)) or "(none)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,9 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = load_model(state, cfg, "ema" if args.ema else "model", device, args.weights)
         k = min(args.topk, cfg.MODEL.NUM_CLASSES)
-        classified = predict(model, images, transform, device, args.batch_size, k)
+        threshold = cfg.TEST.THRESHOLD if cfg.MODEL.TASK == "multilabel" else None
+        classified = predict(model, images, transform, device, args.batch_size, k, threshold)
+        key = "topk" if threshold is None else "labels"
         for path, indices, probs in classified:
-            print(format_line(path, [state["classes"][i] for i in indices], probs, args.json), flush=True)
+            print(format_line(path, [state["classes"][i] for i in indices], probs, args.json, key), flush=True)
     except (PredictError, CheckpointError, ConfigError, DataError, BadImageError) as e:
         print(f"predict.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -10,6 +10,7 @@ from distribuuuu.data.loader import (
     build_train_split,
     build_val_split,
     dataset_targets,
+    label_counts,
     sample_paths,
 )
 from distribuuuu.data.samplers import ExactEvalSampler, ResumableDistributedSampler
@@ -29,6 +30,7 @@ __all__ = [
     "build_val_split",
     "build_val_transform",
     "dataset_targets",
+    "label_counts",
     "map_classes",
     "load_image",
     "sample_paths",

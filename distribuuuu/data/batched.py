@@ -1,12 +1,17 @@
-"""DATA.DECODER "batched": JPEGs decoded a batch at a time, on the training device.
+"""DATA.DECODER "batched": JPEGs decoded and augmented a batch at a time, on the training device.
 
-DataLoader workers only read each JPEG's bytes (other formats they decode as "auto" does). The
-training process then decodes the whole batch's JPEGs with one ``decode_jpeg`` call (TorchCodec's,
-else torchvision's: data/jpeg.py) on its own device (nvJPEG's batched decoder on CUDA, after a
-stream sync; libjpeg-turbo on CPU) and applies the per-sample transforms there. Each sample's
-augmentation is seeded from (RNG_SEED, epoch, index), exactly as SeededTransformDataset does in
-the workers, so a batch is the same whichever path or number of workers made it, and a mid-epoch
-resume stays exact.
+DataLoader workers only read each JPEG's bytes and its header (other formats they decode as "auto"
+does), and draw the sample's crop and flip from its seed (RNG_SEED, epoch, index): resample.py.
+The training process then decodes the whole batch's JPEGs with one ``decode_jpeg`` call (TorchCodec's,
+else torchvision's: data/jpeg.py) on its own device (nvJPEG's batched decoder on CUDA; libjpeg-turbo
+on CPU), crops, resizes, flips and normalises the batch in one ``resample`` (two batched matmuls),
+on a thread of its own one batch ahead (prefetch.py). What the batched resample cannot do (an
+AUTO_AUGMENT policy, RANDOM_ERASING) runs after it per sample, with the sample's own draws: see
+transforms.batched_train_steps. A batch is the same whatever the number of workers, and a
+mid-epoch resume stays exact.
+
+With DATA.BATCHED_AUGMENT False the whole per-sample transform runs on the device after the batched
+decode, as it did before the batched resample: the same pixels as "auto".
 
 PyTorch's DataLoader has no batch-level decode step to plug into, hence this module: a dataset
 of encoded samples, a collate function that packs a batch of them into one buffer, and the
@@ -25,10 +30,11 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms.v2.functional import to_image
 
-from distribuuuu.data import jpeg
+from distribuuuu.data import jpeg, resample
 from distribuuuu.data.datasets import CheckedImageFolder, readable, sample_seed, seeded_cpu_rng
 from distribuuuu.data.encoded import JPEG_SUFFIXES, EncodedSamples, decode_image_bytes
 from distribuuuu.data.errors import BadImageError
+from distribuuuu.data.progressive import for_key_epoch
 
 logger = logging.getLogger("distribuuuu.data")
 
@@ -41,17 +47,24 @@ class EncodedSample(NamedTuple):
     target: int
     seed: int
     path: str
+    plan: torch.Tensor | None = None  # the crop and flip drawn for it (resample.py), without a geometry None
 
 
 class EncodedImageDataset(Dataset):
     """Worker side: read a JPEG's bytes, decode any other image as "auto" would.
 
-    Keys are ``(epoch, index)`` pairs, as for SeededTransformDataset. With ``skip_bad`` an
-    unreadable file yields ``None``, which the collate function drops and counts.
+    Keys are ``(epoch, index)`` pairs, as for SeededTransformDataset. With a ``geometry``
+    (resample.TrainGeometry or EvalGeometry) each sample's plan is drawn here, from the image's
+    size (a JPEG's header) under the sample's seed; under progressive resizing ``geometry`` is an
+    EpochTransforms of geometries, one per size, and the key's epoch picks one (``rounds_per_epoch``
+    as for SeededTransformDataset). With ``skip_bad`` an unreadable file yields ``None``, which the
+    collate function drops and counts.
     """
 
-    def __init__(self, base: CheckedImageFolder | EncodedSamples, seed: int, skip_bad: bool = False):
-        self.base, self.seed, self.skip_bad = base, seed, skip_bad
+    rounds_per_epoch = 1
+
+    def __init__(self, base: CheckedImageFolder | EncodedSamples, seed: int, skip_bad: bool = False, geometry=None):
+        self.base, self.seed, self.skip_bad, self.geometry = base, seed, skip_bad, geometry
 
     def __len__(self) -> int:
         return len(self.base)
@@ -62,13 +75,20 @@ class EncodedImageDataset(Dataset):
             raw, name, target = self.base.encoded(index)  # a file's or a packed sample's bytes
             if name.lower().endswith(JPEG_SUFFIXES):
                 data, encoded = torch.frombuffer(bytearray(raw), dtype=torch.uint8), True
+                size = resample.header_size(raw, name) if self.geometry is not None else None
             else:
                 data, encoded = to_image(decode_image_bytes(raw, name, "auto")).as_subclass(torch.Tensor), False
+                size = tuple(data.shape[1:])
         except BadImageError:
             if self.skip_bad:
                 return None
             raise
-        return EncodedSample(data, encoded, target, sample_seed(self.seed, epoch, index), name)
+        seed = sample_seed(self.seed, epoch, index)
+        plan = None
+        if self.geometry is not None:
+            with seeded_cpu_rng(seed):
+                plan = for_key_epoch(self.geometry, epoch, self.rounds_per_epoch).draw(*size)
+        return EncodedSample(data, encoded, target, seed, name, plan)
 
 
 @dataclass
@@ -84,6 +104,7 @@ class EncodedBatch:
     seeds: list[int]
     paths: list[str]
     dropped: int
+    plans: torch.Tensor | None = None  # (B, resample.PLAN_FIELDS), with a geometry
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -96,6 +117,8 @@ class EncodedBatch:
         # DataLoader(pin_memory=True) calls this: decoded pixels and targets then reach the GPU by
         # asynchronous copies, and nvJPEG reads the JPEG bytes from pinned memory.
         self.buffer, self.targets = self.buffer.pin_memory(), self.targets.pin_memory()
+        if self.plans is not None:
+            self.plans = self.plans.pin_memory()
         return self
 
 
@@ -107,11 +130,29 @@ def collate_encoded(batch: list[EncodedSample | None]) -> EncodedBatch:
         buffer=torch.cat([s.data.reshape(-1) for s in kept]),
         offsets=[0, *itertools.accumulate(sizes)],
         shapes=[None if s.encoded else tuple(s.data.shape) for s in kept],
-        targets=torch.tensor([s.target for s in kept]),
+        targets=torch.utils.data.default_collate([s.target for s in kept]),  # class indices, or multi-hot rows
         seeds=[s.seed for s in kept],
         paths=[s.path for s in kept],
         dropped=len(batch) - len(kept),
+        plans=None if kept[0].plan is None else torch.stack([s.plan for s in kept]),
     )
+
+
+@dataclass
+class PreparedBatch:
+    """A batch as the prepare thread hands it over: ``images`` normalised float (B, 3, h, w), or,
+    while per-sample steps remain, uint8 (a stacked tensor, or a list of decoded images)."""
+
+    images: torch.Tensor | list[torch.Tensor]
+    targets: torch.Tensor
+    dropped: int
+    seeds: list[int]
+    sizes: list[tuple[int, int]]  # each kept image's decoded (height, width)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors the training stream will read (prefetch.wait_ready)."""
+        images = self.images if isinstance(self.images, list) else [self.images]
+        return [*images, self.targets]
 
 
 @dataclass
@@ -141,6 +182,11 @@ def _is_jpeg(data: torch.Tensor) -> bool:
     return data.numel() > 2 and data[0].item() == 0xFF and data[1].item() == 0xD8  # the SOI marker
 
 
+def _to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    # What today's per-sample resize hands the steps after it: pixels rounded to uint8.
+    return pixels.round_().clamp_(0, 255).to(torch.uint8)
+
+
 def wait_for_queued_kernels(device: torch.device) -> None:
     """Block the host until ``device``'s current stream has run what was queued on it (CUDA only).
 
@@ -156,34 +202,88 @@ def wait_for_queued_kernels(device: torch.device) -> None:
 
 
 class BatchDecoder:
-    """Training-process side: decode a batch's JPEGs in one call on ``device``, then transform.
+    """Training-process side: decode a batch's JPEGs in one call on ``device``, then augment.
 
-    Returns ``(images, targets, dropped)`` like the per-sample loaders, images on ``device``.
+    ``prepare`` (safe on another thread: it draws nothing from the global RNG) decodes, and with a
+    ``geometry`` crops, resizes and flips the batch at once (resample.resample) and, when no
+    per-sample step follows, normalises it with ``normalize`` (channels_last with
+    ``channels_last``). ``finish`` (the training thread) runs ``transform`` on each sample under
+    its seed: the whole per-sample transform without a geometry, the steps after the crop and
+    flip with one (its draws replayed first, so the steps see today's generator stream). Calling
+    the decoder does both, returning ``(images, targets, dropped)`` like the per-sample loaders.
+
     ``decode_jpegs(list of encoded tensors, device) -> list of (3, H, W) uint8`` is the device
     decoder (jpeg.decode_jpegs: TorchCodec or torchvision). When the batched call fails, the JPEGs
     are decoded one at a time on the device; those that fail there are decoded on the CPU, by
     format (a PNG named .jpg), or named as bad (with ``skip_bad``, dropped and counted). When the
-    device decoded none of them but the CPU did, the device decoder is broken or missing (a
+    device decoder decoded none of them but the CPU did, the device decoder is broken or missing (a
     torchvision built without nvJPEG, nvJPEG failing to start): it is not tried again, and the
     fallback is warned about once per process and counted in ``decode_stats``.
     """
 
-    def __init__(self, transform: Callable, device: torch.device, skip_bad: bool = False, decode_jpegs=None):
+    def __init__(
+        self,
+        transform: Callable | None,
+        device: torch.device,
+        skip_bad: bool = False,
+        decode_jpegs=None,
+        geometry=None,
+        normalize: Callable | None = None,
+        channels_last: bool = False,
+    ):
         self.transform, self.device, self.skip_bad = transform, device, skip_bad
         self.decode_jpegs = decode_jpegs or jpeg.decode_jpegs
+        self.geometry, self.normalize, self.channels_last = geometry, normalize, channels_last
         self.device_decoder_works, self.last_error = True, None
 
     def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.finish(self.prepare(batch))
+
+    def prepare(self, batch: EncodedBatch) -> PreparedBatch:
+        """Decode the batch, and resample (and normalise) it when there is a geometry."""
         pixels = self.decode(batch)
-        kept = [i for i, p in enumerate(pixels) if p is not None]
+        kept = [i for i, p in enumerate(pixels) if p is not None and self._size_as_planned(batch, i, p)]
         if not kept:
             raise BadImageError(f"every image of a batch of {len(batch) + batch.dropped} was unreadable")
-        images = []
-        for i in kept:
-            with seeded_cpu_rng(batch.seeds[i]):
-                images.append(self.transform(tv_tensors.Image(pixels[i])))
         targets = batch.targets if len(kept) == len(batch) else batch.targets[kept]
-        return torch.stack(images), targets, batch.dropped + len(batch) - len(kept)
+        dropped = batch.dropped + len(batch) - len(kept)
+        images = [pixels[i] for i in kept]
+        sizes = [tuple(image.shape[1:]) for image in images]
+        prepared = PreparedBatch(images, targets, dropped, [batch.seeds[i] for i in kept], sizes)
+        if self.geometry is not None:
+            plans = batch.plans[kept]
+            resampled = resample.resample(images, plans, self.geometry.out_size_of(plans))
+            prepared.images = self._normalized(resampled) if self.transform is None else _to_uint8(resampled)
+        return prepared
+
+    def finish(self, prepared: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Run the per-sample steps, each under its sample's seed; ``(images, targets, dropped)``."""
+        images = prepared.images
+        if self.transform is not None:
+            transformed = []
+            for image, seed, size in zip(images, prepared.seeds, prepared.sizes):
+                with seeded_cpu_rng(seed):
+                    if self.geometry is not None:
+                        # the crop's and flip's draws, as the workers made them (at any size: the
+                        # draws read the scale, the ratio and the image's size, not the output's)
+                        self.geometry.draw(*size)
+                    transformed.append(self.transform(tv_tensors.Image(image)))
+            images = torch.stack(transformed)
+        return images, prepared.targets, prepared.dropped
+
+    def _normalized(self, images: torch.Tensor) -> torch.Tensor:
+        images = self.normalize(images)
+        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
+
+    def _size_as_planned(self, batch: EncodedBatch, i: int, image: torch.Tensor) -> bool:
+        """Whether image ``i`` decoded to the size its header gave (and its crop was drawn for)."""
+        if batch.plans is None or list(image.shape[1:]) == batch.plans[i, :2].tolist():
+            return True
+        message = f"unreadable image {batch.paths[i]}: decoded {tuple(image.shape[1:])}, its header says {tuple(batch.plans[i, :2].tolist())}"
+        if self.skip_bad:
+            logger.warning(message)
+            return False
+        raise BadImageError(message)
 
     def decode(self, batch: EncodedBatch) -> list[torch.Tensor | None]:
         """Each sample's uint8 RGB pixels on the device (``None`` for a skipped bad file)."""

@@ -52,7 +52,8 @@ def remap_targets(dataset: Dataset, mapping: dict[int, int]) -> None:
     if all(k == v for k, v in mapping.items()) and len(mapping) == len(dataset.classes):
         return
     if hasattr(dataset, "samples"):  # ImageFolder: __getitem__ reads samples
-        dataset.samples = [(path, mapping[t]) for path, t in dataset.samples if t in mapping]
+        mapped = [(path, _mapped(t, mapping)) for path, t in dataset.samples]
+        dataset.samples = [(path, t) for path, t in mapped if t is not None]
         dataset.imgs = dataset.samples
         dataset.targets = [t for _, t in dataset.samples]
         return
@@ -60,6 +61,14 @@ def remap_targets(dataset: Dataset, mapping: dict[int, int]) -> None:
     if len(keep) != len(dataset.targets):
         dataset.data = dataset.data[keep]
     dataset.targets = [mapping[dataset.targets[i]] for i in keep]
+
+
+def _mapped(target, mapping: dict[int, int]):
+    """A target through ``mapping``: a class index, None when unmapped; a multi-label sample's
+    indices (a tuple) keep those mapped."""
+    if isinstance(target, tuple):
+        return tuple(sorted(mapping[t] for t in target if t in mapping))
+    return mapping.get(target)
 
 
 def _names(names: list[str]) -> str:

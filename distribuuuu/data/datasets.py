@@ -1,7 +1,7 @@
-"""Datasets: the dispatch over formats (ImageFolder, CIFAR, packed shards, Hugging Face), synthetic data,
-and per-sample seeded transforms.
+"""Datasets: the dispatch over formats (ImageFolder, CIFAR, packed shards, Hugging Face, annotation
+files), synthetic data, and per-sample seeded transforms.
 
-Above the readers: packed.py and hf.py import their base and errors from encoded.py and errors.py.
+Above the readers: packed.py, hf.py and annotations.py import their base and errors from encoded.py and errors.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from distribuuuu.data import hf, packed
-from distribuuuu.data.encoded import load_image
+from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
+from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import BadImageError, DataError
+from distribuuuu.data.progressive import for_key_epoch
 
 CIFAR_FILES = {
     "cifar10": ("cifar-10-batches-py", ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]),
@@ -36,11 +38,7 @@ class CheckedImageFolder(torchvision.datasets.ImageFolder):
     def encoded(self, index: int) -> tuple[bytes, str, int]:
         """Sample ``index``'s file bytes, its path, its target (the batched decoder's input)."""
         path, target = self.samples[index]
-        try:
-            with open(path, "rb") as f:
-                return f.read(), path, target
-        except OSError as e:
-            raise BadImageError(f"unreadable image {path}: {e}") from None
+        return read_image_file(path), path, target
 
 
 def check_classes(root: str, dataset: CheckedImageFolder) -> None:
@@ -53,8 +51,14 @@ def check_classes(root: str, dataset: CheckedImageFolder) -> None:
         raise DataError(f"{root}: class folder(s) with no images ({', '.join(IMG_EXTENSIONS)}): {empty}")
 
 
-def build_base_dataset(root: str, split: str, decoder: str = "auto", cache_dir: str = "") -> tuple[Dataset, list[str]]:
-    """Return an untransformed dataset of (image, target) and its class names."""
+def build_base_dataset(
+    root: str, split: str, decoder: str = "auto", cache_dir: str = "", annotations: AnnotationSpec | None = None
+) -> tuple[Dataset, list[str]]:
+    """Return an untransformed dataset of (image, target) and its class names: ``annotations``'s
+    file under ``root`` when given, else ``root``'s ``split`` in whichever format it is."""
+    if annotations is not None:
+        dataset = AnnotatedImages(root, annotations, decoder)
+        return dataset, dataset.classes
     kind, _, path = root.partition(":")
     if kind in CIFAR_FILES:
         return _build_cifar(kind, path, split)
@@ -86,6 +90,37 @@ def _build_cifar(kind: str, root: str, split: str) -> tuple[Dataset, list[str]]:
     except RuntimeError as e:  # torchvision checks each file's MD5: "Dataset not found or corrupted"
         raise DataError(f"{kind} files under {os.path.join(root, subdir)} do not load: {e}") from None
     return dataset, list(dataset.classes)
+
+
+class MultiHotTargets(Dataset):
+    """A dataset whose targets (class indices, or one index) become multi-hot float vectors of
+    ``num_classes`` (MODEL.TASK multilabel); its other attributes (``samples``, ``classes``, ...) are
+    the wrapped dataset's."""
+
+    def __init__(self, base: Dataset, num_classes: int):
+        self.base, self.num_classes = base, num_classes
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def multi_hot(self, target) -> torch.Tensor:
+        hot = torch.zeros(self.num_classes)
+        hot[list(target) if isinstance(target, tuple) else target] = 1.0
+        return hot
+
+    def __getitem__(self, index: int):
+        image, target = self.base[index]
+        return image, self.multi_hot(target)
+
+    def encoded(self, index: int):
+        """The wrapped dataset's encoded sample, its target multi-hot (the batched decoder's input)."""
+        data, name, target = self.base.encoded(index)
+        return data, name, self.multi_hot(target)
+
+    def __getattr__(self, name: str):
+        if name == "base":  # not set yet (copy, pickle): do not recurse
+            raise AttributeError(name)
+        return getattr(self.base, name)
 
 
 class SyntheticDataset(Dataset):
@@ -154,9 +189,7 @@ class SeededTransformDataset(Dataset):
             raise
         if self.transform is None:
             return image, target
-        transform = self.transform
-        if hasattr(transform, "for_epoch"):
-            transform = transform.for_epoch(epoch // self.rounds_per_epoch)
+        transform = for_key_epoch(self.transform, epoch, self.rounds_per_epoch)
         with seeded_cpu_rng(sample_seed(self.seed, epoch, index)):
             return transform(image), target
 

@@ -38,12 +38,16 @@ _TENSOR_SUFFIXES = {
 
 def load_image(path: str, decoder: str = "auto"):
     """Decode an image file to RGB: a PIL image, or a uint8 tv_tensors.Image via torchvision.io."""
+    return decode_image_bytes(read_image_file(path), path, decoder)
+
+
+def read_image_file(path: str) -> bytes:
+    """An image file's bytes; BadImageError naming it when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            return f.read()
     except OSError as e:
         raise BadImageError(f"unreadable image {path}: {e}") from None
-    return decode_image_bytes(data, path, decoder)
 
 
 def decode_image_bytes(data: bytes, name: str, decoder: str = "auto"):

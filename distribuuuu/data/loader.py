@@ -12,16 +12,19 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
 from distribuuuu.data import remote
+from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import (
     CheckedImageFolder,
+    MultiHotTargets,
     SeededTransformDataset,
     SyntheticDataset,
     build_base_dataset,
     collate_skipping_bad,
 )
 from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.prefetch import prefetched
 from distribuuuu.data.progressive import EpochTransforms, progressive_on
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
@@ -32,7 +35,14 @@ from distribuuuu.data.samplers import (
     WeightedDistributedSampler,
 )
 from distribuuuu.data.shard_cache import ProgressReporter, ShardCache, ShardCacheError, ShardOrder
-from distribuuuu.data.transforms import build_normalize, build_train_transform, build_val_transform
+from distribuuuu.data.transforms import (
+    batched_eval_geometry,
+    batched_train_geometry,
+    batched_train_steps,
+    build_normalize,
+    build_train_transform,
+    build_val_transform,
+)
 from distribuuuu.launch import DistEnv
 from distribuuuu.losses import inverse_frequency_weights
 from distribuuuu.preemption import ignore_preemption_signals
@@ -51,8 +61,10 @@ class Split:
 class DeviceLoader:
     """A DataLoader whose batches arrive on the training device as ``(images, targets, dropped)``
     with normalised float images: uint8 pixels are copied (asynchronously from pinned memory) and
-    normalised there; DATA.DECODER batched decodes each batch's JPEGs there first. Float batches
-    (MODEL.DUMMY_INPUT) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
+    normalised there; DATA.DECODER batched decodes and augments each batch there first, on a
+    thread one batch ahead when there are workers (prefetch.py: with none, the dataset's seeded
+    draws run in this process and must not race the training thread's). Float batches
+    (MODEL.DUMMY_INPUT, or already normalised by the batched resample) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
     wrapped loader's. timm's PrefetchLoader idea without its side stream: the non-blocking copy
     frees the host at once but queues behind the step's kernels on the default stream; a uint8
     batch is a quarter of float32's bytes, small against a training step. ``epoch_transforms``:
@@ -69,10 +81,17 @@ class DeviceLoader:
     def __iter__(self):
         if self.epoch_transforms is not None:
             self.epoch_transforms.set_epoch(self.loader.sampler.epoch)
-        for batch in self.loader:
-            images, targets, dropped = batch if self.decode is None else self.decode(batch)
+        for batch in self._batches():
+            images, targets, dropped = batch if self.decode is None else self.decode.finish(batch)
             images = images.to(self.device, non_blocking=True)
             yield self.normalize(images) if images.dtype == torch.uint8 else images, targets, dropped
+
+    def _batches(self):
+        if self.decode is None:
+            return iter(self.loader)
+        if self.loader.num_workers > 0:
+            return prefetched(self.loader, self.decode.prepare, self.device)
+        return map(self.decode.prepare, self.loader)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -83,25 +102,64 @@ class DeviceLoader:
         return getattr(self.loader, name)
 
 
+def annotation_spec(cfg: CfgNode, train: bool) -> AnnotationSpec | None:
+    """How to read TRAIN.ANN_FILE (``train``) or TEST.ANN_FILE; None when the split is a folder."""
+    ann_file = cfg.TRAIN.ANN_FILE if train else cfg.TEST.ANN_FILE
+    if not ann_file:
+        return None
+    classes_file = (
+        os.path.abspath(os.path.join(cfg.TRAIN.DATASET, cfg.DATA.ANN_CLASSES)) if cfg.DATA.ANN_CLASSES else ""
+    )
+    label_sep = cfg.DATA.ANN_LABEL_SEP if cfg.MODEL.TASK == "multilabel" else ""
+    return AnnotationSpec(ann_file, cfg.DATA.ANN_HEADER, classes_file, label_sep)
+
+
 def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, list[str]]:
     if cfg.MODEL.DUMMY_INPUT:
         size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(cfg.MODEL.NUM_CLASSES)]
         seed = cfg.RNG_SEED + (0 if train else 1)
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
-    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE)
+    spec = annotation_spec(cfg, train)
+    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec)
     if len(classes) > cfg.MODEL.NUM_CLASSES:
+        where = os.path.join(root, spec.file) if spec else f"{root}/{split}"
         raise ConfigError(
-            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {root}/{split} has {len(classes)} class folders"
+            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {where} has {len(classes)} {'classes' if spec else 'class folders'}"
         )
     return base, classes
 
 
-def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform) -> tuple[Dataset, BatchDecoder | None]:
-    """The sampled dataset, and the training-process decoder when JPEGs are decoded by the batch."""
+def _targets_for_task(cfg: CfgNode, base: Dataset) -> Dataset:
+    """``base`` with multi-hot targets under MODEL.TASK multilabel (after any class remapping), else itself."""
+    if cfg.MODEL.TASK == "multilabel":
+        return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES)
+    if any(isinstance(t, tuple) for t in getattr(base, "targets", [])[:1]):  # a multi-label pack
+        raise ConfigError("the dataset's samples have several classes each: set MODEL.TASK multilabel")
+    return base
+
+
+def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str) -> tuple[Dataset, BatchDecoder | None]:
+    """The sampled dataset, and the training-process decoder when JPEGs are decoded by the batch.
+
+    ``split`` ("train" or "val") picks the batched resample's geometry (DATA.BATCHED_AUGMENT);
+    without one the per-sample ``transform`` runs on the device after the batched decode."""
     skip_bad = cfg.DATA.BAD_IMAGE == "skip"
-    if cfg.DATA.DECODER == "batched" and isinstance(base, (CheckedImageFolder, EncodedSamples)):
-        return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad), BatchDecoder(transform, env.device, skip_bad)
-    return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
+    reader = base.base if isinstance(base, MultiHotTargets) else base
+    if cfg.DATA.DECODER != "batched" or not isinstance(reader, (CheckedImageFolder, EncodedSamples, AnnotatedImages)):
+        return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
+    geometry = worker_geometry = None
+    if cfg.DATA.BATCHED_AUGMENT and split == "train":
+        by_epoch = isinstance(transform, EpochTransforms)  # progressive resizing: the workers draw each epoch's size
+        geometry, transform = batched_train_steps(cfg)
+        worker_geometry = EpochTransforms(cfg, lambda size: batched_train_geometry(cfg, size)) if by_epoch else geometry
+    elif cfg.DATA.BATCHED_AUGMENT and split == "val":
+        geometry = worker_geometry = batched_eval_geometry(cfg)
+        transform = None if geometry is not None else transform
+    decoder = BatchDecoder(
+        transform, env.device, skip_bad, geometry=geometry, normalize=build_normalize(cfg),
+        channels_last=cfg.TRAIN.CHANNELS_LAST,
+    )  # fmt: skip
+    return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad, worker_geometry), decoder
 
 
 def _loader(
@@ -131,16 +189,16 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     transform = None if cfg.MODEL.DUMMY_INPUT else _train_transform(cfg)
-    dataset, decoder = _dataset(cfg, env, base, transform)
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
-    if isinstance(dataset, SeededTransformDataset):  # how its keys' rounds count epochs
-        dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)
+    dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)  # how its keys' rounds count epochs
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
             f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS}) "
             f"exceeds the {len(sampler)} training samples each of {env.world_size} rank(s) gets"
         )
-    by_epoch = transform if isinstance(transform, EpochTransforms) and decoder is not None else None
+    # the batched decoder's per-sample transform, when it is progressive resizing's (BATCHED_AUGMENT False)
+    by_epoch = decoder.transform if decoder is not None and isinstance(decoder.transform, EpochTransforms) else None
     loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, True, decoder, by_epoch)
     return Split(loader, dataset, sampler, classes)
 
@@ -169,7 +227,7 @@ def build_precise_bn_split(cfg: CfgNode, env: DistEnv) -> Split:
         )
     build = build_train_transform if cfg.BN.PRECISE_TRANSFORM == "train" else build_val_transform
     transform = None if cfg.MODEL.DUMMY_INPUT else build(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, base, transform)
+    dataset, decoder = _dataset(cfg, env, base, transform, cfg.BN.PRECISE_TRANSFORM)
     indices = precise_bn_indices(len(base), cfg.BN.PRECISE_IMAGES, cfg.RNG_SEED)
     sampler = FixedBatchSampler(indices, cfg.TRAIN.BATCH_SIZE, env.world_size, env.rank)
     workers = cfg.TRAIN.WORKERS
@@ -248,6 +306,14 @@ def dataset_targets(dataset: Dataset) -> torch.Tensor:
     return torch.as_tensor(base.targets, dtype=torch.int64)
 
 
+def label_counts(dataset: Dataset, num_classes: int) -> torch.Tensor:
+    """How many samples each class labels (a multi-label sample counts for each of its classes)."""
+    counts = torch.zeros(num_classes, dtype=torch.int64)
+    for target in getattr(dataset, "base", dataset).targets:
+        counts[list(target) if isinstance(target, tuple) else target] += 1
+    return counts
+
+
 def sample_paths(dataset: Dataset) -> list[str]:
     """Each sample's file path (ImageFolder), or an empty list (CIFAR, synthetic data)."""
     base = getattr(dataset, "base", dataset)
@@ -266,11 +332,12 @@ def build_val_split(
     root = root or cfg.TEST.DATASET
     base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
-        where = f"{root}/{cfg.TEST.SPLIT}"
+        spec = annotation_spec(cfg, train=False)
+        where = os.path.join(root, spec.file) if spec else f"{root}/{cfg.TEST.SPLIT}"
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, base, transform)
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "val")
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = _loader(cfg, env, dataset, sampler, cfg.TEST.BATCH_SIZE, False, decoder)
     return Split(loader, dataset, sampler, classes)

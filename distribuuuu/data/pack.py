@@ -1,4 +1,5 @@
-"""Pack an ImageFolder or CIFAR split into WebDataset shards with a wids index (tools/pack_dataset.py).
+"""Pack an ImageFolder, CIFAR or annotation-file split into WebDataset shards with a wids index
+(tools/pack_dataset.py).
 
 Samples are shuffled across shards by default (``shuffle_seed``), so every shard holds a mix of
 the classes: a shard-aware order (DATA.SHUFFLE_WINDOW) then trains on all classes at once, where
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from PIL import Image
 
+from distribuuuu.data.annotations import AnnotationSpec, Target
 from distribuuuu.data.datasets import DataError, build_base_dataset
 from distribuuuu.data.packed import INDEX, KIND, key_of, md5_of
 from distribuuuu.data.remote import join, read_bytes, upload
@@ -59,7 +61,7 @@ class PackReport:
 
 def _source(base, folder: str) -> tuple[list[tuple[str, int]], Callable[[int], tuple[bytes, str]]]:
     """The split's (name, target) list and a reader of sample i's (encoded bytes, extension)."""
-    if hasattr(base, "samples"):  # ImageFolder: the files as they are
+    if hasattr(base, "samples"):  # ImageFolder or an annotation file: the files as they are
         names = [(os.path.relpath(path, folder), t) for path, t in base.samples]
 
         def read(i: int) -> tuple[bytes, str]:
@@ -104,13 +106,19 @@ def reencode(data: bytes, opts: PackOptions) -> tuple[bytes, str]:
 
 
 def pack_split(
-    root: str, split: str, out: str, opts: PackOptions, progress: Callable[[int, int], None] = lambda done, total: None
+    root: str,
+    split: str,
+    out: str,
+    opts: PackOptions,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+    annotations: AnnotationSpec | None = None,
 ) -> PackReport:
-    """Pack ``root``/``split`` (an ImageFolder root or "cifar10:<root>") into ``out``/``split``."""
+    """Pack ``root``/``split`` (an ImageFolder root or "cifar10:<root>"), or the images ``annotations``
+    lists under ``root``, into ``out``/``split``; the index carries each sample's target(s)."""
     import webdataset  # the data extra
 
-    base, classes = build_base_dataset(root, split, "pil")
-    source_names, read = _source(base, os.path.join(root, split))
+    base, classes = build_base_dataset(root, split, "pil", annotations=annotations)
+    source_names, read = _source(base, root if annotations else os.path.join(root, split))
     order = packing_order(source_names, opts.shuffle_seed)  # row r holds the dataset's sample order[r]
     names = [source_names[i] for i in order]
     folder = os.path.join(out, split)
@@ -129,7 +137,7 @@ def pack_split(
                     data, ext = read(order[r])
                     if opts.max_side or opts.quality:
                         data, ext = reencode(data, opts)
-                    tar.write({"__key__": key_of(r), ext: data, "cls": str(names[r][1]).encode()})
+                    tar.write({"__key__": key_of(r), ext: data, "cls": _cls(names[r][1]).encode()})
             record = {"fingerprint": fingerprint, "filesize": _size(path), "md5sum": md5_of(path)}
             _write_json(record_path, record)
             written += 1
@@ -148,6 +156,11 @@ def pack_split(
     }
     _write_json(os.path.join(folder, INDEX), index)
     return PackReport(len(starts), written, len(names))
+
+
+def _cls(target: Target) -> str:
+    """A sample's ``.cls`` entry: its class index, or a multi-label sample's indices joined by commas."""
+    return ",".join(map(str, target)) if isinstance(target, tuple) else str(target)
 
 
 def _size(path: str) -> int:

@@ -178,7 +178,9 @@ class PackedDataset(EncodedSamples):
 
         self.location = index_location(root, split)
         index = load_index(self.location)
-        super().__init__([(name, int(t)) for name, t in index["samples"]], list(index["classes"]), decoder)
+        # A target is a class index, or a list of them (a multi-label annotation file's sample).
+        samples = [(name, tuple(t) if isinstance(t, list) else int(t)) for name, t in index["samples"]]
+        super().__init__(samples, list(index["classes"]), decoder)
         base = self.location.rsplit("/", 1)[0]
         shards = [dict(s, url=join(base, s["url"])) for s in index["shardlist"]]
         self.remote = is_remote(root)

@@ -4,7 +4,9 @@ The size is a pure function of (epoch, config), so every rank, every DataLoader 
 resumed run, on any world size, computes the same size for the same epoch. The per-sample path
 reads the epoch from each sampler key, which is how persistent workers, built once, learn it;
 the batched decoder (DATA.DECODER batched) transforms in the training process, which is told the
-epoch as each epoch's iteration starts (``EpochTransforms.set_epoch``).
+epoch as each epoch's iteration starts (``EpochTransforms.set_epoch``). With DATA.BATCHED_AUGMENT
+the workers draw the crops (resample.TrainGeometry, one per size, picked by the key's epoch) and
+the training process resamples each batch to the size its plans carry.
 """
 
 from __future__ import annotations
@@ -54,10 +56,18 @@ def schedule_text(cfg: CfgNode) -> str:
     return "; ".join(f"{s} px: epoch{'s' if a < b else ''} {a}{f'-{b}' if a < b else ''}" for s, a, b in spans)
 
 
+def for_key_epoch(transform, round_: int, rounds_per_epoch: int):
+    """``transform``, or where it has ``for_epoch`` (EpochTransforms) the one of the epoch of a key
+    whose first element is ``round_``: an augmentation round, ``rounds_per_epoch`` of them an epoch
+    (1 but for the repeated and weighted samplers)."""
+    return transform.for_epoch(round_ // rounds_per_epoch) if hasattr(transform, "for_epoch") else transform
+
+
 class EpochTransforms:
     """The training transform of each epoch: ``build(size)`` made once for each size of the schedule.
 
-    ``for_epoch(e)`` is epoch e's transform (SeededTransformDataset asks it with each key's epoch);
+    ``for_epoch(e)`` is epoch e's transform (SeededTransformDataset and EncodedImageDataset ask it
+    with each key's epoch; the latter's "transforms" are the batched resample's geometries);
     calling the object applies the transform of the epoch last given to ``set_epoch`` (the batched
     decoder's transform, called in the training process, where the loader sets the epoch).
     """

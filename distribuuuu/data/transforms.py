@@ -8,28 +8,48 @@ the same step for one image at a time (predict, export).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
+from torch.nn.functional import one_hot
 from torchvision.transforms import v2
 from yacs.config import CfgNode
 
 from distribuuuu.config import eval_crop_size, get_cfg_defaults
 from distribuuuu.data.draft import DraftDecode, DraftRandomResizedCrop
+from distribuuuu.data.resample import EvalGeometry, TrainGeometry
+
+logger = logging.getLogger("distribuuuu.data")
 
 
 def build_train_transform(cfg: CfgNode, normalize: bool = True, size: int | None = None) -> Callable:
     """RandomResizedCrop(``size``, default TRAIN.IM_SIZE) + flip [+ auto-augment] [+ random erasing],
     uint8 pixels throughout [+ normalise]. Progressive resizing builds one per size (data/progressive.py)."""
+    steps = [*_crop_and_flip(cfg, size), *_after_crop_and_flip(cfg)]
+    if normalize:
+        steps.append(build_normalize(cfg))
+    return v2.Compose(steps)
+
+
+def _random_resized_crop(cfg: CfgNode, size: int | None = None) -> v2.RandomResizedCrop:
+    return v2.RandomResizedCrop(size or cfg.TRAIN.IM_SIZE, scale=(cfg.DATA.CROP_SCALE_MIN, 1.0), antialias=True)
+
+
+def _crop_and_flip(cfg: CfgNode, size: int | None = None) -> list[Callable]:
     d, size = cfg.DATA, size or cfg.TRAIN.IM_SIZE
     if d.DECODER == "draft":  # JPEGs arrive undecoded: the crop decodes them at a reduced scale
         steps = [DraftRandomResizedCrop(size, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
     else:
-        steps = [v2.ToImage(), v2.RandomResizedCrop(size, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
-    if d.HFLIP_PROB > 0:
-        steps.append(v2.RandomHorizontalFlip(d.HFLIP_PROB))
+        steps = [v2.ToImage(), _random_resized_crop(cfg, size)]
+    return steps + ([v2.RandomHorizontalFlip(d.HFLIP_PROB)] if d.HFLIP_PROB > 0 else [])
+
+
+def _after_crop_and_flip(cfg: CfgNode) -> list[Callable]:
+    d = cfg.DATA
+    steps = []
     policy = {
         "randaugment": lambda: v2.RandAugment(magnitude=d.RANDAUGMENT_MAGNITUDE),
         "trivialaugment": v2.TrivialAugmentWide,
@@ -40,9 +60,44 @@ def build_train_transform(cfg: CfgNode, normalize: bool = True, size: int | None
     p = eval_preprocessing(cfg)  # the same normalisation as evaluation (a timm model's own)
     if d.RANDOM_ERASING > 0:  # erased to the mean colour: about 0 once normalised
         steps.append(RandomErasing(p=d.RANDOM_ERASING, value=[round(255 * m) for m in p.mean]))
-    if normalize:
-        steps.append(build_normalize(cfg))
-    return v2.Compose(steps)
+    return steps
+
+
+def batched_train_steps(cfg: CfgNode) -> tuple[TrainGeometry, Callable | None]:
+    """DATA.DECODER batched's training transform: the crop and flip as one batched resample
+    (resample.TrainGeometry), and the steps it cannot do on the whole batch, or None.
+
+    The one place that says what the batched resample cannot do: an AUTO_AUGMENT policy and
+    RANDOM_ERASING pick different operations image by image. They run after it, per sample, on
+    its crops rounded to uint8 (as today's per-sample resize rounds), with the sample's own draws,
+    rather than refusing the config: a recipe keeps its augmentation and still gets the batched
+    decode and crop (logged once, in one line).
+    """
+    tail = _after_crop_and_flip(cfg)
+    if tail:
+        names = [
+            k
+            for k, on in (
+                ("DATA.AUTO_AUGMENT", cfg.DATA.AUTO_AUGMENT),
+                ("DATA.RANDOM_ERASING", cfg.DATA.RANDOM_ERASING > 0),
+            )
+            if on
+        ]
+        logger.info("DATA.DECODER batched: %s run per sample after the batched crop", " and ".join(names))
+    return batched_train_geometry(cfg), v2.Compose(tail) if tail else None
+
+
+def batched_train_geometry(cfg: CfgNode, size: int | None = None) -> TrainGeometry:
+    """The batched resample's crop and flip, to ``size`` (default TRAIN.IM_SIZE): progressive
+    resizing's workers draw each epoch's plans with that epoch's (data/progressive.py)."""
+    return TrainGeometry(_random_resized_crop(cfg, size), cfg.DATA.HFLIP_PROB)
+
+
+def batched_eval_geometry(cfg: CfgNode) -> EvalGeometry | None:
+    """Evaluation's resize and centre crop as one batched resample, or None where it cannot: an
+    interpolation other than bilinear (a timm model's bicubic), which then runs per sample."""
+    p = eval_preprocessing(cfg)
+    return EvalGeometry(p.resize, p.crop) if p.interpolation == "bilinear" else None
 
 
 class RandomErasing(v2.RandomErasing):
@@ -176,9 +231,15 @@ def build_eval_transform(p: EvalPreprocessing, decoder: str = "auto", normalize:
 def build_batch_mixer(cfg: CfgNode) -> Callable | None:
     """Return mixup/cutmix applied to a batch with probability MIX_PROB, or None if disabled.
 
-    The mixer maps (images, int targets) to (images, soft targets that sum to 1).
+    The mixer maps (images, int targets) to (images, soft targets that sum to 1); under MODEL.TASK
+    multilabel, (images, multi-hot targets) to (images, the mixed multi-hot targets).
     """
-    d, num_classes = cfg.DATA, cfg.MODEL.NUM_CLASSES
+    d, multilabel = cfg.DATA, cfg.MODEL.TASK == "multilabel"
+    # torchvision's MixUp and CutMix take class indices only. A multi-label batch of n is handed to
+    # them labelled 0..n-1 (at most TRAIN.BATCH_SIZE "classes"): the soft targets they return are
+    # then the n x n mixing weights of their very draws, and those weights times the multi-hot
+    # rows are the mixed multi-hot targets.
+    num_classes = cfg.TRAIN.BATCH_SIZE if multilabel else cfg.MODEL.NUM_CLASSES
     choices, weights = [], []
     if d.MIXUP_ALPHA > 0:
         choices.append(v2.MixUp(alpha=d.MIXUP_ALPHA, num_classes=num_classes))
@@ -193,7 +254,11 @@ def build_batch_mixer(cfg: CfgNode) -> Callable | None:
     def mixer(images: torch.Tensor, targets: torch.Tensor):
         # The coin is drawn on the CPU generator: no device sync, and saved in checkpoints.
         if d.MIX_PROB < 1.0 and torch.rand(()).item() >= d.MIX_PROB:
-            return images, torch.nn.functional.one_hot(targets, num_classes).to(images.dtype)
+            return images, targets.to(images.dtype) if multilabel else one_hot(targets, num_classes).to(images.dtype)
+        if multilabel:
+            n = len(images)
+            images, weights = mix(images, torch.arange(n, device=images.device))
+            return images, weights[:, :n] @ targets.to(weights.dtype)
         return mix(images, targets)
 
     return mixer

@@ -13,7 +13,8 @@
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 EPOCHS=${GPU_SESSION_EPOCHS:-10}
-STAGES=${GPU_SESSION_STAGES:-check,digits,bench}  # also: compile (the benchmark compiled), data (data path)
+STAGES=${GPU_SESSION_STAGES:-check,digits,bench}  # also: compile (the benchmark compiled), data (data path),
+# gpudata (DATA.DECODER batched at batch 256 from JPEGs: loaders alone, ResNet-50 from JPEGs vs synthetic)
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 W=$(mktemp -d /tmp/gpu_session.XXXXXX)
 mkdir -p "$OUT"
@@ -103,12 +104,60 @@ bench() {  # NAME TIMEOUT BENCHMARK-ARGS...: the GPU alone
   timeout "$limit" python3 tools/benchmark.py --json "$OUT/benchmark.jsonl" "$@" OUT_DIR "$W/bench" \
     ${GPU_SESSION_BENCH_OPTS:-} >"$OUT/benchmark_$name.log" 2>&1
   echo "benchmark $name exit $?" >>"$OUT/benchmark_$name.log"
-  grep -E "^(train|ratio|data|decode|decode_pipeline|packed|eval) |exit" "$OUT/benchmark_$name.log" | tee -a "$OUT/summary.txt"
+  grep -E "^(train|ratio|data|decode|decode_pipeline|worker_side|packed|eval) |exit" "$OUT/benchmark_$name.log" | tee -a "$OUT/summary.txt"
 }
 # shellcheck disable=SC2086
 has bench && bench r50 150 --what train,plain --steps 20 --warmup 20 --repeats 7 $R50
 # shellcheck disable=SC2086
 has compile && bench r50_compile 170 --what train,plain --steps 20 --warmup 20 --repeats 5 $R50 TRAIN.COMPILE True
 has data && bench decode 150 --what decode --photos 2048 --data-batches 120 --workers 15
+
+# 5. DATA.DECODER batched, about 6 minutes: 500x375 JPEGs from an ImageFolder and from packed shards,
+# the loader alone (batched resample, the per-sample transforms after the batched decode, the CPU
+# path) at 2, 4 and 15 workers, then compiled ResNet-50 bf16 channels_last trained from the JPEGs
+# and from synthetic data, then gpu_check's sync check. GPU_SESSION_DATA_* shrink it for a dry run.
+if has gpudata; then
+  PHOTOS=${GPU_SESSION_DATA_PHOTOS:-1024} COPIES=${GPU_SESSION_DATA_COPIES:-12}
+  BATCH=${GPU_SESSION_DATA_BATCH:-256} WORKERS=${GPU_SESSION_DATA_WORKERS:-2,4,15}
+  STEPS=${GPU_SESSION_DATA_STEPS:-15} ARCH=${GPU_SESSION_DATA_ARCH:-resnet50}
+  stamp "gpudata: $PHOTOS photos x $COPIES links, batch $BATCH"
+  # Unique photos, hard-linked COPIES times: decoding costs the same, and 15 workers x 2 batches of
+  # 256 in flight need 46 batches of 256 before the first timed one.
+  python3 - "$W/photos" "$PHOTOS" "$COPIES" <<'EOF' || exit 1
+import os, sys
+sys.path.insert(0, "tools")
+from benchmark import make_photo_folder
+root, photos, copies = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+make_photo_folder(root, photos)
+for d, _, files in os.walk(os.path.join(root, "train")):
+    for f in [f for f in files if f.endswith(".jpg")]:
+        for k in range(1, copies):
+            os.link(os.path.join(d, f), os.path.join(d, f"{k}_{f}"))
+EOF
+  python3 tools/pack_dataset.py "$W/photos" "$W/photos_packed" >"$OUT/gpudata_pack.log" 2>&1 || tail -3 "$OUT/gpudata_pack.log"
+  DATA="MODEL.NUM_CLASSES 1000 TRAIN.BATCH_SIZE $BATCH TRAIN.IM_SIZE 224 TEST.IM_SIZE 256"
+  for source in photos photos_packed; do
+    for path in batched batched_per_sample auto; do
+      case $path in
+        batched) opts="DATA.DECODER batched" ;;
+        batched_per_sample) opts="DATA.DECODER batched DATA.BATCHED_AUGMENT False" ;;
+        auto) opts="DATA.DECODER auto" ;;
+      esac
+      # shellcheck disable=SC2086
+      bench "data_${source}_$path" 100 --what data --workers "$WORKERS" --data-batches 4 --repeats 1 \
+        TRAIN.DATASET "$W/$source" TEST.DATASET "$W/$source" $DATA $opts
+    done
+  done
+  E2E="--what train --steps $STEPS --warmup 15 --repeats 3 MODEL.ARCH $ARCH TRAIN.PRECISION bf16"
+  E2E="$E2E TRAIN.CHANNELS_LAST True TRAIN.COMPILE True TRAIN.WORKERS ${WORKERS##*,} $DATA"
+  # shellcheck disable=SC2086
+  bench r50_jpeg 150 $E2E TRAIN.DATASET "$W/photos" TEST.DATASET "$W/photos" DATA.DECODER batched
+  # shellcheck disable=SC2086
+  bench r50_synthetic 120 $E2E MODEL.DUMMY_INPUT True DATA.DUMMY_SIZE $((BATCH * (STEPS + 16)))
+  stamp "gpu_check (the batched path's sync check among the rest)"
+  timeout 200 torchrun --standalone --nproc_per_node=1 tools/gpu_check.py >"$OUT/gpu_check_gpudata.log" 2>&1
+  echo "gpu_check exit $?" >>"$OUT/gpu_check_gpudata.log"
+  grep -E "batched|exit|FAIL" "$OUT/gpu_check_gpudata.log" | tee -a "$OUT/summary.txt"
+fi
 stamp "done"
 rm -rf "$W"

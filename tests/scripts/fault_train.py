@@ -115,6 +115,28 @@ def _scaler_hook() -> None:
     trainer.build_run = build_run
 
 
+def _stalled_checkpoint_hook() -> None:
+    """FAULT_STALL_CHECKPOINT: the write of the checkpoint of that name stops half-way, forever (until
+    killed), after writing FAULT_STALL_MARKER with the name of the thread that writes it."""
+    name, marker = os.environ.get("FAULT_STALL_CHECKPOINT"), os.environ.get("FAULT_STALL_MARKER")
+    if not name:
+        return
+    import threading
+
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        if f"{name}." in os.path.basename(getattr(f, "name", "")):  # the temporary beside it: .<name>.<random>.part
+            f.write(b"\0" * 4096)  # a partial file on disk, as a write cut short leaves
+            f.flush()
+            with open(marker, "w") as m:
+                m.write(threading.current_thread().name)
+            threading.Event().wait()
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+
+
 def _record_hooks() -> None:
     """FAULT_RECORD: what each step trained on, and the state a resume restored."""
     out = os.environ.get("FAULT_RECORD")
@@ -171,5 +193,6 @@ def _save_resumed_state(run, path: str) -> None:
 if __name__ == "__main__":
     _signal_hook()
     _scaler_hook()
+    _stalled_checkpoint_hook()
     _record_hooks()
     sys.exit(cli.run_tool(trainer.train_model, description=__doc__))

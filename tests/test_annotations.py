@@ -1,0 +1,198 @@
+"""Datasets listed in annotation files: an annotation-file copy of the digits is the ImageFolder
+dataset to the last bit (samples, batches, trained weights), with every sampler and decoder, as the
+val split and the extra ones, and packed; a bad line stops the run naming the file and the line."""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import EVAL_TINY, FAULT, REPO, assert_ok, in_process, read_metrics, register_tiny_model, truncated_jpeg
+from PIL import Image
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu import cli, trainer
+from distribuuuu.checkpoint import load_checkpoint, model_state_from
+from distribuuuu.config import load_cfg
+from distribuuuu.data import DataError, build_train_split, build_val_split
+from distribuuuu.data.annotations import AnnotationSpec, read_annotations
+from distribuuuu.data.datasets import build_base_dataset
+from distribuuuu.launch import DistEnv
+
+register_tiny_model()  # train_model runs in this process (the bad-input test) and builds the tiny CNN
+
+DIGITS = REPO / "data" / "digits"
+# In-process runs on one thread: they run beside the background jobs (tests/background.py).
+pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
+
+
+def write_annotations(root: Path, split: str, path: Path, header: bool = True) -> Path:
+    """An annotation file listing ``root``/``split``'s ImageFolder samples in its order (paths relative to root)."""
+    base, classes = build_base_dataset(str(root), split)
+    delimiter = "\t" if path.suffix == ".tsv" else ","
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f, delimiter=delimiter)
+        if header:
+            writer.writerow(["image", "label"])
+        writer.writerows((os.path.relpath(p, root), classes[t]) for p, t in base.samples)
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_digits(tmp_path_factory) -> tuple[Path, tuple[Path, Path]]:
+    """A digits subset (12 train, 4 val images a class, linked) and its train.csv and val.tsv."""
+    root = tmp_path_factory.mktemp("small")
+    for split, n in (("train", 12), ("val", 4)):
+        for c in range(10):
+            (root / split / str(c)).mkdir(parents=True)
+            for png in sorted((DIGITS / split / str(c)).glob("*.png"))[:n]:
+                (root / split / str(c) / png.name).symlink_to(png)
+    return root, (
+        write_annotations(root, "train", root / "train.csv"),
+        write_annotations(root, "val", root / "val.tsv"),
+    )
+
+
+def _annotated(files: tuple[Path, Path]) -> list[str]:
+    return ["TRAIN.ANN_FILE", str(files[0]), "TEST.ANN_FILE", str(files[1]), "DATA.ANN_HEADER", "True"]
+
+
+def test_an_annotation_file_lists_the_image_folders_samples_and_classes(small_digits):
+    root, files = small_digits
+    folder, classes = build_base_dataset(str(root), "train")
+    samples, ann_classes = read_annotations(str(root), AnnotationSpec("train.csv", header=True))
+    assert ann_classes == classes and samples == folder.samples
+
+
+@pytest.mark.parametrize(
+    "sampler, decoder", [("default", "auto"), ("repeated", "auto"), ("weighted", "auto"), ("default", "batched")]
+)
+def test_annotation_batches_equal_image_folder_batches_for_every_sampler(small_digits, sampler, decoder):
+    root, files = small_digits
+
+    def first_batches(*extra: str) -> tuple[list, list]:
+        opts = ["TRAIN.SAMPLER", sampler, "DATA.DECODER", decoder, "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "16"]
+        opts += ["TRAIN.DATASET", str(root), "TEST.DATASET", str(root), "DATA.AUTO_AUGMENT", "trivialaugment"]
+        cfg = load_cfg(None, [*opts, *extra])
+        train, val = build_train_split(cfg, DistEnv()), build_val_split(cfg, DistEnv())
+        train.sampler.set_epoch(1)
+        return [b for _, b in zip(range(2), train.loader)], list(val.loader)
+
+    for expected, got in zip(first_batches(), first_batches(*_annotated(files))):
+        assert len(expected) == len(got)
+        for (x, y, dropped), (x2, y2, dropped2) in zip(expected, got):
+            assert torch.equal(x, x2) and torch.equal(y, y2) and dropped == dropped2
+
+
+def _run(out: Path, *extra: str) -> None:
+    opts = [*EVAL_TINY, "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "16", *extra]
+    assert_ok(in_process(FAULT, *opts))
+
+
+@pytest.mark.slow
+def test_annotation_copy_of_digits_trains_bit_identically_to_the_image_folder(small_digits, tmp_path):
+    root, files = small_digits
+    # An extra val set at another root: the annotation file's paths are read relative to each root.
+    (tmp_path / "again").symlink_to(root)
+    extra = ["TRAIN.DATASET", str(root), "TEST.DATASET", str(root), "TEST.EXTRA_DATASETS", f"['{tmp_path / 'again'}']"]
+    _run(tmp_path / "folder", *extra)
+    _run(tmp_path / "ann", *extra, *_annotated(files))
+    weights = [
+        model_state_from(load_checkpoint(str(tmp_path / r / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))))
+        for r in ("folder", "ann")
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    timings = ("time_s", "images_per_s")
+    records = [
+        [{k: v for k, v in r.items() if k not in timings} for r in read_metrics(tmp_path / d)]
+        for d in ("folder", "ann")
+    ]
+    vals = [r for r in records[1] if r.get("split", "").startswith("val")]
+    assert {r["split"] for r in vals} == {"val", "val_again"}
+    assert records[0] == records[1]
+
+
+def _first_image(split: str, c: int) -> Path:
+    return min((DIGITS / split / str(c)).glob("*.png"))
+
+
+BAD_LINES = [
+    ("train/0/0000.png\n", 1, "expected an image path and a label"),
+    ("train/0/0000.png,0\ntrain/0/0010.png,0,extra\n", 2, "expected an image path and a label"),
+    ("train/0/0000.png,0\n\ntrain/0/nothere.png,0\n", 3, "image not found"),
+    ("train/0/0000.png,0\ntrain/0/0010.png,eleven\n", 2, "label 'eleven' is not in the classes file"),
+    ("train/0/0000.png,\n", 1, "expected an image path and a label"),
+]
+
+
+@pytest.mark.parametrize("content, lineno, what", BAD_LINES)
+def test_a_bad_line_names_the_annotation_file_and_its_line(tmp_path, content, lineno, what):
+    (tmp_path / "bad.csv").write_text(content)
+    (tmp_path / "classes.txt").write_text("\n".join(str(i) for i in range(10)) + "\n")
+    spec = AnnotationSpec(str(tmp_path / "bad.csv"), classes_file=str(tmp_path / "classes.txt"))
+    with pytest.raises(DataError, match=f"^{tmp_path / 'bad.csv'}:{lineno}: {what}"):
+        read_annotations(str(DIGITS), spec)
+
+
+def test_a_bad_annotation_file_stops_the_run_with_one_line_before_training(tmp_path, capsys):
+    (tmp_path / "train.txt").write_text("train/0/0000.png 0\ntrain/1/0010.png\n")
+    out = tmp_path / "out"
+    args = [*EVAL_TINY, "OUT_DIR", str(out), "TRAIN.ANN_FILE", str(tmp_path / "train.txt")]
+    assert cli.run_tool(trainer.train_model, args) == cli.EXIT_BAD_INPUT
+    assert not (out / "metrics.jsonl").exists()
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("distribuuuu: error:")]
+    assert errors == [
+        f"distribuuuu: error: {tmp_path / 'train.txt'}:2: expected an image path and a label, got ['train/1/0010.png']"
+    ]
+    missing = [*EVAL_TINY, "OUT_DIR", str(out), "TEST.DATASET", str(DIGITS), "TEST.ANN_FILE", "nothere.csv"]
+    assert cli.run_tool(trainer.train_model, missing) == cli.EXIT_BAD_INPUT
+    assert f"TEST.ANN_FILE: annotation file not found: {DIGITS / 'nothere.csv'}" in capsys.readouterr().err
+
+
+def test_text_files_absolute_paths_quoted_fields_and_classes_files(tmp_path):
+    image = _first_image("train", 3)
+    (tmp_path / "a,b.png").symlink_to(image)
+    (tmp_path / "list.txt").write_text(f"{image}   three\n\n  a,b.png\tone  \n")
+    (tmp_path / "list.csv").write_text(f'path,label\n"a,b.png",one\n{image},three\n')
+    (tmp_path / "names.txt").write_text("three\none\ntwo\n")
+    samples, classes = read_annotations(str(tmp_path), AnnotationSpec("list.txt"))
+    assert classes == ["one", "three"] and samples == [(str(image), 1), (str(tmp_path / "a,b.png"), 0)]
+    samples, classes = read_annotations(str(tmp_path), AnnotationSpec("list.csv", True, str(tmp_path / "names.txt")))
+    assert classes == ["three", "one", "two"] and samples == [(str(tmp_path / "a,b.png"), 1), (str(image), 0)]
+
+
+def test_an_unreadable_listed_image_is_skipped_and_counted_with_bad_image_skip(tmp_path):
+    bad = truncated_jpeg(tmp_path / "broken.jpg")
+    lines = [f"{_first_image('train', c)},{c}" for c in range(10)] + [f"{bad},3"]
+    (tmp_path / "train.csv").write_text("\n".join(lines) + "\n")
+    opts = ["TRAIN.DATASET", str(tmp_path), "TRAIN.ANN_FILE", "train.csv", "TRAIN.BATCH_SIZE", "11"]
+    cfg = load_cfg(None, [*opts, "DATA.BAD_IMAGE", "skip"])
+    [(images, targets, dropped)] = list(build_train_split(cfg, DistEnv()).loader)
+    assert len(images) == 10 and dropped == 1
+
+
+def test_pack_tool_packs_an_annotation_file_with_its_targets(small_digits, tmp_path):
+    from distribuuuu.data.packed import PackedDataset
+
+    pytest.importorskip("webdataset")
+    names = tmp_path / "classes.txt"
+    names.write_text("\n".join(reversed([str(i) for i in range(10)])) + "\n")  # indices 9..0
+    tool = str(REPO / "tools" / "pack_dataset.py")
+    root, files = small_digits
+    args = [str(root), str(tmp_path / "packed"), "--splits", "train,val", "--shard-size", "50"]
+    args += ["--ann-files", "train.csv,val.tsv", "--ann-header", "--ann-classes", str(names)]
+    result = in_process(tool, *args)
+    assert result.returncode == 0, result.stderr
+    for split, file in zip(("train", "val"), files):
+        listed, classes = read_annotations(str(root), AnnotationSpec(str(file), True, str(names)))
+        packed = PackedDataset(str(tmp_path / "packed"), split)
+        assert packed.classes == classes == [str(i) for i in range(9, -1, -1)]
+        by_name = dict(packed.samples)
+        assert len(by_name) == len(listed)
+        assert all(by_name[os.path.relpath(p, root)] == t for p, t in listed)
+        image, target = packed[0]
+        assert image.size == Image.open(root / packed.samples[0][0]).size and target == by_name[packed.samples[0][0]]

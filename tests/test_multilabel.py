@@ -1,0 +1,241 @@
+"""Multi-label classification: mAP, F1, precision and recall identical for 1, 2 and 3 ranks and equal
+to an independent computation of scikit-learn's definitions; the loss and the mixing of multi-hot
+targets against their closed forms."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
+from torch.nn import functional as F
+
+from distribuuuu import checkpoint as ckpt
+from distribuuuu.checkpoint import load_checkpoint, model_state_from
+from distribuuuu.config import load_cfg
+from distribuuuu.data import load_image
+from distribuuuu.data.samplers import ExactEvalSampler
+from distribuuuu.data.transforms import build_batch_mixer, build_val_transform
+from distribuuuu.losses import MultiLabelBCE
+from distribuuuu.models import build_model
+from distribuuuu.multilabel import MultiLabelSums, metrics_from_counts, score_levels
+
+register_tiny_model()  # test_net.py, predict.py and export.py run in this process and build the tiny CNN
+# In-process runs on one thread: they run beside the background jobs (tests/background.py).
+pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
+
+N, C, BINS, THRESHOLD = 257, 6, 64, 0.4
+PAIRS, PREDICT, EXPORT = (str(REPO / "tools" / t) for t in ("make_digit_pairs.py", "predict.py", "export.py"))
+
+
+def _predictions() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits with ties, values beyond the clamp and a class without positives; multi-hot targets."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(N, C, generator=g) * 4
+    logits[::7] = logits[1::7][: len(logits[::7])]  # tied rows
+    logits[:5, 0] = torch.tensor([30.0, -30.0, 16.0, -16.0, 0.0])
+    targets = (torch.rand(N, C, generator=g) < torch.linspace(0.05, 0.6, C)).float()
+    targets[:, 3] = 0.0  # no positives: left out of mAP, F1 0 unless predicted
+    return logits, targets
+
+
+def _rank_counts(logits: torch.Tensor, targets: torch.Tensor, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's counts over its ExactEvalSampler shard in batches of 10, summed as all_reduce sums them."""
+    ranks = []
+    for rank in range(world_size):
+        sums = MultiLabelSums(C, BINS, THRESHOLD, torch.device("cpu"))
+        mine = list(ExactEvalSampler(N, world_size, rank))
+        for start in range(0, len(mine), 10):
+            batch = mine[start : start + 10]
+            sums.add(logits[batch], targets[batch])
+        ranks.append(sums)
+    levels = sum(s.levels for s in ranks).numpy().reshape(2, C, BINS)
+    return levels, sum(s.outcomes for s in ranks).numpy()
+
+
+def _sklearn_average_precision(scores: np.ndarray, y: np.ndarray) -> float:
+    """scikit-learn's average_precision_score, re-derived: precision at each distinct score,
+    highest first, times the recall gained there."""
+    order = np.argsort(-scores, kind="mergesort")
+    scores, y = scores[order], y[order]
+    last_of_each_score = np.r_[np.nonzero(np.diff(scores))[0], len(y) - 1]
+    tps = np.cumsum(y)[last_of_each_score]
+    precision = tps / (last_of_each_score + 1)
+    recall = tps / tps[-1]
+    return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def _reference(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    levels = score_levels(logits, BINS).numpy()
+    y = targets.numpy() > 0.5
+    aps = [_sklearn_average_precision(levels[:, c].astype(float), y[:, c]) for c in range(C) if y[:, c].any()]
+    pred = torch.sigmoid(logits).numpy() >= THRESHOLD
+    tp, fp, fn = ((pred & y).sum(0), (pred & ~y).sum(0), (~pred & y).sum(0))
+    f1 = [2 * a / (2 * a + b + c) if a + b + c else 0.0 for a, b, c in zip(tp, fp, fn)]
+    return {
+        "map": 100 * np.mean(aps),
+        "f1_macro": 100 * np.mean(f1),
+        "f1_micro": 100 * 2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum()),
+        "precision_macro": 100 * np.mean([a / (a + b) if a + b else 0.0 for a, b in zip(tp, fp)]),
+        "precision_micro": 100 * tp.sum() / (tp.sum() + fp.sum()),
+        "recall_macro": 100 * np.mean([a / (a + c) if a + c else 0.0 for a, c in zip(tp, fn)]),
+        "recall_micro": 100 * tp.sum() / (tp.sum() + fn.sum()),
+    }
+
+
+def test_multilabel_metrics_are_identical_for_1_2_3_ranks_and_equal_scikit_learns_definitions():
+    logits, targets = _predictions()
+    per_world = [metrics_from_counts(*_rank_counts(logits, targets, w)) for w in (1, 2, 3)]
+    assert per_world[0] == per_world[1] == per_world[2]  # to the last digit
+    # Float64 sums of at most N terms in another order: agreement to ~N ulps of a value <= 100.
+    expected = _reference(logits, targets)
+    assert per_world[0] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    # One process with no group: reduce() is the sum of nothing else.
+    sums = MultiLabelSums(C, BINS, THRESHOLD, torch.device("cpu"))
+    sums.add(logits, targets)
+    assert sums.reduce() == per_world[0]
+
+
+def test_average_precision_of_untied_scores_is_the_exact_ap_once_levels_separate_them():
+    scores = torch.tensor([[2.0], [1.0], [0.5], [-1.0], [-3.0]])
+    y = torch.tensor([[1.0], [0.0], [1.0], [1.0], [0.0]])
+    sums = MultiLabelSums(1, 4096, 0.5, torch.device("cpu"))
+    sums.add(scores, y)
+    # Ranked 1 0 1 1 0: precision 1/1, 2/3, 3/4 at the positives.
+    assert sums.reduce()["map"] == pytest.approx(100 * (1 + 2 / 3 + 3 / 4) / 3, rel=1e-15)
+
+
+def test_multilabel_bce_is_the_closed_form_with_smoothing_and_positive_weights():
+    logits, targets = _predictions()
+    pos_weight = torch.linspace(0.5, 3.0, C)
+    got = MultiLabelBCE(smoothing=0.1, pos_weight=pos_weight)(logits, targets)
+    t = targets * 0.9 + 0.05
+    p = torch.sigmoid(logits.double())
+    expected = -(pos_weight.double() * t * torch.log(p) + (1 - t) * torch.log1p(-p)).mean()
+    assert got.double().item() == pytest.approx(expected.item(), rel=1e-5)
+    assert torch.equal(MultiLabelBCE()(logits, targets), F.binary_cross_entropy_with_logits(logits, targets))
+
+
+@pytest.mark.parametrize("mix", ["mixup", "cutmix"])
+def test_mixup_and_cutmix_mix_multi_hot_targets_by_each_samples_share_of_the_pixels(mix):
+    key = "DATA.MIXUP_ALPHA" if mix == "mixup" else "DATA.CUTMIX_ALPHA"
+    cfg = load_cfg(None, ["MODEL.TASK", "multilabel", key, "1.0", "TRAIN.BATCH_SIZE", "8"])
+    mixer = build_batch_mixer(cfg)
+    n = 6  # fewer than TRAIN.BATCH_SIZE: a batch with skipped images
+    images = torch.arange(1.0, n + 1).view(n, 1, 1, 1).expand(n, 3, 16, 16).contiguous()
+    targets = (torch.rand(n, 10, generator=torch.Generator().manual_seed(1)) < 0.3).float()
+    torch.manual_seed(3)
+    mixed, soft = mixer(images, targets)
+    for i in range(n):
+        j = (i - 1) % n  # torchvision mixes each sample with the one before it
+        # Image i is all i+1, image j all j+1: the mean pixel gives i's share lam.
+        lam = (mixed[i].mean() - (j + 1)) / ((i + 1) - (j + 1))
+        assert torch.allclose(soft[i], lam * targets[i] + (1 - lam) * targets[j], atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# A multi-label run of two-digit images (tools/make_digit_pairs.py), and the tools on its checkpoint
+# ------------------------------------------------------------------------------------------------
+PAIRS_RUN = [
+    *EVAL_TINY, "MODEL.TASK", "multilabel", "TRAIN.ANN_FILE", "train.csv",
+    "TEST.ANN_FILE", "val.csv", "DATA.ANN_HEADER", "True", "DATA.MIXUP_ALPHA", "0.2", "TRAIN.LABEL_SMOOTHING", "0.1",
+    "TRAIN.CLASS_WEIGHTS", "balanced", "OPTIM.EMA_DECAY", "0.9", "TRAIN.BEST_METRIC", "map", "OPTIM.MAX_EPOCH", "2",
+    "TRAIN.BATCH_SIZE", "16", "TRAIN.CKPT_PERIOD_ITERS", "4", "TRAIN.KEEP_CKPTS", "100", "OPTIM.BASE_LR", "0.2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pairs_run(tmp_path_factory) -> tuple[Path, list[str]]:
+    """Two epochs of the tiny CNN on 160 two-digit images (mixup, smoothing, positive weights, EMA,
+    best by mAP), checkpointing every 4 steps: (its OUT_DIR, its options)."""
+    root = tmp_path_factory.mktemp("pairs")
+    assert_ok(in_process(PAIRS, str(root / "data"), "--train", "160", "--val", "48"))
+    opts = [*PAIRS_RUN, "TRAIN.DATASET", str(root / "data"), "TEST.DATASET", str(root / "data")]
+    assert_ok(in_process(FAULT, *opts, "OUT_DIR", str(root / "out")))
+    return root / "out", opts
+
+
+def test_a_multilabel_run_records_map_and_f1_and_keeps_the_best_by_map(pairs_run):
+    out, _ = pairs_run
+    vals = [r for r in read_metrics(out) if r.get("split") == "val"]
+    assert {r["weights"] for r in vals} == {"model", "ema"} and all(0 <= r["map"] <= 100 for r in vals)
+    best = max(vals, key=lambda r: r["map"])
+    state = load_checkpoint(str(out / ckpt.BEST_NAME))
+    assert (state["best_metric"], state["best_value"], state["best_weights"]) == ("map", best["map"], best["weights"])
+    assert f"best val map (TRAIN.BEST_METRIC): {best['map']:.4g}" in (out / "summary.md").read_text()
+
+
+def test_test_net_predict_and_export_agree_on_a_multilabel_checkpoint(pairs_run, tmp_path):
+    out, opts = pairs_run
+    weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))
+    assert_ok(in_process(TEST, "MODEL.WEIGHTS", weights, "OUT_DIR", str(tmp_path / "eval")))
+    [tested] = [r for r in read_metrics(tmp_path / "eval") if r["split"] == "test"]
+    [last] = [r for r in read_metrics(out) if r.get("split") == "val" and r["weights"] == "model" and r["epoch"] == 2]
+    assert all(tested[f] == last[f] for f in ("map", "f1_macro", "f1_micro", "precision_micro", "recall_macro"))
+    # predict.py's classes above the threshold are the model's sigmoid scores >= TEST.THRESHOLD.
+    data = Path(opts[opts.index("TRAIN.DATASET") + 1])
+    images = sorted(str(p) for p in (data / "val").glob("*.png"))[:8]
+    result = in_process(PREDICT, "--weights", weights, "--json", *images)
+    assert_ok(result)
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    state = load_checkpoint(weights)
+    cfg = load_cfg(None, [*EVAL_TINY, "MODEL.TASK", "multilabel"])
+    model = build_model(cfg.MODEL).eval()
+    model.load_state_dict(model_state_from(state))
+    transform = build_val_transform(cfg)
+    with torch.no_grad():
+        scores = torch.sigmoid(model(torch.stack([transform(load_image(p)) for p in images])))
+    for line, row in zip(lines, scores):
+        expected = {state["classes"][c]: row[c].item() for c in range(10) if row[c] >= 0.5}
+        assert {x["class"]: x["prob"] for x in line["labels"]} == pytest.approx(expected, abs=1e-6)
+    assert_ok(in_process(EXPORT, "--weights", weights, "--out", str(tmp_path / "m"), "--max-check", "8"))
+    meta = json.loads((tmp_path / "m.json").read_text())
+    assert (meta["task"], meta["threshold"]) == ("multilabel", 0.5)
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_resume_of_a_multilabel_run_is_bit_identical(pairs_run, tmp_path):
+    out, opts = pairs_run
+    resumed = tmp_path / "resumed"
+    (resumed / ckpt.CKPT_DIR).mkdir(parents=True)
+    mid = ckpt.checkpoint_name(2, 4)  # 4 steps into epoch 2
+    shutil.copy(out / ckpt.CKPT_DIR / mid, resumed / ckpt.CKPT_DIR / mid)
+    assert_ok(in_process(FAULT, *opts, "OUT_DIR", str(resumed)))
+    end = [load_checkpoint(str(d / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))) for d in (out, resumed)]
+    for key in ("model", "ema", "optimizer"):
+        assert torch.equal(
+            torch.cat([t.flatten() for t in _tensors(end[0][key])]),
+            torch.cat([t.flatten() for t in _tensors(end[1][key])]),
+        )
+    last = [[r for r in read_metrics(d) if r.get("split") == "val" and r["epoch"] == 2] for d in (out, resumed)]
+    assert [r["map"] for r in last[0]] == [r["map"] for r in last[1]]
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree.float()]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _tensors(v)]
+    return []
+
+
+def test_pack_tool_packs_multi_label_annotations_with_every_class_of_each_sample(pairs_run, tmp_path):
+    from distribuuuu.data.annotations import AnnotationSpec, read_annotations
+    from distribuuuu.data.packed import PackedDataset
+
+    pytest.importorskip("webdataset")
+    _, opts = pairs_run
+    data = Path(opts[opts.index("TRAIN.DATASET") + 1])
+    args = [str(data), str(tmp_path / "packed"), "--splits", "val", "--ann-files", "val.csv", "--ann-header"]
+    assert_ok(in_process(str(REPO / "tools" / "pack_dataset.py"), *args, "--label-sep", " "))
+    listed, classes = read_annotations(str(data), AnnotationSpec("val.csv", True, label_sep=" "))
+    packed = PackedDataset(str(tmp_path / "packed"), "val")
+    assert packed.classes == classes and any(len(t) == 2 for _, t in listed)
+    assert dict(packed.samples) == {os.path.relpath(p, data): t for p, t in listed}
