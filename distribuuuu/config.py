@@ -138,6 +138,20 @@ _C.TRAIN.EVAL_PERIOD = 1
 # Stop the run after this many epochs of this invocation (0: run to OPTIM.MAX_EPOCH); for tests
 # and for splitting long runs into jobs
 _C.TRAIN.STOP_AFTER_EPOCHS = 0
+# Progressive resizing (FFCV's get_resolution; docs/recipe.md): the training crop of the epoch
+# numbered e from 0 is PROGRESSIVE_START_SIZE while e <= PROGRESSIVE_START_EPOCH, TRAIN.IM_SIZE from
+# e = PROGRESSIVE_END_EPOCH on, and between them linearly interpolated and rounded to a multiple of
+# PROGRESSIVE_SIZE_MULTIPLE. The ramp ends at TRAIN.IM_SIZE (the crop of the last epochs, the
+# default eval crop, what a resume checks), so it has no key of its own. Evaluation is unchanged.
+# 0 disables
+_C.TRAIN.PROGRESSIVE_START_SIZE = 0
+# The last epoch (from 0) at the start size; the ramp starts after it (FFCV's start_ramp)
+_C.TRAIN.PROGRESSIVE_START_EPOCH = 0
+# The first epoch (from 0) at TRAIN.IM_SIZE (FFCV's end_ramp): above START_EPOCH; at or past
+# OPTIM.MAX_EPOCH the run ends inside the ramp (a warning says so)
+_C.TRAIN.PROGRESSIVE_END_EPOCH = 0
+# The ramp's sizes are multiples of this (FFCV: 32); PROGRESSIVE_START_SIZE and TRAIN.IM_SIZE must be too
+_C.TRAIN.PROGRESSIVE_SIZE_MULTIPLE = 32
 
 # ------------------------------------------------------------------------------------------------
 # Test / validation
@@ -686,6 +700,25 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TRAIN.KEEP_CKPTS", _AT_LEAST_1),
     ("TRAIN.EVAL_PERIOD", _AT_LEAST_1),
     ("TRAIN.STOP_AFTER_EPOCHS", _NON_NEGATIVE),
+    ("TRAIN.PROGRESSIVE_SIZE_MULTIPLE", _AT_LEAST_1),
+    ("TRAIN.PROGRESSIVE_START_SIZE", _NON_NEGATIVE),
+    ("TRAIN.PROGRESSIVE_START_SIZE", ((lambda v, c: v == 0 or (v % c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE == 0
+                                                                and v <= c.TRAIN.IM_SIZE)),
+                                      "must be 0 (off) or a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE no larger "
+                                      "than TRAIN.IM_SIZE (where the ramp ends)")),
+    ("TRAIN.PROGRESSIVE_START_SIZE", ((lambda v, c: v == 0 or not c.MODEL.DUMMY_INPUT),
+                                      "needs real images (MODEL.DUMMY_INPUT's are made at TRAIN.IM_SIZE, with no "
+                                      "transform to resize them): set TRAIN.PROGRESSIVE_START_SIZE 0")),
+    ("TRAIN.IM_SIZE", ((lambda v, c: not c.TRAIN.PROGRESSIVE_START_SIZE or v % c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE == 0),
+                       "must be a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE with progressive resizing (the ramp "
+                       "ends there)")),
+    ("TRAIN.PROGRESSIVE_START_EPOCH", _NON_NEGATIVE),
+    # Not bounded by OPTIM.MAX_EPOCH: test_net.py takes these keys from a checkpoint but not
+    # MAX_EPOCH (a runtime key), and a shortened run may stop inside the ramp (the run logs it).
+    ("TRAIN.PROGRESSIVE_END_EPOCH", ((lambda v, c: not c.TRAIN.PROGRESSIVE_START_SIZE
+                                      or v > c.TRAIN.PROGRESSIVE_START_EPOCH),
+                                     "must be above TRAIN.PROGRESSIVE_START_EPOCH with progressive resizing (FFCV's "
+                                     "end_ramp: the first epoch, from 0, at TRAIN.IM_SIZE)")),
     ("MODEL.WEIGHTS_KIND", _choice(("model", "ema"))),
     ("MODEL.KWARGS", ((lambda v, c: _kwargs_ok(v)), 'must be a list of "name=value" strings')),
     ("MODEL.FREEZE", _STRINGS),

@@ -59,8 +59,10 @@ def _topk_fields(k: int | None, totals: dict) -> dict:
     return {"topk": totals["topk_acc"], "k": k} if k else {}
 
 
-def write_train_record(writer, epoch: int, totals: dict, k: int | None, lr: float, step: int, fp16: bool) -> None:
-    """Append the epoch's training line (``epoch`` 1-based) to metrics.jsonl."""
+def write_train_record(
+    writer, epoch: int, totals: dict, k: int | None, lr: float, step: int, fp16: bool, im_size: int
+) -> None:
+    """Append the epoch's training line (``epoch`` 1-based; ``im_size``, the crop it trained at) to metrics.jsonl."""
     skipped = int(totals["skipped_steps"])
     writer.write(
         {
@@ -77,6 +79,7 @@ def write_train_record(writer, epoch: int, totals: dict, k: int | None, lr: floa
             "skipped_images": int(totals["skipped_images"]),
             "scaler_skips": skipped if fp16 else 0,
             "step": step,
+            "im_size": im_size,
         }
     )
 

@@ -23,6 +23,7 @@ from distribuuuu.data import (
     dataset_targets,
     label_counts,
 )
+from distribuuuu.data.progressive import progressive_on, schedule_sizes, schedule_text, train_size
 from distribuuuu.distillation import Teacher, load_teacher
 from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
 from distribuuuu.ema import ModelEMA
@@ -195,7 +196,7 @@ def build_model_for(cfg: CfgNode, env: DistEnv) -> nn.Module:
 
 def wrap_model(model: nn.Module, cfg: CfgNode, env: DistEnv) -> nn.Module:
     """torch.compile (optional), then DDP with the configured knobs when there are several ranks."""
-    forward = torch.compile(model) if cfg.TRAIN.COMPILE else model
+    forward = compile_model(model, cfg) if cfg.TRAIN.COMPILE else model
     if env.world_size == 1:
         return forward  # DDP on one rank only costs time (~7% measured here)
     d = cfg.DIST
@@ -213,6 +214,43 @@ def wrap_model(model: nn.Module, cfg: CfgNode, env: DistEnv) -> nn.Module:
         hook = default_hooks.fp16_compress_hook if d.COMM_HOOK == "fp16" else default_hooks.bf16_compress_hook
         ddp.register_comm_hook(None, hook)
     return ddp
+
+
+def log_progressive_schedule(cfg: CfgNode) -> None:
+    """Log the training crop of each epoch; warn when the run ends inside the ramp, below TRAIN.IM_SIZE."""
+    logger.info("progressive resizing (TRAIN.PROGRESSIVE_*): %s", schedule_text(cfg))
+    last = train_size(cfg.OPTIM.MAX_EPOCH - 1, cfg.TRAIN)
+    if last != cfg.TRAIN.IM_SIZE:
+        logger.warning(
+            "TRAIN.PROGRESSIVE_END_EPOCH %d is not below OPTIM.MAX_EPOCH %d: the last epoch trains at %d px, "
+            "not TRAIN.IM_SIZE %d", cfg.TRAIN.PROGRESSIVE_END_EPOCH, cfg.OPTIM.MAX_EPOCH, last, cfg.TRAIN.IM_SIZE,
+        )  # fmt: skip
+
+
+def compile_model(model: nn.Module, cfg: CfgNode) -> nn.Module:
+    """torch.compile ``model``; under progressive resizing with static shapes, one graph per size.
+
+    A new input size fails the compiled graph's shape guards and recompiles. Left to torch's
+    default, the second size recompiles with height and width symbolic ("automatic dynamic
+    shapes", as torch._dynamo.mark_dynamic would from the start), and every later epoch, the ones
+    at TRAIN.IM_SIZE that hold most of the compute included, runs kernels generic in the size.
+    Static shapes instead pay one compile per size, a handful of sizes known from the config, each
+    used for whole epochs, and keep every size's kernels specialised, as without the ramp.
+    """
+    if not progressive_on(cfg.TRAIN):
+        return torch.compile(model)
+    allow_a_graph_per_size(cfg)
+    return torch.compile(model, dynamic=False)
+
+
+def allow_a_graph_per_size(cfg: CfgNode) -> None:
+    """Let dynamo keep as many graphs per function for each size of the schedule as torch's default
+    (8) allows for one: past its recompile limit it runs the function eagerly, with one warning."""
+    needed = _DYNAMO_DEFAULT_RECOMPILE_LIMIT * len(schedule_sizes(cfg))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
+
+
+_DYNAMO_DEFAULT_RECOMPILE_LIMIT = 8
 
 
 def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
@@ -235,6 +273,8 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
         steps_per_epoch, base_lr,
         f" (OPTIM.BASE_LR x {global_batch}/{cfg.OPTIM.REFERENCE_BATCH})" if cfg.OPTIM.REFERENCE_BATCH else "",
     )  # fmt: skip
+    if progressive_on(t):
+        log_progressive_schedule(cfg)
     if shards(cfg, env):
         model, ema = shard_for_training(model, cfg, env)
         forward_model = compiled_or_plain = model  # under TRAIN.COMPILE its blocks are compiled
@@ -295,6 +335,8 @@ def shard_for_training(model: nn.Module, cfg: CfgNode, env: DistEnv) -> tuple[nn
         # be dynamic, whose backward Inductor fails to build ("Cannot convert expression to float",
         # torch 2.14 on the CPU; compiling the sharded root fails the same way).
         blocks = find_blocks(model)
+        if progressive_on(cfg.TRAIN):
+            allow_a_graph_per_size(cfg)
         for block in blocks:
             block.compile(dynamic=False)
         logger.info("TRAIN.COMPILE under %s: %d block(s) compiled", cfg.DIST.STRATEGY, len(blocks))

@@ -16,6 +16,7 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config import BEST_METRICS, check_dataset_paths
+from distribuuuu.data.progressive import progressive_on, train_size
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
 from distribuuuu.heartbeat import reporting_position
@@ -303,10 +304,14 @@ def train_epochs(run: Run) -> dict:
 def train_one_epoch(run: Run, epoch: int) -> dict:
     """Train ``epoch`` from the run's position, agree on BatchNorm statistics, record it, and move
     the run to the next epoch's start: an epoch of train_net.py, less evaluation and checkpoint."""
+    im_size = train_size(epoch, run.cfg.TRAIN)  # the epoch's crop: progressive resizing's, else TRAIN.IM_SIZE
+    if progressive_on(run.cfg.TRAIN):
+        logger.info("epoch %d/%d trains at %d px (progressive resizing)", epoch + 1, run.cfg.OPTIM.MAX_EPOCH, im_size)
     totals = train_epoch(run, epoch)
     sync_buffers(run)
     write_train_record(
         run.writer, epoch + 1, totals, reported_k(run.cfg), scheduled_lr(run), run.global_step, run.scaler.is_enabled(),
+        im_size,
     )  # fmt: skip
     run.move_to(epoch + 1)
     return totals

@@ -158,6 +158,44 @@ BAD_INPUTS = {
         ["DATA.SHUFFLE_WINDOW", "2"],
         "DATA.SHUFFLE_WINDOW 2 needs a packed TRAIN.DATASET",
     ),
+    # Progressive resizing: a ramp from 16 to TRAIN.IM_SIZE (32 by default) in steps of 16 over epochs 0-3, but for one key
+    **{
+        f"progressive-{name}": (
+            [
+                "TRAIN.PROGRESSIVE_START_SIZE",
+                "16",
+                "TRAIN.PROGRESSIVE_SIZE_MULTIPLE",
+                "16",
+                "TRAIN.PROGRESSIVE_END_EPOCH",
+                "3",
+                *change,
+            ],
+            names,
+        )
+        for name, change, names in [
+            (
+                "start-off-the-multiple",
+                ["TRAIN.PROGRESSIVE_START_SIZE", "24"],
+                "TRAIN.PROGRESSIVE_START_SIZE must be 0 (off) or a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE",
+            ),
+            (
+                "start-above-im-size",
+                ["TRAIN.PROGRESSIVE_START_SIZE", "48"],
+                "TRAIN.PROGRESSIVE_START_SIZE must be 0 (off) or a multiple",
+            ),
+            (
+                "im-size-off-the-multiple",
+                ["TRAIN.IM_SIZE", "40", "TEST.IM_SIZE", "40"],
+                "TRAIN.IM_SIZE must be a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE",
+            ),
+            (
+                "ramp-ends-before-it-starts",
+                ["TRAIN.PROGRESSIVE_START_EPOCH", "3"],
+                "TRAIN.PROGRESSIVE_END_EPOCH must be above TRAIN.PROGRESSIVE_START_EPOCH with progressive resizing",
+            ),
+            ("on-synthetic-data", ["MODEL.DUMMY_INPUT", "True"], "TRAIN.PROGRESSIVE_START_SIZE needs real images"),
+        ]
+    },  # fmt: skip
 }
 
 

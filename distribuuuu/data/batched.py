@@ -34,6 +34,7 @@ from distribuuuu.data import jpeg, resample
 from distribuuuu.data.datasets import CheckedImageFolder, readable, sample_seed, seeded_cpu_rng
 from distribuuuu.data.encoded import JPEG_SUFFIXES, EncodedSamples, decode_image_bytes
 from distribuuuu.data.errors import BadImageError
+from distribuuuu.data.progressive import for_key_epoch
 
 logger = logging.getLogger("distribuuuu.data")
 
@@ -54,9 +55,13 @@ class EncodedImageDataset(Dataset):
 
     Keys are ``(epoch, index)`` pairs, as for SeededTransformDataset. With a ``geometry``
     (resample.TrainGeometry or EvalGeometry) each sample's plan is drawn here, from the image's
-    size (a JPEG's header) under the sample's seed. With ``skip_bad`` an unreadable file yields
-    ``None``, which the collate function drops and counts.
+    size (a JPEG's header) under the sample's seed; under progressive resizing ``geometry`` is an
+    EpochTransforms of geometries, one per size, and the key's epoch picks one (``rounds_per_epoch``
+    as for SeededTransformDataset). With ``skip_bad`` an unreadable file yields ``None``, which the
+    collate function drops and counts.
     """
+
+    rounds_per_epoch = 1
 
     def __init__(self, base: CheckedImageFolder | EncodedSamples, seed: int, skip_bad: bool = False, geometry=None):
         self.base, self.seed, self.skip_bad, self.geometry = base, seed, skip_bad, geometry
@@ -82,7 +87,7 @@ class EncodedImageDataset(Dataset):
         plan = None
         if self.geometry is not None:
             with seeded_cpu_rng(seed):
-                plan = self.geometry.draw(*size)
+                plan = for_key_epoch(self.geometry, epoch, self.rounds_per_epoch).draw(*size)
         return EncodedSample(data, encoded, target, seed, name, plan)
 
 
@@ -246,7 +251,8 @@ class BatchDecoder:
         sizes = [tuple(image.shape[1:]) for image in images]
         prepared = PreparedBatch(images, targets, dropped, [batch.seeds[i] for i in kept], sizes)
         if self.geometry is not None:
-            resampled = resample.resample(images, batch.plans[kept], self.geometry.out_size)
+            plans = batch.plans[kept]
+            resampled = resample.resample(images, plans, self.geometry.out_size_of(plans))
             prepared.images = self._normalized(resampled) if self.transform is None else _to_uint8(resampled)
         return prepared
 
@@ -258,7 +264,9 @@ class BatchDecoder:
             for image, seed, size in zip(images, prepared.seeds, prepared.sizes):
                 with seeded_cpu_rng(seed):
                     if self.geometry is not None:
-                        self.geometry.draw(*size)  # the crop's and flip's draws, as the workers made them
+                        # the crop's and flip's draws, as the workers made them (at any size: the
+                        # draws read the scale, the ratio and the image's size, not the output's)
+                        self.geometry.draw(*size)
                     transformed.append(self.transform(tv_tensors.Image(image)))
             images = torch.stack(transformed)
         return images, prepared.targets, prepared.dropped

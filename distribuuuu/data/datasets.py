@@ -20,6 +20,7 @@ from distribuuuu.data import hf, packed
 from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
 from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import BadImageError, DataError
+from distribuuuu.data.progressive import for_key_epoch
 
 CIFAR_FILES = {
     "cifar10": ("cifar-10-batches-py", ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]),
@@ -164,7 +165,13 @@ class SeededTransformDataset(Dataset):
     ``fork_rng`` restores the global CPU RNG afterwards, so the main process's stream (dropout,
     mixup) is untouched when there are no workers. With ``skip_bad``, an undecodable image
     yields ``None`` and the collate function drops and counts it.
+
+    A transform with ``for_epoch`` (progressive resizing's EpochTransforms) is asked for the key's
+    epoch's own: the key's first element is an augmentation round, ``rounds_per_epoch`` of them an
+    epoch (1 but for the repeated and weighted samplers, whose value the loader sets here).
     """
+
+    rounds_per_epoch = 1
 
     def __init__(self, base: Dataset, transform: Callable | None, seed: int, skip_bad: bool = False):
         self.base, self.transform, self.seed, self.skip_bad = base, transform, seed, skip_bad
@@ -182,8 +189,9 @@ class SeededTransformDataset(Dataset):
             raise
         if self.transform is None:
             return image, target
+        transform = for_key_epoch(self.transform, epoch, self.rounds_per_epoch)
         with seeded_cpu_rng(sample_seed(self.seed, epoch, index)):
-            return self.transform(image), target
+            return transform(image), target
 
 
 def readable(batch: list) -> list:

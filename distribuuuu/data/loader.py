@@ -25,6 +25,7 @@ from distribuuuu.data.datasets import (
 )
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.prefetch import prefetched
+from distribuuuu.data.progressive import EpochTransforms, progressive_on
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
     FixedBatchSampler,
@@ -36,6 +37,7 @@ from distribuuuu.data.samplers import (
 from distribuuuu.data.shard_cache import ProgressReporter, ShardCache, ShardCacheError, ShardOrder
 from distribuuuu.data.transforms import (
     batched_eval_geometry,
+    batched_train_geometry,
     batched_train_steps,
     build_normalize,
     build_train_transform,
@@ -65,12 +67,20 @@ class DeviceLoader:
     (MODEL.DUMMY_INPUT, or already normalised by the batched resample) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
     wrapped loader's. timm's PrefetchLoader idea without its side stream: the non-blocking copy
     frees the host at once but queues behind the step's kernels on the default stream; a uint8
-    batch is a quarter of float32's bytes, small against a training step."""
+    batch is a quarter of float32's bytes, small against a training step. ``epoch_transforms``:
+    the batched decoder's transform under progressive resizing, told the sampler's epoch as each
+    epoch's iteration starts (the decoder transforms here, in this process)."""
 
-    def __init__(self, loader: DataLoader, device: torch.device, normalize, decode: BatchDecoder | None = None):
+    def __init__(
+        self, loader: DataLoader, device: torch.device, normalize, decode: BatchDecoder | None = None,
+        epoch_transforms: EpochTransforms | None = None,
+    ):  # fmt: skip
         self.loader, self.device, self.normalize, self.decode = loader, device, normalize, decode
+        self.epoch_transforms = epoch_transforms
 
     def __iter__(self):
+        if self.epoch_transforms is not None:
+            self.epoch_transforms.set_epoch(self.loader.sampler.epoch)
         for batch in self._batches():
             images, targets, dropped = batch if self.decode is None else self.decode.finish(batch)
             images = images.to(self.device, non_blocking=True)
@@ -137,22 +147,25 @@ def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str) -
     reader = base.base if isinstance(base, MultiHotTargets) else base
     if cfg.DATA.DECODER != "batched" or not isinstance(reader, (CheckedImageFolder, EncodedSamples, AnnotatedImages)):
         return SeededTransformDataset(base, transform, cfg.RNG_SEED, skip_bad), None
-    geometry = None
+    geometry = worker_geometry = None
     if cfg.DATA.BATCHED_AUGMENT and split == "train":
+        by_epoch = isinstance(transform, EpochTransforms)  # progressive resizing: the workers draw each epoch's size
         geometry, transform = batched_train_steps(cfg)
+        worker_geometry = EpochTransforms(cfg, lambda size: batched_train_geometry(cfg, size)) if by_epoch else geometry
     elif cfg.DATA.BATCHED_AUGMENT and split == "val":
-        geometry = batched_eval_geometry(cfg)
+        geometry = worker_geometry = batched_eval_geometry(cfg)
         transform = None if geometry is not None else transform
     decoder = BatchDecoder(
         transform, env.device, skip_bad, geometry=geometry, normalize=build_normalize(cfg),
         channels_last=cfg.TRAIN.CHANNELS_LAST,
     )  # fmt: skip
-    return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad, geometry), decoder
+    return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad, worker_geometry), decoder
 
 
 def _loader(
-    cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train: bool, decoder: BatchDecoder | None = None
-):
+    cfg: CfgNode, env: DistEnv, dataset, sampler, batch_size: int, train: bool, decoder: BatchDecoder | None = None,
+    epoch_transforms: EpochTransforms | None = None,
+):  # fmt: skip
     workers = cfg.TRAIN.WORKERS
     loader = DataLoader(
         dataset,
@@ -169,22 +182,32 @@ def _loader(
         # otherwise a resumed run's random stream would drift from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.RNG_SEED),
     )
-    return DeviceLoader(loader, env.device, build_normalize(cfg), decoder)
+    return DeviceLoader(loader, env.device, build_normalize(cfg), decoder, epoch_transforms)
 
 
 def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
-    transform = None if cfg.MODEL.DUMMY_INPUT else build_train_transform(cfg, normalize=False)
+    transform = None if cfg.MODEL.DUMMY_INPUT else _train_transform(cfg)
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
+    dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)  # how its keys' rounds count epochs
     if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
         raise ConfigError(
             f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS}) "
             f"exceeds the {len(sampler)} training samples each of {env.world_size} rank(s) gets"
         )
-    loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, True, decoder)
+    # the batched decoder's per-sample transform, when it is progressive resizing's (BATCHED_AUGMENT False)
+    by_epoch = decoder.transform if decoder is not None and isinstance(decoder.transform, EpochTransforms) else None
+    loader = _loader(cfg, env, dataset, sampler, cfg.TRAIN.BATCH_SIZE, True, decoder, by_epoch)
     return Split(loader, dataset, sampler, classes)
+
+
+def _train_transform(cfg: CfgNode):
+    """The training transform; under progressive resizing one per size, picked by the epoch (data/progressive.py)."""
+    if progressive_on(cfg.TRAIN):
+        return EpochTransforms(cfg, lambda size: build_train_transform(cfg, normalize=False, size=size))
+    return build_train_transform(cfg, normalize=False)
 
 
 def precise_bn_indices(dataset_len: int, images: int, seed: int) -> list[int]:

@@ -72,6 +72,11 @@ class TrainGeometry:
         x = (box["left"], box["width"], out_w, 0)
         return torch.tensor([height, width, *y, *x, int(flip)], dtype=torch.int64)
 
+    def out_size_of(self, plans: torch.Tensor) -> tuple[int, int]:
+        """The output size of a batch of training plans: the length each axis's crop is resized to,
+        as the workers drew it (progressive resizing's size of the batch's epoch, not ``out_size``)."""
+        return tuple(plans[0, [4, 8]].tolist())
+
 
 class EvalGeometry:
     """Resize the shorter side to ``resize`` (bilinear, antialiased), centre-crop ``crop``: the
@@ -89,6 +94,10 @@ class EvalGeometry:
         new_h, new_w = (new_long, self.resize) if width <= height else (self.resize, new_long)
         top, left = int(round((new_h - self.crop) / 2.0)), int(round((new_w - self.crop) / 2.0))
         return torch.tensor([height, width, 0, height, new_h, top, 0, width, new_w, left, 0], dtype=torch.int64)
+
+    def out_size_of(self, plans: torch.Tensor) -> tuple[int, int]:
+        """The centre crop's size, whatever the plans."""
+        return self.out_size
 
 
 def axis_weights(plans: torch.Tensor, out_len: int, full_len: int, dtype=torch.float32) -> torch.Tensor:

@@ -25,25 +25,25 @@ from distribuuuu.data.resample import EvalGeometry, TrainGeometry
 logger = logging.getLogger("distribuuuu.data")
 
 
-def build_train_transform(cfg: CfgNode, normalize: bool = True) -> Callable:
-    """RandomResizedCrop(TRAIN.IM_SIZE) + flip [+ auto-augment] [+ random erasing], uint8 pixels
-    throughout [+ normalise]."""
-    steps = [*_crop_and_flip(cfg), *_after_crop_and_flip(cfg)]
+def build_train_transform(cfg: CfgNode, normalize: bool = True, size: int | None = None) -> Callable:
+    """RandomResizedCrop(``size``, default TRAIN.IM_SIZE) + flip [+ auto-augment] [+ random erasing],
+    uint8 pixels throughout [+ normalise]. Progressive resizing builds one per size (data/progressive.py)."""
+    steps = [*_crop_and_flip(cfg, size), *_after_crop_and_flip(cfg)]
     if normalize:
         steps.append(build_normalize(cfg))
     return v2.Compose(steps)
 
 
-def _random_resized_crop(cfg: CfgNode) -> v2.RandomResizedCrop:
-    return v2.RandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(cfg.DATA.CROP_SCALE_MIN, 1.0), antialias=True)
+def _random_resized_crop(cfg: CfgNode, size: int | None = None) -> v2.RandomResizedCrop:
+    return v2.RandomResizedCrop(size or cfg.TRAIN.IM_SIZE, scale=(cfg.DATA.CROP_SCALE_MIN, 1.0), antialias=True)
 
 
-def _crop_and_flip(cfg: CfgNode) -> list[Callable]:
-    d = cfg.DATA
+def _crop_and_flip(cfg: CfgNode, size: int | None = None) -> list[Callable]:
+    d, size = cfg.DATA, size or cfg.TRAIN.IM_SIZE
     if d.DECODER == "draft":  # JPEGs arrive undecoded: the crop decodes them at a reduced scale
-        steps = [DraftRandomResizedCrop(cfg.TRAIN.IM_SIZE, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
+        steps = [DraftRandomResizedCrop(size, scale=(d.CROP_SCALE_MIN, 1.0), antialias=True)]
     else:
-        steps = [v2.ToImage(), _random_resized_crop(cfg)]
+        steps = [v2.ToImage(), _random_resized_crop(cfg, size)]
     return steps + ([v2.RandomHorizontalFlip(d.HFLIP_PROB)] if d.HFLIP_PROB > 0 else [])
 
 
@@ -84,7 +84,13 @@ def batched_train_steps(cfg: CfgNode) -> tuple[TrainGeometry, Callable | None]:
             if on
         ]
         logger.info("DATA.DECODER batched: %s run per sample after the batched crop", " and ".join(names))
-    return TrainGeometry(_random_resized_crop(cfg), cfg.DATA.HFLIP_PROB), v2.Compose(tail) if tail else None
+    return batched_train_geometry(cfg), v2.Compose(tail) if tail else None
+
+
+def batched_train_geometry(cfg: CfgNode, size: int | None = None) -> TrainGeometry:
+    """The batched resample's crop and flip, to ``size`` (default TRAIN.IM_SIZE): progressive
+    resizing's workers draw each epoch's plans with that epoch's (data/progressive.py)."""
+    return TrainGeometry(_random_resized_crop(cfg, size), cfg.DATA.HFLIP_PROB)
 
 
 def batched_eval_geometry(cfg: CfgNode) -> EvalGeometry | None:
