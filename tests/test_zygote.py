@@ -30,6 +30,14 @@ print("cwd", os.getcwd(), "env", os.environ.get("PROBE_VAR"), "threads", torch.g
 print("main", __name__, "stdin", sys.stdin.read(), "sigpipe", signal.getsignal(signal.SIGPIPE))
 how = sys.argv[1]
 if how == "sigterm":
+    # Under torchrun, each worker waits until every worker has printed: the agent ends the others
+    # when the first one dies, and a loaded machine may not have let them print yet.
+    open(f"printed.{os.environ.get('LOCAL_RANK', 0)}", "w").close()
+    workers = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    for _ in range(600):
+        if all(os.path.exists(f"printed.{r}") for r in range(workers)):
+            break
+        time.sleep(0.1)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 printed.set()
