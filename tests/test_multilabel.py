@@ -102,7 +102,12 @@ def test_multilabel_metrics_are_identical_for_1_2_3_ranks_and_equal_scikit_learn
 
 
 def test_multilabel_metrics_equal_scikit_learns_on_the_gathered_predictions():
+    before = dict(os.environ)
     metrics = pytest.importorskip("sklearn.metrics")
+    # scikit-learn sets KMP_DUPLICATE_LIB_OK and KMP_INIT_AT_FORK on import: OpenMP start-up variables,
+    # which would make every later launch of the suite differ from the fork server's (all run fresh).
+    os.environ.clear()
+    os.environ.update(before)
     logits, targets = _predictions()
     ours = metrics_from_counts(*_rank_counts(logits, targets, 3))
     levels, y = score_levels(logits, BINS).numpy().astype(float), targets.numpy().astype(int)
