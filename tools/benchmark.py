@@ -782,6 +782,16 @@ def measure_packed(cfg_args, env: DistEnv, bench, report: Report) -> None:
 # ------------------------------------------------------------------------------------------------
 # Table and entry point
 # ------------------------------------------------------------------------------------------------
+def _breakdown_line(r: dict) -> str:
+    """A breakdown record's line: where a training step's time goes (and a teacher's forward, if any)."""
+    teacher = f"  teacher ({r['teacher_arch']}) fwd {r['teacher_ms']:.1f} ms" if r.get("teacher_ms") is not None else ""
+    return (
+        f"breakdown {r['arch']:<20} np={r['world_size']}  data {r['data_ms']:.2f} ms  fwd+bwd "
+        f"{r['fwd_bwd_ms']:.1f} ms  all-reduce (exposed) {r['allreduce_exposed_ms']:.1f} ms  optimizer "
+        f"{r['optimizer_ms']:.1f} ms  lr+metrics {r['bookkeeping_ms']:.2f} ms" + teacher
+    )
+
+
 def format_table(records: list[dict]) -> str:
     """A human-readable summary of the JSON records."""
     lines = []
@@ -802,16 +812,7 @@ def format_table(records: list[dict]) -> str:
                 f"max {r['paired_ratio_max']:.3f})"
             )
         elif w == "breakdown":
-            lines.append(
-                f"breakdown {r['arch']:<20} np={r['world_size']}  data {r['data_ms']:.2f} ms  fwd+bwd "
-                f"{r['fwd_bwd_ms']:.1f} ms  all-reduce (exposed) {r['allreduce_exposed_ms']:.1f} ms  optimizer "
-                f"{r['optimizer_ms']:.1f} ms  lr+metrics {r['bookkeeping_ms']:.2f} ms"
-                + (
-                    f"  teacher ({r['teacher_arch']}) fwd {r['teacher_ms']:.1f} ms"
-                    if r.get("teacher_ms") is not None
-                    else ""
-                )
-            )
+            lines.append(_breakdown_line(r))
         elif w in ("data", "decode_pipeline"):
             lines.append(
                 f"{w:<15} {r['decoder']:<18} workers={r['workers']} np={r['world_size']} im={r['im_size']}  "
