@@ -1,14 +1,18 @@
 """Checkpoints of either format, as the trainer and the tools take them: one file or a ``.dcp`` folder.
 
 Above both formats (``single_file.py``, ``sharded_checkpoint.py``) and the checkpoints folder
-(``checkpoint_names.py``), none of which imports this module: a checkpoint is loaded, verified,
-found or pruned here whatever its format, and the names the package has always exported from
-here (``save_checkpoint``, ``load_checkpoint``, ``CheckpointError``, ...) stay where they were.
+(``checkpoint_names.py``), none of which imports this module. The one front door for each
+operation on a checkpoint, whatever its format: ``save_checkpoint`` (a single file; sharded ones
+are saved collectively by ``components.py``), ``load_checkpoint``, ``verify_checkpoint``,
+``find_resumable``, ``prune_checkpoints``, ``list_checkpoints``; ``sharded_checkpoint.to_single_file``
+and ``from_single_file`` convert. The names the package has always exported from here stay here.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 from typing import Callable
 
 import torch
@@ -21,12 +25,13 @@ from distribuuuu.checkpoint_names import (  # noqa: F401  (re-exported)
     checkpoint_name,
     checkpoint_position,
     list_checkpoints,
-    prune,
+    stale_temporaries,
 )
-from distribuuuu.checkpoint_names import find_resumable as _find_resumable
 from distribuuuu.distributed import is_main_process
 from distribuuuu.errors import CheckpointError  # noqa: F401  (re-exported)
 from distribuuuu.single_file import load_file, model_state_from, save_checkpoint, state_checksum  # noqa: F401
+
+logger = logging.getLogger(__name__)
 
 
 def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:
@@ -47,13 +52,34 @@ def verify_checkpoint(path: str) -> None:
 
 
 def find_resumable(ckpt_dir: str, verify: Callable[[str], object] = verify_checkpoint, fmt: str = "any") -> str | None:
-    """Return the newest checkpoint of ``ckpt_dir`` that ``verify`` accepts (by default: it loads and
-    verifies); move broken newer ones aside. Called on the main process only; the caller shares the path.
+    """The newest checkpoint of ``ckpt_dir`` (of format ``fmt``) that ``verify`` accepts; broken newer ones moved aside.
+
+    ``verify`` (by default: it loads and verifies) raises CheckpointError on a checkpoint that does
+    not load or verify. Called on the main process only; the caller shares the chosen path.
     """
-    return _find_resumable(ckpt_dir, verify, fmt)
+    for path in reversed(list_checkpoints(ckpt_dir, fmt)):
+        try:
+            verify(path)
+            return path
+        except CheckpointError as e:
+            aside = path + ".corrupt"
+            os.replace(path, aside)
+            logger.warning("%s; moved it aside to %s and trying the previous checkpoint", e, aside)
+    return None
 
 
 def prune_checkpoints(ckpt_dir: str, keep: int, fmt: str = "file") -> None:
-    """Delete all but the newest ``keep`` checkpoints of format ``fmt``, and stale temporaries (main process only)."""
-    if is_main_process():
-        prune(ckpt_dir, keep, fmt)
+    """Delete all but the newest ``keep`` checkpoints of format ``fmt``, and every stale temporary.
+
+    The main process alone (elsewhere a no-op), between saves: a save in progress is never pruned
+    concurrently. A failed removal is a CheckpointError naming the folder.
+    """
+    if not is_main_process():
+        return
+    try:
+        for path in list_checkpoints(ckpt_dir, fmt)[:-keep]:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        for path in stale_temporaries(ckpt_dir):
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    except OSError as e:
+        raise CheckpointError(f"could not remove an old checkpoint in {ckpt_dir}: {e}") from None

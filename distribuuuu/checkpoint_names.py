@@ -1,23 +1,18 @@
-"""The checkpoints folder: names, their one order, listing, the newest good one, pruning.
+"""The checkpoints folder: names, their one order, listing, and what crashed saves left behind.
 
 Both formats share one naming: ``ckpt_ep_003`` after epoch 3, ``ckpt_ep_004_it_000050`` 50 steps
-into epoch 4, with ``.pth.tar`` for a single file and ``.dcp`` for a sharded (DCP) folder. Every
-lister, pruner and finder (and the tools) orders them through ``checkpoint_position``, so a run
-that changed format between starts still resumes from its newest checkpoint.
+into epoch 4, with ``.pth.tar`` for a single file and ``.dcp`` for a sharded (DCP) folder. The lister
+(and through it ``checkpoint.find_resumable``, ``checkpoint.prune_checkpoints`` and the tools)
+orders them through ``checkpoint_position``, so a run that changed format between starts still
+resumes from its newest checkpoint.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import shutil
-from typing import Callable
 
-from distribuuuu.errors import CheckpointError
 from distribuuuu.files import PART
-
-logger = logging.getLogger(__name__)
 
 CKPT_DIR = "checkpoints"
 BEST_NAME = "best.pth.tar"  # the best weights as one file
@@ -62,31 +57,8 @@ def list_checkpoints(ckpt_dir: str, fmt: str = "file") -> list[str]:
     return [os.path.join(ckpt_dir, n) for n in sorted(names, key=checkpoint_position)]
 
 
-def find_resumable(ckpt_dir: str, verify: Callable[[str], object], fmt: str = "any") -> str | None:
-    """Return the newest checkpoint that ``verify`` accepts; move broken newer ones aside.
-
-    ``verify`` raises CheckpointError on a checkpoint that does not load or verify. Called on the
-    main process only; the caller shares the chosen path.
-    """
-    for path in reversed(list_checkpoints(ckpt_dir, fmt)):
-        try:
-            verify(path)
-            return path
-        except CheckpointError as e:
-            aside = path + ".corrupt"
-            os.replace(path, aside)
-            logger.warning("%s; moved it aside to %s and trying the previous checkpoint", e, aside)
-    return None
-
-
-def prune(ckpt_dir: str, keep: int, fmt: str) -> None:
-    """Delete all but the newest ``keep`` checkpoints of format ``fmt``, and stale temporaries.
-
-    Rank 0 alone, between saves: a save in progress is never pruned concurrently.
-    """
-    for path in list_checkpoints(ckpt_dir, fmt)[:-keep]:
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    for name in os.listdir(ckpt_dir):
-        if _TEMPORARY.match(name):
-            path = os.path.join(ckpt_dir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+def stale_temporaries(ckpt_dir: str) -> list[str]:
+    """What crashed saves left in ``ckpt_dir`` (either format, any naming this package ever used)."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return [os.path.join(ckpt_dir, n) for n in sorted(os.listdir(ckpt_dir)) if _TEMPORARY.match(n)]

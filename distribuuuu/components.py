@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from yacs.config import CfgNode
 
 from distribuuuu import sharded_checkpoint as shards
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, global_batch
 from distribuuuu.data.transforms import eval_preprocessing
 from distribuuuu.distributed import all_gather_object, is_main_process
 from distribuuuu.ema import ModelEMA
@@ -246,8 +246,7 @@ class Position(Component):
 
 def saved_global_batch(state: dict) -> int:
     """The global batch of a checkpoint written before it recorded one: from its config and world size."""
-    t = CfgNode.load_cfg(state["cfg"]).TRAIN
-    return t.BATCH_SIZE * t.ACCUM_STEPS * state["world_size"]
+    return global_batch(CfgNode.load_cfg(state["cfg"]).TRAIN, state["world_size"])
 
 
 def log_global_batch_change(run: Run, saved_batch: int, state: dict) -> None:

@@ -449,6 +449,12 @@ class ConfigError(ValueError):
     """A config value or config file is invalid; the message names the key or file."""
 
 
+def global_batch(train_cfg: CN, world_size: int = 1) -> int:
+    """Samples one optimizer step takes: TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS on each of ``world_size``
+    ranks (the global batch; ``world_size`` 1: one rank's share)."""
+    return train_cfg.BATCH_SIZE * train_cfg.ACCUM_STEPS * world_size
+
+
 def get_cfg_defaults() -> CN:
     """Return a fresh copy of the default config."""
     return _C.clone()

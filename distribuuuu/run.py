@@ -12,7 +12,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.background_write import BackgroundWriter
 from distribuuuu.checkpoint_names import CKPT_DIR
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, global_batch
 from distribuuuu.data import (
     Split,
     build_batch_mixer,
@@ -103,8 +103,7 @@ class Run:
     @property
     def global_batch(self) -> int:
         """Samples one optimizer step takes from the epoch's permutation, over all ranks."""
-        t = self.cfg.TRAIN
-        return t.BATCH_SIZE * t.ACCUM_STEPS * self.env.world_size
+        return global_batch(self.cfg.TRAIN, self.env.world_size)
 
     @property
     def schedule_step(self) -> float:
@@ -262,16 +261,16 @@ def build_run(cfg: CfgNode, env: DistEnv, writer) -> Run:
     teacher = build_teacher(cfg, env, train.classes)  # a bad teacher stops the run here, before training
     freeze_parameters(model, cfg.MODEL.FREEZE)  # before the DDP wrap and the optimizer: both skip them
     t = cfg.TRAIN
-    global_batch = t.BATCH_SIZE * env.world_size * t.ACCUM_STEPS
-    base_lr = scaled_base_lr(cfg.OPTIM, global_batch)
-    steps_per_epoch = len(train.sampler) // t.BATCH_SIZE // t.ACCUM_STEPS
+    batch = global_batch(t, env.world_size)
+    base_lr = scaled_base_lr(cfg.OPTIM, batch)
+    steps_per_epoch = len(train.sampler) // global_batch(t)
     logger.info(
         "%s: %.2fM parameters; %d train / %d val images, %d classes; global batch %d "
         "(%d x %d ranks x %d accumulation); %d steps/epoch; base LR %.5g%s",
         cfg.MODEL.ARCH, count_parameters(model) / 1e6, len(train.dataset), len(val.dataset),
-        len(train.classes), global_batch, t.BATCH_SIZE, env.world_size, t.ACCUM_STEPS,
+        len(train.classes), batch, t.BATCH_SIZE, env.world_size, t.ACCUM_STEPS,
         steps_per_epoch, base_lr,
-        f" (OPTIM.BASE_LR x {global_batch}/{cfg.OPTIM.REFERENCE_BATCH})" if cfg.OPTIM.REFERENCE_BATCH else "",
+        f" (OPTIM.BASE_LR x {batch}/{cfg.OPTIM.REFERENCE_BATCH})" if cfg.OPTIM.REFERENCE_BATCH else "",
     )  # fmt: skip
     if progressive_on(t):
         log_progressive_schedule(cfg)

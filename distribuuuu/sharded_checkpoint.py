@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distribuuuu import checkpoint_names as names
 from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
@@ -45,16 +44,6 @@ from distribuuuu.single_file import load_file, model_state_from, save_checkpoint
 logger = logging.getLogger(__name__)
 
 MANIFEST, EXTRA, METADATA = "manifest.json", "extra.pt", ".metadata"
-
-
-def sharded_name(epoch: int, step_in_epoch: int = 0) -> str:
-    """``ckpt_ep_003.dcp``: the single-file name with ``.dcp`` for ``.pth.tar``."""
-    return names.checkpoint_name(epoch, step_in_epoch, sharded=True)
-
-
-def list_sharded(ckpt_dir: str) -> list[str]:
-    """Sharded checkpoint directories in ``ckpt_dir``, oldest first (temporaries never listed)."""
-    return names.list_checkpoints(ckpt_dir, "sharded")
 
 
 def _file_digest(path: str) -> dict:
@@ -289,22 +278,6 @@ def load_states(path: str, states: dict[str, Stateful]) -> dict:
     except Exception as e:
         raise CheckpointError(f"could not load sharded checkpoint {path}: {type(e).__name__}: {e}") from None
     return read_extra(path)
-
-
-def list_any(ckpt_dir: str) -> list[str]:
-    """Single-file and sharded checkpoints of ``ckpt_dir`` together, oldest first (a run may change format)."""
-    return names.list_checkpoints(ckpt_dir, "any")
-
-
-def find_resumable_sharded(ckpt_dir: str) -> str | None:
-    """The newest sharded checkpoint that verifies; broken newer ones are moved aside (main process only)."""
-    return names.find_resumable(ckpt_dir, verify_sharded, "sharded")
-
-
-def prune_sharded(ckpt_dir: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` sharded checkpoints, and stale temporaries (main process only)."""
-    if is_main_process():
-        names.prune(ckpt_dir, keep, "sharded")
 
 
 def _optimizer_by_index(optim_state: dict) -> dict:

@@ -31,7 +31,7 @@ from distribuuuu.components import (
 )
 from distribuuuu.config import ConfigError, config_changes
 from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
-from distribuuuu.distributed import is_main_process, rank0_decides
+from distribuuuu.distributed import rank0_decides
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.parallel import is_sharded
@@ -104,15 +104,14 @@ def write_files(state: dict, path: str, best: dict, best_path: str | None, keep:
     ckpt.save_checkpoint(state, path)
     if best_path is not None:
         ckpt.save_checkpoint(best, best_path)
-    prune(os.path.dirname(path), keep, "file")
+    ckpt.prune_checkpoints(os.path.dirname(path), keep, "file")
     logger.info("saved %s%s", path, " (best)" if best_path else "")
 
 
 def finish_sharded(finish: Callable[[], None], path: str, keep: int, is_best: bool) -> None:
     """Finish a DCP folder (every rank, collective), then rank 0 prunes the old ones and says it is saved."""
     finish()
-    if is_main_process():
-        prune(os.path.dirname(path), keep, "sharded")
+    ckpt.prune_checkpoints(os.path.dirname(path), keep, "sharded")
     logger.info("saved %s%s", path, " (best)" if is_best else "")
 
 
@@ -160,14 +159,6 @@ def writing_checkpoints(run: Run) -> Iterator[None]:
                 logger.error("the checkpoint being written when the run failed was not written: %s", e)
         raise
     wait_for_checkpoint(run)
-
-
-def prune(ckpt_dir: str, keep: int, fmt: str) -> None:
-    """Keep the newest ``keep`` checkpoints of ``fmt``; a failed removal is a CheckpointError naming the folder."""
-    try:
-        ckpt.prune_checkpoints(ckpt_dir, keep, fmt)
-    except OSError as e:
-        raise ckpt.CheckpointError(f"could not remove an old checkpoint in {ckpt_dir}: {e}") from None
 
 
 class ResumePoint(NamedTuple):

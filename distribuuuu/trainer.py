@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import BEST_METRICS, check_dataset_paths
+from distribuuuu.config import BEST_METRICS, check_dataset_paths, global_batch
 from distribuuuu.data.progressive import progressive_on, train_size
 from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
 from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
@@ -190,10 +190,10 @@ def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
     t, sampler, start = run.cfg.TRAIN, run.train.sampler, run.state.step_in_epoch
     sampler.set_epoch(epoch)
     if not hasattr(sampler, "set_position"):  # repeated/weighted samplers: per-rank position only
-        sampler.set_start(start * t.BATCH_SIZE * t.ACCUM_STEPS)
+        sampler.set_start(start * global_batch(t))
         return start, run.steps_per_epoch
     sampler.set_position(run.state.samples_in_epoch)
-    return start, start + len(sampler) // (t.BATCH_SIZE * t.ACCUM_STEPS)
+    return start, start + len(sampler) // global_batch(t)
 
 
 def _with_context(e: RuntimeError, run: Run, epoch: int, step: int) -> RuntimeError:

@@ -146,10 +146,10 @@ def _expected_order(names: list[str]) -> list[str]:
     return sorted(names, key=key)
 
 
-def test_every_lister_and_pruner_orders_checkpoint_names_alike(tmp_path):
+def test_the_lister_finder_and_pruner_order_checkpoint_names_of_both_formats_alike(tmp_path):
     files = [ckpt.checkpoint_name(e, s) for e, s in [(2, 0), (10, 0), (3, 7), (3, 0), (3, 12), (1, 5)]]
     folders = [ckpt.checkpoint_name(e, s, sharded=True) for e, s in [(3, 9), (2, 100), (11, 0)]]
-    assert folders == [shards.sharded_name(3, 9), shards.sharded_name(2, 100), shards.sharded_name(11)]
+    assert folders == ["ckpt_ep_003_it_000009.dcp", "ckpt_ep_002_it_000100.dcp", "ckpt_ep_011.dcp"]
     for name in files:
         ckpt.save_checkpoint({"model": {}}, str(tmp_path / name))
     for name in folders:
@@ -163,17 +163,30 @@ def test_every_lister_and_pruner_orders_checkpoint_names_alike(tmp_path):
         return [os.path.basename(p) for p in paths]
 
     assert listed(ckpt.list_checkpoints(str(tmp_path))) == _expected_order(files)
-    assert listed(shards.list_sharded(str(tmp_path))) == _expected_order(folders)
-    assert listed(shards.list_any(str(tmp_path))) == _expected_order(files + folders)
+    assert listed(ckpt.list_checkpoints(str(tmp_path), "sharded")) == _expected_order(folders)
+    assert listed(ckpt.list_checkpoints(str(tmp_path), "any")) == _expected_order(files + folders)
     assert ckpt.find_resumable(str(tmp_path), verify=lambda path: None) == str(tmp_path / _expected_order(folders)[-1])
 
     ckpt.prune_checkpoints(str(tmp_path), keep=2)
-    shards.prune_sharded(str(tmp_path), keep=1)
+    ckpt.prune_checkpoints(str(tmp_path), keep=1, fmt="sharded")
     left = sorted(os.listdir(tmp_path))
     kept = _expected_order(files)[-2:] + _expected_order(folders)[-1:]
     assert left == sorted(kept + ["best.pth.tar", "ckpt_ep_004.pth.tar.corrupt"]), (
         "stale temporaries of both namings go"
     )
+
+
+def test_a_checkpoint_that_cannot_be_pruned_is_one_error_naming_the_folder(tmp_path, monkeypatch):
+    for epoch in (1, 2):
+        ckpt.save_checkpoint({"model": {}}, str(tmp_path / ckpt.checkpoint_name(epoch)))
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "remove", refuse)
+    with pytest.raises(ckpt.CheckpointError, match=f"could not remove an old checkpoint in {tmp_path}: .*Permission"):
+        ckpt.prune_checkpoints(str(tmp_path), keep=1)
+    assert len(ckpt.list_checkpoints(str(tmp_path))) == 2
 
 
 CHECKPOINT_MODULES = ("checkpoint", "checkpoint_names", "single_file", "sharded_checkpoint", "components", "state")

@@ -10,19 +10,16 @@ import torch
 from helpers import REPO, assert_ok, clean_env, run, torchrun
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from distribuuuu.checkpoint import CheckpointError, load_checkpoint
-from distribuuuu.ema import ModelEMA
-from distribuuuu.sharded_checkpoint import (
-    find_resumable_sharded,
-    from_single_file,
-    list_sharded,
-    load_sharded,
-    prune_sharded,
-    save_sharded,
-    sharded_name,
-    to_single_file,
-    verify_sharded,
+from distribuuuu.checkpoint import (
+    CheckpointError,
+    checkpoint_name,
+    find_resumable,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
 )
+from distribuuuu.ema import ModelEMA
+from distribuuuu.sharded_checkpoint import from_single_file, load_sharded, save_sharded, to_single_file, verify_sharded
 from tests.scripts.fsdp_job import TinyResNet
 
 JOB = str(REPO / "tests" / "scripts" / "dcp_job.py")
@@ -56,7 +53,7 @@ def _assert_same(a, b) -> None:
 
 def _save(tmp_path, epoch: int, seed: int = 0) -> str:
     model, optimizer, ema = _run(seed)
-    path = str(tmp_path / sharded_name(epoch))
+    path = str(tmp_path / checkpoint_name(epoch, sharded=True))
     save_sharded(path, model, optimizer, {"epoch": epoch, "classes": ["a", "b"]}, ema)
     return path
 
@@ -93,7 +90,7 @@ def test_a_damaged_shard_is_named_and_the_previous_checkpoint_resumes(tmp_path, 
         verify_sharded(bad)
     if damage != "no_manifest":
         assert shard in str(err.value)  # one clear error naming the file
-    assert find_resumable_sharded(str(tmp_path)) == good
+    assert find_resumable(str(tmp_path), fmt="sharded") == good
     assert os.path.isdir(bad + ".corrupt")
 
 
@@ -101,8 +98,11 @@ def test_prune_keeps_the_newest_and_removes_stale_temporaries(tmp_path):
     for epoch in (1, 2, 3):
         _save(tmp_path, epoch)
     os.makedirs(tmp_path / "ckpt_ep_004.dcp.tmp.123")
-    prune_sharded(str(tmp_path), keep=2)
-    assert [os.path.basename(p) for p in list_sharded(str(tmp_path))] == ["ckpt_ep_002.dcp", "ckpt_ep_003.dcp"]
+    prune_checkpoints(str(tmp_path), keep=2, fmt="sharded")
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path), "sharded")] == [
+        "ckpt_ep_002.dcp",
+        "ckpt_ep_003.dcp",
+    ]
     assert not (tmp_path / "ckpt_ep_004.dcp.tmp.123").exists()
 
 
@@ -180,7 +180,6 @@ def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp
 
 def test_a_dcp_directory_is_taken_wherever_a_checkpoint_file_is_and_the_listing_orders_both(tmp_path):
     from distribuuuu.checkpoint import save_checkpoint
-    from distribuuuu.sharded_checkpoint import list_any
     from distribuuuu.state import load_weights
 
     path = _save(tmp_path, 3)
@@ -193,7 +192,7 @@ def test_a_dcp_directory_is_taken_wherever_a_checkpoint_file_is_and_the_listing_
     _assert_same(fresh.state_dict(), ema.module.state_dict())
     save_checkpoint({"model": {}}, str(tmp_path / "ckpt_ep_002.pth.tar"))
     save_checkpoint({"model": {}}, str(tmp_path / "ckpt_ep_003_it_000004.pth.tar"))
-    names = [os.path.basename(p) for p in list_any(str(tmp_path))]
+    names = [os.path.basename(p) for p in list_checkpoints(str(tmp_path), "any")]
     assert names == ["ckpt_ep_002.pth.tar", "ckpt_ep_003_it_000004.pth.tar", "ckpt_ep_003.dcp"]
     os.remove(os.path.join(path, "extra.pt"))
     with pytest.raises(CheckpointError, match="extra.pt"):

@@ -40,7 +40,7 @@ from yacs.config import CfgNode  # noqa: E402
 from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
-from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
+from distribuuuu.config import ConfigError, global_batch, load_cfg  # noqa: E402
 from distribuuuu.data import DataError, build_train_split, build_train_transform, jpeg, load_image  # noqa: E402
 from distribuuuu.distributed import all_reduce_sum, barrier, broadcast_object, cleanup_distributed, setup_distributed  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
@@ -113,8 +113,7 @@ def synthetic_cfg(cfg_args: argparse.Namespace, env: DistEnv, steps: int, *extra
     """The config on in-memory synthetic data sized so that one epoch is exactly ``steps`` steps (0: 30)."""
     steps = steps or SYNTHETIC_STEPS
     base = bench_cfg(cfg_args, *extra)
-    per_step = base.TRAIN.BATCH_SIZE * base.TRAIN.ACCUM_STEPS * env.world_size
-    size = per_step * steps
+    size = global_batch(base.TRAIN, env.world_size) * steps
     return bench_cfg(cfg_args, *extra, "MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", str(size))
 
 
@@ -328,7 +327,7 @@ def measure_training(run: run_setup.Run, bench, report: Report, with_framework: 
             reset_peak_memory(env)
             seconds[name].append(timed(partial(impls[name], r + 1), env))
             peak_mib[name] = max(peak_mib[name], peak_memory_mib(env))
-    images = steps * cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS * env.world_size
+    images = steps * global_batch(cfg.TRAIN, env.world_size)
     rates = {}
     for name, secs in seconds.items():
         rates[name] = [images / s for s in secs]
@@ -445,7 +444,7 @@ def measure_variants(cfg_args, env: DistEnv, bench, report: Report) -> None:
             framework_epoch(run, 1, 0)  # warm-up: one step
             repeats = 1 if slow else bench.repeats
             secs = [timed(partial(framework_epoch, run, steps, r + 1), env) for r in range(repeats)]
-            images = steps * cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS * env.world_size
+            images = steps * global_batch(cfg.TRAIN, env.world_size)
             report.emit(
                 {
                     "what": "variant",
@@ -477,7 +476,7 @@ def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> N
     run.optimizer.zero_grad(set_to_none=True)
     reset_peak_memory(env)
     secs = [timed(partial(framework_epoch, run, steps, r + 1), env) for r in range(bench.repeats)]
-    total = steps * cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS * env.world_size
+    total = steps * global_batch(cfg.TRAIN, env.world_size)
     report.emit(
         {
             "what": "memory",

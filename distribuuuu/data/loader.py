@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, global_batch
 from distribuuuu.data import remote
 from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
@@ -192,9 +192,9 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)  # how its keys' rounds count epochs
-    if len(sampler) < cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS:
+    if len(sampler) < global_batch(cfg.TRAIN):
         raise ConfigError(
-            f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS}) "
+            f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({global_batch(cfg.TRAIN)}) "
             f"exceeds the {len(sampler)} training samples each of {env.world_size} rank(s) gets"
         )
     # the batched decoder's per-sample transform, when it is progressive resizing's (BATCHED_AUGMENT False)
