@@ -555,7 +555,7 @@ def check_resume(ctx: Context) -> str:
     trainer.train_model(make_cfg(ctx, runs[1], *opts), cleanup=False)  # TRAIN.AUTO_RESUME is on by default
     if not ctx.env.is_main_process:
         return ""
-    a, b = (ckpt.load_checkpoint(os.path.join(ctx.work_dir, d, ckpt.CKPT_DIR, "ckpt_ep_002.pth.tar")) for d in runs)
+    a, b = (ckpt.load_checkpoint(os.path.join(ctx.work_dir, d, ckpt.CKPT_DIR, ckpt.checkpoint_name(2))) for d in runs)
     if ckpt.state_checksum(a) != ckpt.state_checksum(b):  # SHA-256 over every model and optimizer tensor
         differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
         raise CheckFailed(f"checkpoints differ: {len(differ)} of {len(a['model'])} model tensors, e.g. {differ[:2]}")
