@@ -14,6 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # A process the tests start that dies of a fatal signal (a C++ abort in a collective library, say)
 # prints every thread's Python stack: what a rare failure in CI leaves to read.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# A suite started in the background (`pytest &` in a script, `nohup`) inherits SIGINT ignored, and so
+# would every process it launches: the trainer rightly keeps an ignored SIGINT ignored, and the Ctrl-C
+# tests fail. Handled here, it is the default again in each process the tests start (exec resets it).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import background  # noqa: E402
 import processes  # noqa: E402
