@@ -43,8 +43,10 @@ _C.MODEL.PRETRAINED_WEIGHTS = ""
 # Extra constructor arguments as "name=value" strings, values read as Python literals
 # (["drop_path_rate=0.1", "dropout=0.2"]); a name the constructor does not take is an error
 _C.MODEL.KWARGS = []
-# Zero-initialise the last BatchNorm scale of each residual block (large-batch recipes; Goyal et al.)
-_C.MODEL.ZERO_INIT_RESIDUAL = False
+# Zero-initialise the last BatchNorm scale of each residual block, so that each block starts as the
+# identity (Goyal et al. 2017; timm's default; docs/recipe.md#defaults): models without such blocks,
+# and pretrained weights, are left as they are
+_C.MODEL.ZERO_INIT_RESIDUAL = True
 # Activation (gradient) checkpointing of the repeated blocks: less memory, one more forward per step
 _C.MODEL.GRAD_CHECKPOINT = False
 # Freeze parameters whose names match any of these fnmatch patterns (["conv1.*", "bn1.*"])
@@ -107,8 +109,9 @@ _C.TRAIN.CHANNELS_LAST = False
 _C.TRAIN.COMPILE = False
 # Clip gradients to this global L2 norm (0 disables)
 _C.TRAIN.CLIP_GRAD_NORM = 0.0
-# Label smoothing factor of the loss
-_C.TRAIN.LABEL_SMOOTHING = 0.0
+# Label smoothing factor of the loss (timm's and torchvision's recipes: 0.1; docs/recipe.md#defaults;
+# 0 for a run meant to be a distillation teacher)
+_C.TRAIN.LABEL_SMOOTHING = 0.1
 # Training loss: "ce" (cross-entropy) or "bce" (binary cross-entropy per class, timm A1 / DeiT III);
 # MODEL.TASK multilabel always trains with per-class sigmoid BCE
 _C.TRAIN.LOSS = "ce"

@@ -72,7 +72,7 @@ def build_model(model_cfg: CfgNode) -> nn.Module:
         raise ConfigError(f"MODEL.KWARGS {model_cfg.KWARGS}: {arch} refuses them ({first_line(e)})") from None
     if source == "torchvision" and weights is not None:
         _load_torchvision_pretrained(model, arch, weights)
-    if model_cfg.ZERO_INIT_RESIDUAL:
+    if model_cfg.ZERO_INIT_RESIDUAL and weights is None:  # pretrained scales are learned: kept
         zero_init_residual(model)
     if model_cfg.GRAD_CHECKPOINT:
         enable_grad_checkpointing(model)
@@ -165,6 +165,7 @@ def zero_init_residual(model: nn.Module) -> int:
 
     timm's blocks know their own (``zero_init_last``); torchvision's are found by class name, and
     the shortcut's BatchNorm (``downsample``) is left alone, as torchvision's ``zero_init_residual``.
+    A model without such blocks (AlexNet, VGG, a ViT) is left as built, as timm's non-ResNets are.
     """
     count = 0
     for module in model.modules():
@@ -181,7 +182,9 @@ def zero_init_residual(model: nn.Module) -> int:
                 nn.init.zeros_(norms[-1].weight)
                 count += 1
     if not count:
-        raise ConfigError(f"MODEL.ZERO_INIT_RESIDUAL: no residual block with a BatchNorm in {type(model).__name__}")
+        logger.info(
+            "MODEL.ZERO_INIT_RESIDUAL: %s has no residual block with a BatchNorm: left as built", type(model).__name__
+        )
     return count
 
 

@@ -77,8 +77,20 @@ def test_zero_init_residual_reaches_other_residual_blocks_and_leaves_the_rest():
     for block in model.features[1:-1]:
         last_bn = block.conv[-1]
         assert torch.all(last_bn.weight == 0) == block.use_res_connect  # only blocks with a shortcut
-    with pytest.raises(ConfigError, match=r"^MODEL.ZERO_INIT_RESIDUAL: no residual block"):
-        build_model(load_cfg(opts=["MODEL.ARCH", "alexnet", "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
+    torch.manual_seed(0)
+    alexnet = build_model(load_cfg(opts=["MODEL.ARCH", "alexnet", "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
+    torch.manual_seed(0)
+    reference = torchvision.models.alexnet(num_classes=10).state_dict()
+    assert all(torch.equal(alexnet.state_dict()[k], v) for k, v in reference.items())  # no residual block: as built
+
+
+def test_zero_init_residual_is_the_default_and_never_touches_pretrained_weights(monkeypatch):
+    model = build_model(load_cfg(opts=["MODEL.ARCH", "resnet18"]).MODEL)
+    assert all(torch.all(block.bn2.weight == 0) for layer in (model.layer1, model.layer4) for block in layer)
+    loaded = []
+    monkeypatch.setattr(models, "_load_torchvision_pretrained", lambda model, arch, weights: loaded.append(weights))
+    pretrained = build_model(load_cfg(opts=["MODEL.ARCH", "resnet18", "MODEL.PRETRAINED", "True"]).MODEL)
+    assert loaded == ["DEFAULT"] and all(torch.all(m.bn2.weight == 1) for m in pretrained.layer1)
 
 
 def test_gradient_checkpointing_gives_the_same_loss_gradients_and_batchnorm_statistics(monkeypatch):
