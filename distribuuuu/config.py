@@ -43,9 +43,9 @@ _C.MODEL.PRETRAINED_WEIGHTS = ""
 # Extra constructor arguments as "name=value" strings, values read as Python literals
 # (["drop_path_rate=0.1", "dropout=0.2"]); a name the constructor does not take is an error
 _C.MODEL.KWARGS = []
-# Zero-initialise the last BatchNorm scale of each residual block, so that each block starts as the
-# identity (Goyal et al. 2017; timm's default; docs/recipe.md#defaults): models without such blocks,
-# and pretrained weights, are left as they are
+# Zero-initialise the last BatchNorm scale of each ResNet-style residual block (ResNet, ResNeXt, Wide
+# ResNet, RegNet), so that each block starts as the identity (Goyal et al. 2017; timm's default;
+# docs/recipe.md#defaults): other models, and pretrained weights, are left as they are
 _C.MODEL.ZERO_INIT_RESIDUAL = True
 # Activation (gradient) checkpointing of the repeated blocks: less memory, one more forward per step
 _C.MODEL.GRAD_CHECKPOINT = False

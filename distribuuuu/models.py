@@ -156,7 +156,10 @@ def _load_torchvision_pretrained(model: nn.Module, arch: str, name: str = "DEFAU
 
 # torchvision's residual blocks (ResNet/ResNeXt/Wide ResNet, RegNet, MobileNetV2/V3, EfficientNet):
 # the last BatchNorm of the residual branch is zeroed, so each block starts as the identity.
-_RESIDUAL_BLOCKS = ("BasicBlock", "Bottleneck", "ResBottleneckBlock", "InvertedResidual", "MBConv", "FusedMBConv")
+# torchvision's ResNet, ResNeXt, Wide ResNet and RegNet blocks: what timm zero-initialises by default
+# (its ResNets' and RegNets' zero_init_last). MobileNet's and EfficientNet's inverted residuals are
+# left alone, as both timm and torchvision leave them (and ShuffleNet's concatenates, adds nothing).
+_RESIDUAL_BLOCKS = ("BasicBlock", "Bottleneck", "ResBottleneckBlock")
 _SHORTCUTS = ("downsample", "proj", "shortcut")
 
 
@@ -165,14 +168,14 @@ def zero_init_residual(model: nn.Module) -> int:
 
     timm's blocks know their own (``zero_init_last``); torchvision's are found by class name, and
     the shortcut's BatchNorm (``downsample``) is left alone, as torchvision's ``zero_init_residual``.
-    A model without such blocks (AlexNet, VGG, a ViT) is left as built, as timm's non-ResNets are.
+    A model without such blocks (AlexNet, VGG, MobileNet, a ViT) is left as built, as timm's are.
     """
     count = 0
     for module in model.modules():
         if hasattr(module, "zero_init_last"):
             module.zero_init_last()
             count += 1
-        elif type(module).__name__ in _RESIDUAL_BLOCKS and getattr(module, "use_res_connect", True):
+        elif type(module).__name__ in _RESIDUAL_BLOCKS:
             norms = [
                 m
                 for name, m in module.named_modules()

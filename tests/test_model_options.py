@@ -72,16 +72,17 @@ def test_zero_init_residual_matches_torchvisions_own_for_resnets():
         assert all(torch.equal(mine[k], reference[k]) for k in reference), arch
 
 
-def test_zero_init_residual_reaches_other_residual_blocks_and_leaves_the_rest():
-    model = build_model(load_cfg(opts=["MODEL.ARCH", "mobilenet_v2", "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
-    for block in model.features[1:-1]:
-        last_bn = block.conv[-1]
-        assert torch.all(last_bn.weight == 0) == block.use_res_connect  # only blocks with a shortcut
-    torch.manual_seed(0)
-    alexnet = build_model(load_cfg(opts=["MODEL.ARCH", "alexnet", "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
-    torch.manual_seed(0)
-    reference = torchvision.models.alexnet(num_classes=10).state_dict()
-    assert all(torch.equal(alexnet.state_dict()[k], v) for k, v in reference.items())  # no residual block: as built
+def test_zero_init_residual_reaches_regnets_blocks_but_not_their_shortcut_and_leaves_other_models_as_built():
+    model = build_model(load_cfg(opts=["MODEL.ARCH", "regnet_y_400mf", "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
+    blocks = [m for m in model.modules() if type(m).__name__ == "ResBottleneckBlock"]
+    assert blocks and all(torch.all(b.f.c[1].weight == 0) for b in blocks)
+    assert all(torch.all(b.proj[1].weight == 1) for b in blocks if b.proj is not None)
+    for arch in ("alexnet", "mobilenet_v2", "shufflenet_v2_x0_5"):  # none adds a zero-able residual branch
+        torch.manual_seed(0)
+        ours = build_model(load_cfg(opts=["MODEL.ARCH", arch, "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
+        torch.manual_seed(0)
+        reference = torchvision.models.get_model(arch, num_classes=10).state_dict()
+        assert all(torch.equal(ours.state_dict()[k], v) for k, v in reference.items()), arch
 
 
 def test_zero_init_residual_is_the_default_and_never_touches_pretrained_weights(monkeypatch):

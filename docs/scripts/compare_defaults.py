@@ -29,7 +29,12 @@ CANDIDATES = {
     "before (no zero-init, no smoothing)": BEFORE,
     "zero-init residual": ["MODEL.ZERO_INIT_RESIDUAL", "True", "TRAIN.LABEL_SMOOTHING", "0.0"],
     "label smoothing 0.1": ["MODEL.ZERO_INIT_RESIDUAL", "False", "TRAIN.LABEL_SMOOTHING", "0.1"],
-    "zero-init + smoothing 0.1 (today's defaults)": ["MODEL.ZERO_INIT_RESIDUAL", "True", "TRAIN.LABEL_SMOOTHING", "0.1"],
+    "zero-init + smoothing 0.1 (today's defaults)": [
+        "MODEL.ZERO_INIT_RESIDUAL",
+        "True",
+        "TRAIN.LABEL_SMOOTHING",
+        "0.1",
+    ],
     "before + precise BN 1436": BEFORE + ["BN.PRECISE_IMAGES", "1436"],
 }
 
