@@ -154,10 +154,9 @@ def _load_torchvision_pretrained(model: nn.Module, arch: str, name: str = "DEFAU
         )
 
 
-# torchvision's residual blocks (ResNet/ResNeXt/Wide ResNet, RegNet, MobileNetV2/V3, EfficientNet):
-# the last BatchNorm of the residual branch is zeroed, so each block starts as the identity.
-# torchvision's ResNet, ResNeXt, Wide ResNet and RegNet blocks: what timm zero-initialises by default
-# (its ResNets' and RegNets' zero_init_last). MobileNet's and EfficientNet's inverted residuals are
+# torchvision's ResNet, ResNeXt, Wide ResNet and RegNet blocks, whose residual branch's last BatchNorm
+# is zeroed so that each block starts as the identity: what timm zero-initialises by default (its
+# ResNets' and RegNets' zero_init_last). MobileNet's and EfficientNet's inverted residuals are
 # left alone, as both timm and torchvision leave them (and ShuffleNet's concatenates, adds nothing).
 _RESIDUAL_BLOCKS = ("BasicBlock", "Bottleneck", "ResBottleneckBlock")
 _SHORTCUTS = ("downsample", "proj", "shortcut")

@@ -304,3 +304,20 @@ def test_config_diff_names_exactly_the_changed_keys_and_a_yaml_list_equals_a_yac
     assert config_changes(defaults, changed)[0] == f"OPTIM.BASE_LR: {defaults.OPTIM.BASE_LR!r} -> 0.5"
     # A value given as a tuple (yacs keeps what the command line's literal was) equals its YAML list.
     assert config_diff({"A": {"B": [1, 2]}}, {"A": {"B": (1, 2)}, "C": 3}) == [("C", None, 3)]
+
+
+@pytest.mark.parametrize("world_size, accum", [(1, 1), (2, 4)])
+def test_a_step_larger_than_a_ranks_share_of_the_data_is_one_line_naming_both_keys(world_size, accum):
+    from distribuuuu.data import build_train_split
+    from distribuuuu.launch import DistEnv
+
+    digits = str(Path(__file__).resolve().parents[1] / "data" / "digits")
+    per_rank = -(-1436 // world_size)  # DistributedSampler's share of the 1,436 training images
+    batch = per_rank // accum + 1  # one more image than the share holds, per optimizer step
+    cfg = load_cfg(opts=["TRAIN.DATASET", digits, "TRAIN.BATCH_SIZE", str(batch), "TRAIN.ACCUM_STEPS", str(accum)])
+    with pytest.raises(ConfigError) as err:
+        build_train_split(cfg, DistEnv(world_size=world_size))
+    assert str(err.value) == (
+        f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({batch * accum}) exceeds the {per_rank} training samples "
+        f"each of {world_size} rank(s) gets"
+    )

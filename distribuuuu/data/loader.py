@@ -192,9 +192,10 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)  # how its keys' rounds count epochs
-    if len(sampler) < global_batch(cfg.TRAIN):
+    rank_batch = global_batch(cfg.TRAIN)  # one rank's share of an optimizer step
+    if len(sampler) < rank_batch:
         raise ConfigError(
-            f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({global_batch(cfg.TRAIN)}) "
+            f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({rank_batch}) "
             f"exceeds the {len(sampler)} training samples each of {env.world_size} rank(s) gets"
         )
     # the batched decoder's per-sample transform, when it is progressive resizing's (BATCHED_AUGMENT False)

@@ -22,20 +22,19 @@ import sys
 
 ROOT = os.environ.get("DISTRIBUUUU_ROOT", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-# name -> config overrides. Each names its values of the two keys the comparison changed
-# (MODEL.ZERO_INIT_RESIDUAL, TRAIN.LABEL_SMOOTHING), so the table reads the same whatever today's defaults.
-BEFORE = ["MODEL.ZERO_INIT_RESIDUAL", "False", "TRAIN.LABEL_SMOOTHING", "0.0"]
+
+def both_keys(zero_init: bool, smoothing: float) -> list[str]:
+    """Overrides naming both keys the comparison changed, so the table reads the same whatever today's defaults."""
+    return ["MODEL.ZERO_INIT_RESIDUAL", str(zero_init), "TRAIN.LABEL_SMOOTHING", str(smoothing)]
+
+
+# name -> config overrides
 CANDIDATES = {
-    "before (no zero-init, no smoothing)": BEFORE,
-    "zero-init residual": ["MODEL.ZERO_INIT_RESIDUAL", "True", "TRAIN.LABEL_SMOOTHING", "0.0"],
-    "label smoothing 0.1": ["MODEL.ZERO_INIT_RESIDUAL", "False", "TRAIN.LABEL_SMOOTHING", "0.1"],
-    "zero-init + smoothing 0.1 (today's defaults)": [
-        "MODEL.ZERO_INIT_RESIDUAL",
-        "True",
-        "TRAIN.LABEL_SMOOTHING",
-        "0.1",
-    ],
-    "before + precise BN 1436": BEFORE + ["BN.PRECISE_IMAGES", "1436"],
+    "before (no zero-init, no smoothing)": both_keys(False, 0.0),
+    "zero-init residual": both_keys(True, 0.0),
+    "label smoothing 0.1": both_keys(False, 0.1),
+    "zero-init + smoothing 0.1 (today's defaults)": both_keys(True, 0.1),
+    "before + precise BN 1436": both_keys(False, 0.0) + ["BN.PRECISE_IMAGES", "1436"],
 }
 
 
