@@ -1,6 +1,5 @@
 """Shared fixtures; the repository is importable when the tests run from a checkout without ``pip install -e``."""
 
-import contextlib
 import logging
 import os
 import signal
@@ -20,10 +19,11 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-import background  # noqa: E402
+import models  # noqa: E402, F401  (registers the suite's tiny models for in-process tool runs)
 import processes  # noqa: E402
-import zygote  # noqa: E402
 from processes import pytest_configure  # noqa: E402, F401  (a hook: tags the session's processes)
+
+pytest_plugins = ["runs"]  # the shared training runs (tests/runs.py)
 
 
 def pytest_sessionstart(session):
@@ -50,14 +50,8 @@ def _below_floor() -> str:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """No process outlives the tests: the zygote server ends (killing what it forked and still
-    runs), then anything else the tests started and left fails the session (tests/processes.py)."""
-    global _zygote_account
-    _zygote_account = zygote.stop()
+    """No process outlives the tests: anything the tests started and left fails the session (tests/processes.py)."""
     processes.pytest_sessionfinish(session, exitstatus)
-
-
-_zygote_account = ""
 
 
 @pytest.fixture
@@ -85,62 +79,8 @@ def plain_logging():
     log.setLevel(saved[1])
 
 
-# ------------------------------------------------------------------------------------------------
-# Background jobs (tests/background.py): they run one after another from the session's start, the
-# accuracy run last. Beside them run the tests that leave a core idle (marked ``one_core``), then the
-# rest; the jobs' readers run last.
-# ------------------------------------------------------------------------------------------------
-# A background job's rank may wait long for its peer while the foreground holds the CPU.
-PATIENT = ["DIST.TIMEOUT_S", "3600", "DIST.INIT_CHECK_TIMEOUT_S", "3600"]
-
-
-def _reads_a_job(item) -> bool:
-    return not background.JOBS.keys().isdisjoint(item.fixturenames)
-
-
-def pytest_collection_modifyitems(items):
-    """The one-core tests first, then the rest and the jobs' readers, in their order within each group."""
-    items.sort(key=lambda item: 2 if _reads_a_job(item) else 0 if item.get_closest_marker("one_core") else 1)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def background_jobs(request, tmp_path_factory):
-    """The background jobs that the selected tests read (none in the quick tier), started at once."""
-    needed = {name for item in request.session.items for name in item.fixturenames} & background.JOBS.keys()
-    with contextlib.ExitStack() as stack:
-        jobs = background.Jobs(needed, tmp_path_factory, stack)
-        jobs.start()
-        yield jobs
-        jobs.close()
-
-
-@background.background_job(last=True)
-def digits_run(tmp_path_factory, stack):
-    """config/digits_recipe.yaml (resnet18, 12 epochs, ddp) under torchrun with 2 processes,
-    reading a packed copy of data/digits (made by tools/pack_dataset.py) from a real HTTP server
-    on 127.0.0.1, up for the session.
-
-    One run serves every test that needs a well-trained digits model: the accuracy test checks
-    it, the fine-tuning test starts from its ``best.pth.tar``. ddp, not fsdp: an fsdp epoch took
-    17 s against ddp's 12 s here (gloo all-gathers and reduce-scatters every block), and fsdp
-    trains ddp's weights (tests/test_fsdp.py, tests/test_resume_world_size.py). Returns (OUT_DIR,
-    the finished process, the data keys).
-    """
-    from helpers import REPO, TRAIN, assert_ok, python, run, serve_folder, torchrun
-
-    root = tmp_path_factory.mktemp("digits_recipe_packed")
-    packed, out = root / "packed", root / "out"
-    assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
-    url = stack.enter_context(serve_folder(packed))
-    data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
-    recipe = ["--cfg", str(REPO / "config" / "digits_recipe.yaml")]
-    return out, run(torchrun(2, TRAIN, *recipe, "OUT_DIR", str(out), *data, *PATIENT), timeout=background.WAIT_S), data
-
-
 def pytest_terminal_summary(terminalreporter):
     """The versions and the CPU a run's results come from, at the end of every run (``-q`` too)."""
-    if _zygote_account:  # how many launches were forked, and which were started fresh, and why
-        terminalreporter.write_line("zygote: " + _zygote_account.strip().replace("\n", "\nzygote: "))
     terminalreporter.write_line(_versions())
 
 

@@ -1,4 +1,4 @@
-"""Shared test helpers: run tools and launchers as real, time-bounded subprocesses."""
+"""Shared test helpers: tools in this process, real time-bounded launches, every rank in one process."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import processes
-import zygote
+from models import TINY_ARCH
 from PIL import Image
 
 from distribuuuu.launch import find_free_port
@@ -36,11 +36,10 @@ FAST_ARCH = "shufflenet_v2_x0_5"
 EVAL_FAST = ["MODEL.ARCH", FAST_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]  # evaluate a FAST run's model
 FAST = [*EVAL_FAST, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
 # Smaller still, for runs whose property holds for any model (a tool reading any checkpoint form):
-# tests/scripts/fault_train.py's registered two-conv CNN. That script trains it in a new process;
-# ``register_tiny_model`` makes the tools run in this process (``in_process``) build it too. Its
-# ONNX export takes 2 s against the light torchvision model's 12 s here.
-FAULT = str(REPO / "tests" / "scripts" / "fault_train.py")
-TINY_ARCH = "fault_tiny"
+# tests/models.py's tiny CNN, registered in this process by conftest and in a launched one by
+# tests/scripts/tiny_train.py (train_net.py with fault hooks). Its ONNX export takes 2 s against
+# the light torchvision model's 12 s here.
+TINY_TRAIN = str(REPO / "tests" / "scripts" / "tiny_train.py")
 EVAL_TINY = ["MODEL.ARCH", TINY_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
 # Synthetic images: no decoding, for the tests that only need the loop to run.
 DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "64",
@@ -58,25 +57,11 @@ DDP_FSDP_REL = 2**-14
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
-_THREAD = threading.local()
-
-
-@contextlib.contextmanager
-def environment_of_this_thread(environ: dict[str, str]) -> Iterator[None]:
-    """``clean_env`` in this thread starts from ``environ``, not from ``os.environ``: for a thread
-    that launches while the main thread runs a tool in process (``in_process`` swaps os.environ)."""
-    _THREAD.environ = environ
-    try:
-        yield
-    finally:
-        del _THREAD.environ
-
-
 def clean_env(**extra: str) -> dict[str, str]:
     """The current environment without launcher variables, one thread, the repo importable."""
     env = {
         k: v
-        for k, v in getattr(_THREAD, "environ", os.environ).items()
+        for k, v in os.environ.items()
         if k not in _LAUNCH_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_", "TORCHELASTIC_"))
     }
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -93,15 +78,9 @@ def lone_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(
-    cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO, fresh: bool = False
-) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a session of its own; kill it and every process it started if it outlives ``timeout``.
-
-    ``python script.py``/``python -m module`` launches are forked from a server that has torch
-    imported already (tests/zygote.py), unless ``fresh``: the same process, without 3-6 s of start-up.
-    """
-    with Started(cmd, env, cwd, fresh=fresh) as started:
+def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own; kill it and every process it started if it outlives ``timeout``."""
+    with Started(cmd, env, cwd) as started:
         return started.result(timeout)
 
 
@@ -200,36 +179,24 @@ def _captured_fds() -> Iterator[tuple[_Captured, _Captured]]:
 
 
 class Started:
-    """``cmd`` started in a session of its own (forked by the zygote unless ``fresh``, see ``run``),
-    its output kept in temporary files (``stdout``: a file descriptor to write to instead, a terminal
-    say); ``result`` waits for it, ``poll`` asks whether it ended, ``close`` kills it if still running.
+    """``cmd`` started in a session of its own, its output kept in temporary files (``stdout``: a
+    file descriptor to write to instead, a terminal say); ``result`` waits for it, ``poll`` asks
+    whether it ended, ``close`` kills it if still running.
 
-    Every fresh process it starts, in whatever session (torchrun's workers lead their own), carries
-    its tag (tests/processes.py) and dies with it. A forked launch leads a session the kill takes
-    whole, and the zygote kills a forked torchrun worker when its (tagged) client dies."""
+    Every process it starts, in whatever session (torchrun's workers lead their own), carries its
+    tag (tests/processes.py) and dies with it."""
 
-    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, fresh=False, stdout=None):
+    def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, stdout=None):
         self.tag = processes.new_launch_tag()
         env = {**(env or clean_env()), processes.LAUNCH_VAR: self.tag}
-        server = zygote.address()
-        if server:
-            env[zygote.ADDRESS_VAR] = server  # torchrun's workers reach the server too
         self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
         self._result: subprocess.CompletedProcess | None = None
-        self._launch, self._code = None, None
+        self._code: int | None = None
         out = self._files[0].fileno() if stdout is None else stdout
-        if server and zygote.forkable(cmd) and not fresh:
-            with open(os.devnull) as null:
-                launch = zygote.Launch(cmd, env, str(cwd), (null.fileno(), out, self._files[1].fileno()))
-            self._launch = launch if launch.pid else None  # 0: refused, start it fresh
-        if self._launch is not None:
-            self._proc, self.pid = None, self._launch.pid
-        else:
-            self._proc = subprocess.Popen(
-                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=self._files[1],
-                start_new_session=True,
-            )  # fmt: skip
-            self.pid = self._proc.pid
+        self._proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=self._files[1], start_new_session=True
+        )
+        self.pid = self._proc.pid
 
     def __enter__(self) -> Started:
         return self
@@ -263,22 +230,15 @@ class Started:
         return tuple(f.seek(0) or f.read().decode(errors="replace") for f in self._files)
 
     def _wait(self, timeout: float | None) -> int | None:
-        if self._code is None and self._launch is not None:
-            self._code = self._launch.wait(timeout)
-        elif self._code is None:
+        if self._code is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._code = self._proc.wait(timeout)
         return self._code
 
     def _kill(self) -> list[processes.Process]:
-        running = self._code is None and self._launch is not None
-        forked = [processes.Process(self.pid, "(forked) " + " ".join(self.cmd))] if running else []
-        if running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL)
         left = processes.kill_tagged(processes.LAUNCH_VAR, self.tag)
         self._wait(None)
-        return forked + left
+        return left
 
 
 def _timed_out(cmd: list[str], timeout: float, out: str, err: str, killed: list) -> AssertionError:
@@ -290,12 +250,10 @@ def _timed_out(cmd: list[str], timeout: float, out: str, err: str, killed: list)
 
 
 def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list[str]:
-    """A torchrun command line on 127.0.0.1 with a free port (``extra``: torchrun options). Its
-    workers are forked by the zygote when the command runs through ``run``/``Started``, and are
-    fresh interpreters started by torchrun otherwise (tests/zygote.py's worker client)."""
+    """A torchrun command line on 127.0.0.1 with a free port (``extra``: torchrun options)."""
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={find_free_port()}", *zygote.torchrun_options(), *extra, *zygote.torchrun_worker(script), *args,
+        f"--master_port={find_free_port()}", *extra, script, *args,
     ]  # fmt: skip
 
 
@@ -303,14 +261,14 @@ def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: floa
     """Two torchrun agents acting as two nodes on this host (c10d rendezvous on 127.0.0.1), each
     with ``nproc`` processes and its own arguments; both run at once: their finished processes.
     c10d hands out node ranks in order of arrival, so either agent may hold global rank 0."""
-    endpoint, env = f"127.0.0.1:{find_free_port()}", clean_env()  # this thread's environment
+    endpoint, env = f"127.0.0.1:{find_free_port()}", clean_env()
     results: dict = {}
 
     def node(rank: int) -> None:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
             f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
-            *zygote.torchrun_options(), *zygote.torchrun_worker(script), *node_args[rank],
+            script, *node_args[rank],
         ]  # fmt: skip
         results[rank] = run(cmd, timeout=timeout, env=env)
 
@@ -374,9 +332,40 @@ def truncated_jpeg(path: Path) -> Path:
     return path
 
 
-def register_tiny_model() -> None:
-    """Register ``TINY_ARCH`` in this process, as fault_train.py does in its own (its fault hooks
-    stay off: they are installed by its ``__main__`` and read only variables unset here)."""
-    import importlib
+def on_ranks(world_size: int, fn, timeout: float = 120) -> list:
+    """``fn(rank)`` on every rank of a ``world_size`` process group made of threads of this process
+    (torch's own test backend, "threaded": every collective of the real API, run across the threads;
+    ``dist.get_rank()`` answers each thread its rank): the ranks' results, in rank order, or the
+    first rank's error. For collective bookkeeping; launches are for what only processes show."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
-    importlib.import_module("scripts.fault_train")
+    results, errors, store = [None] * world_size, [], dist.HashStore()
+
+    def rank_thread(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            errors.append(e)
+            threaded.ProcessLocalGroup.exception_handle(e)  # wakes the ranks waiting in a collective
+        finally:
+            dist.destroy_process_group()
+
+    threaded._install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        threads = [threading.Thread(target=rank_thread, args=(rank,), daemon=True) for rank in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in threads), f"a rank of {world_size} still runs after {timeout}s"
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        threaded._uninstall_threaded_pg()
+        threaded.ProcessLocalGroup.reset()
+    if errors:
+        raise errors[0]
+    return results

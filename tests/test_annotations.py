@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EVAL_TINY, FAULT, REPO, assert_ok, in_process, read_metrics, register_tiny_model, truncated_jpeg
+from helpers import EVAL_TINY, REPO, TINY_TRAIN, assert_ok, in_process, read_metrics, truncated_jpeg
 from PIL import Image
 
 from distribuuuu import checkpoint as ckpt
@@ -22,11 +22,9 @@ from distribuuuu.data.annotations import AnnotationSpec, read_annotations
 from distribuuuu.data.datasets import build_base_dataset
 from distribuuuu.launch import DistEnv
 
-register_tiny_model()  # train_model runs in this process (the bad-input test) and builds the tiny CNN
-
 DIGITS = REPO / "data" / "digits"
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).
-pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
+pytestmark = pytest.mark.usefixtures("plain_logging")
 
 
 def write_annotations(root: Path, split: str, path: Path, header: bool = True) -> Path:
@@ -89,7 +87,7 @@ def test_annotation_batches_equal_image_folder_batches_for_every_sampler(small_d
 
 def _run(out: Path, *extra: str) -> None:
     opts = [*EVAL_TINY, "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "16", *extra]
-    assert_ok(in_process(FAULT, *opts))
+    assert_ok(in_process(TINY_TRAIN, *opts))
 
 
 @pytest.mark.slow

@@ -15,14 +15,14 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from helpers import DUMMY_OPTS, TINY_ARCH, register_tiny_model
+from helpers import DUMMY_OPTS, TINY_ARCH
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, state, trainer
 from distribuuuu.background_write import BackgroundWriter, host_copy
 from distribuuuu.preemption import EXIT_PREEMPTED
 
-pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
+pytestmark = pytest.mark.usefixtures("plain_logging")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -145,7 +145,6 @@ class GatedWrites:
 
 
 def _args(out, fmt: str, *extra: str) -> list[str]:
-    register_tiny_model()
     return ["DIST.CKPT_FORMAT", fmt,
         "OUT_DIR", str(out), *DUMMY_OPTS, "MODEL.ARCH", TINY_ARCH, "TRAIN.BATCH_SIZE", "8", "OPTIM.MAX_EPOCH", "2",
         "TRAIN.CKPT_PERIOD_ITERS", "3", "TRAIN.KEEP_CKPTS", "100", "OPTIM.EMA_DECAY", "0.9", "TRAIN.WORKERS", "0",

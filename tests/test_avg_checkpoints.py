@@ -9,13 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
+from helpers import EVAL_TINY, REPO, TEST, TINY_TRAIN, assert_ok, in_process, read_metrics
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu.checkpoint_average import averaged_checkpoint
-
-register_tiny_model()  # train_net.py and test_net.py run in this process and build the tiny CNN
-pytestmark = pytest.mark.one_core
 
 AVG = str(REPO / "tools" / "avg_checkpoints.py")
 CONVERT = str(REPO / "tools" / "convert_checkpoint.py")
@@ -29,7 +26,7 @@ def run_dir(tmp_path_factory) -> Path:
     """Three epochs of the tiny CNN with EMA at a high LR: checkpoints whose weights differ."""
     out = tmp_path_factory.mktemp("avg") / "run"
     opts = [*EVAL_TINY, "OPTIM.MAX_EPOCH", "3", "OPTIM.BASE_LR", "0.4", "OPTIM.EMA_DECAY", "0.5"]
-    assert_ok(in_process(FAULT, "OUT_DIR", str(out), *DATA, *opts, "TRAIN.BATCH_SIZE", "64"))
+    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(out), *DATA, *opts, "TRAIN.BATCH_SIZE", "64"))
     return out
 
 
@@ -87,7 +84,7 @@ def test_last_n_takes_dcp_folders_like_files_and_every_tool_takes_the_average(ru
         assert_ok(in_process(EXPORT, "--weights", out_files, "--out", str(tmp_path / "m")))
     tuned = tmp_path / "tuned"
     opts = [*EVAL_TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "64", "MODEL.WEIGHTS", out_files]
-    assert_ok(in_process(FAULT, "OUT_DIR", str(tuned), *DATA, *opts))
+    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(tuned), *DATA, *opts))
 
 
 def test_best_n_ranks_by_the_named_metric_and_precise_bn_recomputes_the_statistics(run_dir, tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import FAULT, REPO, TINY_ARCH, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
+from helpers import REPO, TINY_ARCH, TINY_TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
 from PIL import Image
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
@@ -139,7 +139,7 @@ def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_pa
         # The batched resample (the default): on a CPU, "auto"'s pixels exactly, prepared on a thread
         args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
         args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", TINY_ARCH]  # any model will do
-        assert_ok(run(python(FAULT, *args), timeout=300, env=clean_env()))
+        assert_ok(run(python(TINY_TRAIN, *args), timeout=300, env=clean_env()))
         weights = [
             model_state_from(load_checkpoint(str(out / "checkpoints" / f"ckpt_ep_00{e}.pth.tar"))) for e in (1, 2)
         ]

@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from background import background_job
 from helpers import REPO, assert_ok, python, run
 
 BENCH = str(REPO / "tools" / "benchmark.py")
@@ -123,10 +122,10 @@ def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
     assert "unknown config key TRAIN.NO_SUCH_KEY" in capsys.readouterr().err
 
 
-@background_job
-def memory_table(tmp_path_factory, stack):
+@pytest.fixture(scope="module")
+def memory_table(tmp_path_factory):
     """One torchrun job per strategy (ddp, ddp+ZeRO-1, fsdp), as docs/scale-out.md's table was made:
-    it counts bytes, so it runs in the background (tests/background.py) with no loss."""
+    it counts bytes."""
     args = ["--memory-table", "2", "--steps", "1", "--repeats", "1", "--warmup", "1", "--archs", "resnet18", *TINY]
     return run(python(BENCH, *args), timeout=400)
 

@@ -10,14 +10,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
+from helpers import EVAL_TINY, REPO, TEST, TINY_TRAIN, assert_ok, in_process, read_metrics
 
 from distribuuuu import checkpoint as ckpt
-
-register_tiny_model()  # test_net.py runs in this process and builds the run's tiny CNN
-
-# In-process tools on one thread: they run beside the background jobs (tests/background.py).
-pytestmark = pytest.mark.one_core
 
 DIGITS = REPO / "data" / "digits"
 # Non-default model and data keys: a test_net.py that built the default config would fail to load
@@ -48,7 +43,7 @@ def five_class_run(tmp_path_factory) -> tuple[Path, Path]:
             os.symlink(DIGITS / split / str(c), data / split / str(c))
     out = root / "out"
     dataset = ["TRAIN.DATASET", str(data), "TEST.DATASET", str(data)]
-    assert_ok(in_process(FAULT, "OUT_DIR", str(out), *dataset, *RUN_OPTS))
+    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(out), *dataset, *RUN_OPTS))
     return data, out
 
 
@@ -84,7 +79,7 @@ def test_weights_that_do_not_fit_name_the_key_and_the_runs_config(five_class_run
     ten = ["MODEL.NUM_CLASSES", "10"]
     if given == "cfg-file":  # e.g. the config of the 10-class run the model was fine-tuned from
         cfg = tmp_path / "ten.yaml"
-        cfg.write_text("MODEL:\n  ARCH: fault_tiny\n  NUM_CLASSES: 10\n")
+        cfg.write_text("MODEL:\n  ARCH: tiny_cnn\n  NUM_CLASSES: 10\n")
         ten = ["--cfg", str(cfg)]
     result = in_process(TEST, *ten, "MODEL.WEIGHTS", weights, "OUT_DIR", str(tmp_path / "eval"))
     assert result.returncode == 1, result.stderr[-2000:]
@@ -99,7 +94,7 @@ def test_a_train_run_stopped_by_bad_input_after_start_up_creates_no_out_dir(five
     data, _ = five_class_run
     out = tmp_path / "new"
     dataset = ["TRAIN.DATASET", str(data), "TEST.DATASET", str(data)]
-    result = in_process(FAULT, "OUT_DIR", str(out), *dataset, *RUN_OPTS, "TRAIN.BATCH_SIZE", "1000")
+    result = in_process(TINY_TRAIN, "OUT_DIR", str(out), *dataset, *RUN_OPTS, "TRAIN.BATCH_SIZE", "1000")
     assert result.returncode == 2, result.stderr[-2000:]
     [error] = _errors(result.stderr)
     assert "TRAIN.BATCH_SIZE" in error
@@ -113,7 +108,7 @@ def test_a_resumed_run_stopped_by_bad_input_leaves_the_earlier_run_as_it_was(fiv
     before = _fingerprint(out)
     dataset = ["TRAIN.DATASET", str(data), "TEST.DATASET", str(data)]
     more = [*RUN_OPTS, "OPTIM.MAX_EPOCH", "2", "TRAIN.BATCH_SIZE", "1000"]  # it resumes, then stops
-    result = in_process(FAULT, "OUT_DIR", str(out), *dataset, *more)
+    result = in_process(TINY_TRAIN, "OUT_DIR", str(out), *dataset, *more)
     assert result.returncode == 2, result.stderr[-2000:]
     assert len(_errors(result.stderr)) == 1
     assert _fingerprint(out) == before  # no new start, config.yaml and log.txt as they were

@@ -28,9 +28,6 @@ from distribuuuu.distributed import all_reduce_sum, cleanup_distributed
 from distribuuuu.launch import find_free_port
 from distribuuuu.models import register_model
 
-# A one-rank group in this process, on one thread: beside the background jobs.
-pytestmark = pytest.mark.one_core
-
 DIGITS = str(REPO / "data" / "digits")
 TENSOR_COLLECTIVES = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce", "reduce_scatter",

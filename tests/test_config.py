@@ -254,7 +254,6 @@ def test_bad_input_under_torchrun_is_printed_once_and_named_by_torchruns_failure
     assert not list(tmp_path.rglob("*.pth.tar"))
 
 
-@pytest.mark.one_core  # one single-threaded process
 @pytest.mark.slow
 def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_written(tmp_path):
     opts = ["TRAIN.DATASET", "/nonexistent/imagenet", "MODEL.DUMMY_INPUT", "True", *TINY_DUMMY]

@@ -1,7 +1,7 @@
 """End to end: config/digits_recipe.yaml trains resnet18 on the embedded digits to >= 98% val top-1,
 raw and EMA weights, and test_net.py reproduces the run's numbers from its checkpoints.
 
-One run, the session's ``digits_run`` (conftest): the recipe as its header says to run it (ddp
+One run, the session's ``digits_run`` (tests/runs.py): the recipe as its header says to run it (ddp
 under torchrun with 2 processes), reading a packed copy of the digits made by
 tools/pack_dataset.py (WebDataset shards) from a real HTTP server on 127.0.0.1.
 tests/test_packed_data.py shows that a packed copy trains to the very same weights as the

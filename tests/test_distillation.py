@@ -22,7 +22,6 @@ from helpers import (
     assert_ok,
     clean_env,
     in_process,
-    register_tiny_model,
     torchrun,
 )
 from helpers import run as run_cmd
@@ -37,8 +36,6 @@ from distribuuuu.losses import DistillationLoss
 from distribuuuu.meters import MetricSums
 from distribuuuu.models import build_model
 from distribuuuu.records import NullWriter
-
-register_tiny_model()  # train_net.py runs in this process and builds the tiny CNN
 
 # The tiny CNN for one epoch of 4 steps on synthetic 16 px images, with mixup and cutmix: their
 # draws take part, so a teacher that moved the global RNG would show.

@@ -30,15 +30,14 @@ from helpers import (
     DUMMY_OPTS,
     EVAL_TINY,
     FAST_ARCH,
-    FAULT,
     REPO,
+    TINY_TRAIN,
     TRAIN,
     Started,
     assert_ok,
     lone_env,
     python,
     read_metrics,
-    register_tiny_model,
     run,
 )
 
@@ -46,9 +45,6 @@ from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
 from distribuuuu.records import MetricsWriter
 from distribuuuu.records import epoch_curves as record_curves
-
-# In-process tools on one thread: it runs first, beside the background jobs (tests/background.py).
-pytestmark = pytest.mark.one_core
 
 EXPORT = str(REPO / "tools" / "export.py")
 SUMMARIZE = str(REPO / "tools" / "summarize.py")
@@ -312,7 +308,6 @@ def test_the_preprocessing_is_stated_beside_and_inside_the_exports(resumed_run, 
 # sharded checkpoints (best.dcp, with EMA weights) by one process. The preprocessing is the model's
 # business in none of the tools: the tiny registered CNN (its export: 2 s; the light torchvision
 # model's above: 12 s), registered here too for the tools this module runs in its own process.
-register_tiny_model()
 EVAL_KEYS_OPTS = [
     *EVAL_TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10", "TRAIN.SPLIT", "val", "TEST.IM_SIZE", "20", "TEST.CROP_SIZE", "18", "TEST.INTERPOLATION", "bicubic",
     "DIST.CKPT_FORMAT", "sharded", "OPTIM.EMA_DECAY", "0.9",
@@ -326,7 +321,7 @@ def eval_keys_run(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("eval_keys")
     env = lone_env()
-    assert_ok(run(python(FAULT, *EVAL_KEYS_OPTS, "OUT_DIR", str(out)), timeout=600, env=env))
+    assert_ok(run(python(TINY_TRAIN, *EVAL_KEYS_OPTS, "OUT_DIR", str(out)), timeout=600, env=env))
     to_single_file(str(out / "best.dcp"), str(out / "best.pth.tar"))
     return out
 
@@ -519,7 +514,7 @@ def test_export_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 # The progress bar
 # ------------------------------------------------------------------------------------------------
 def run_on_pty(cmd: list[str], timeout: float = 300) -> str:
-    """Run ``cmd`` (forked by the zygote, as ``run`` would) with stdout on a pseudo-terminal; return
+    """Run ``cmd`` (as ``run`` would) with stdout on a pseudo-terminal; return
     what it printed there."""
     master, slave = pty.openpty()
     chunks, deadline = [], time.monotonic() + timeout

@@ -1,7 +1,7 @@
 """Faults: killed, preempted and stalled ranks; corrupt, malicious and unwritable checkpoints; NaN losses.
 
-The training jobs run ``tests/scripts/fault_train.py``: ``tools/train_net.py``'s entry point with a
-tiny registered CNN (so an epoch costs about a second) and fault injection at exact steps. Every
+The training jobs run ``tests/scripts/tiny_train.py``: ``tools/train_net.py``'s entry point with
+tests/models.py's tiny CNN (so an epoch costs about a second) and fault injection at exact steps. Every
 resumed run is compared with an uninterrupted run of the same configuration: the weights must be
 bit-identical, which holds only if model, optimizer, EMA, LR position, RNG states and the sampler
 position all came back exactly.
@@ -24,8 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import zygote
-from helpers import DDP_FSDP_REL, FAST, FAULT, REPO, assert_ok, clean_env, python, read_metrics, run, torchrun
+from helpers import DDP_FSDP_REL, FAST, REPO, TINY_TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, preemption, state, trainer
@@ -38,7 +37,7 @@ from distribuuuu.sharded_checkpoint import save_states
 DIGITS = str(REPO / "data" / "digits")
 # Mixup draws from the global RNG and EMA has its own state: an exact resume must restore both.
 TINY = [
-    "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
+    "MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
     "DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9", "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS,
 ]  # fmt: skip
 ONE = [*TINY, "TRAIN.PRINT_FREQ", "5", "TRAIN.CKPT_PERIOD_ITERS", "10"]
@@ -52,9 +51,7 @@ ENV = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 RESUMED = re.compile(r"resumed from (\S+) at epoch (\d+), step (\d+)")
 
 
-# "one_core": these jobs sit out timeouts, restarts and signals with the cores half idle (220 s of CPU
-# in 220 s of wall time on 2 cores): they run early, beside the session's background jobs (conftest).
-pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
+pytestmark = pytest.mark.usefixtures("plain_logging")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -65,19 +62,12 @@ class Job:
 
     torchrun starts each worker in its own session, so killing torchrun's process group alone
     would leave them running: their pids are remembered and their groups killed too.
-
-    ``forked_workers``: torchrun's workers (``helpers.torchrun``'s zygote clients) are forked by the
-    zygote; the pids torchrun and ``workers`` know are then their clients', which pass on every
-    signal but SIGSTOP and SIGCONT (SIGKILL: the zygote kills a worker whose client died).
-    Otherwise each client becomes its worker, a fresh interpreter.
     """
 
-    def __init__(self, cmd: list[str], log_dir: Path, env: dict | None = None, forked_workers: bool = False):
+    def __init__(self, cmd: list[str], log_dir: Path, env: dict | None = None):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out, self.err = log_dir / "stdout.txt", log_dir / "stderr.txt"
         env = dict(env or ENV)
-        if forked_workers and zygote.address():
-            env[zygote.ADDRESS_VAR] = zygote.address()
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
         self.seen: set[int] = set()
@@ -170,7 +160,7 @@ def _train_epochs(out: Path) -> list[int]:
 def reference_one_dir(tmp_path_factory) -> Path:
     """OUT_DIR of an uninterrupted single-process run (WORKERS 0): the reference of every resume of ONE."""
     out = tmp_path_factory.mktemp("reference_one")
-    assert_ok(run(python(FAULT, "OUT_DIR", str(out), *ONE), timeout=300, env=ENV))
+    assert_ok(run(python(TINY_TRAIN, "OUT_DIR", str(out), *ONE), timeout=300, env=ENV))
     # TRAIN.KEEP_CKPTS 3 (default) of the 8 mid-epoch and 2 epoch-end checkpoints; best kept apart.
     kept = [ckpt.checkpoint_name(2, 30), ckpt.checkpoint_name(2, 40), ckpt.checkpoint_name(2)]
     assert [Path(p).name for p in ckpt.list_checkpoints(str(out / "checkpoints"))] == kept
@@ -188,7 +178,7 @@ def reference_one(reference_one_dir) -> dict:
 def stopped_after_epoch_1(tmp_path_factory) -> Path:
     """OUT_DIR of a run of ONE stopped by TRAIN.STOP_AFTER_EPOCHS 1 (tests resume a copy of it)."""
     out = tmp_path_factory.mktemp("stopped_after_epoch_1")
-    assert_ok(run(python(FAULT, "OUT_DIR", str(out), *ONE, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=300, env=ENV))
+    assert_ok(run(python(TINY_TRAIN, "OUT_DIR", str(out), *ONE, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=300, env=ENV))
     assert _train_epochs(out) == [1], "TRAIN.STOP_AFTER_EPOCHS 1 stopped after epoch 1"
     return out
 
@@ -197,7 +187,7 @@ def stopped_after_epoch_1(tmp_path_factory) -> Path:
 def reference_two(tmp_path_factory) -> dict:
     """Final state of an uninterrupted 2-process torchrun run."""
     out = tmp_path_factory.mktemp("reference_two")
-    assert_ok(run(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), timeout=400))
+    assert_ok(run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), timeout=400))
     return _final_state(out, epochs=1)
 
 
@@ -205,16 +195,16 @@ def reference_two(tmp_path_factory) -> dict:
 # Killed, preempted and stalled ranks (2-process gloo jobs under torchrun)
 # ------------------------------------------------------------------------------------------------
 def _restartable_job(out: Path, *args: str) -> list[str]:
-    """A 2-rank fault_train job that torchrun restarts once, with the c10d rendezvous (see ENV)."""
+    """A 2-rank tiny_train job that torchrun restarts once, with the c10d rendezvous (see ENV)."""
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_port()}", "--max-restarts=1"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", *rdzv]
-    return [*torchrun, *zygote.torchrun_options(), *zygote.torchrun_worker(FAULT), "OUT_DIR", str(out), *TWO, *args]
+    return [*torchrun, TINY_TRAIN, "OUT_DIR", str(out), *TWO, *args]
 
 
 @pytest.mark.slow
 def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(_restartable_job(out), tmp_path / "logs", forked_workers=True) as job:
+    with Job(_restartable_job(out), tmp_path / "logs") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         first_round = job.workers()
         os.kill(first_round[1], signal.SIGKILL)
@@ -229,7 +219,7 @@ def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights
 @pytest.mark.slow
 def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(_restartable_job(out, "DIST.STRATEGY", "fsdp"), tmp_path / "logs", forked_workers=True) as job:
+    with Job(_restartable_job(out, "DIST.STRATEGY", "fsdp"), tmp_path / "logs") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         os.kill(job.workers()[1], signal.SIGKILL)
         result = job.finish(400)
@@ -248,7 +238,7 @@ def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights
 @pytest.mark.slow
 def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "preempted", forked_workers=True) as job:
+    with Job(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), tmp_path / "preempted") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         # Signal the workers as Slurm does (every process of the step): torchrun then reports
         # their exit codes. (Signalling torchrun works too: it forwards SIGTERM to the workers.)
@@ -275,7 +265,7 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_and_resumes_to_the_same
     state = load_checkpoint(str(path))
     assert (state["epoch"], state["step_in_epoch"], len(state["rng"])) == (epoch - 1, step, 2)
 
-    resumed = run(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), timeout=400)
+    resumed = run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), timeout=400)
     assert_ok(resumed)
     assert RESUMED.search(resumed.stdout)[1] == str(path)
     assert _train_epochs(out) == [1]
@@ -296,7 +286,7 @@ def test_ctrl_c_checkpoints_at_the_agreed_step_exits_130_in_one_line_and_resumes
     out = tmp_path / "run"
     # A terminal's Ctrl-C reaches its whole foreground process group: the trainer and its
     # DataLoader workers (TRAIN.WORKERS 2), which leave it to the trainer.
-    cmd = python(FAULT, "OUT_DIR", str(out), *ONE, "TRAIN.WORKERS", "2")
+    cmd = python(TINY_TRAIN, "OUT_DIR", str(out), *ONE, "TRAIN.WORKERS", "2")
     with Job(cmd, tmp_path / "interrupted") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         os.killpg(job.proc.pid, signal.SIGINT)
@@ -308,7 +298,7 @@ def test_ctrl_c_checkpoints_at_the_agreed_step_exits_130_in_one_line_and_resumes
     assert f"Ctrl-C (SIGINT): checkpointing at epoch {epoch}, step {step}" in (out / "log.txt").read_text()
     assert load_checkpoint(str(out / "checkpoints" / ckpt.checkpoint_name(epoch, step)))["step_in_epoch"] == step
 
-    resumed = run(python(FAULT, "OUT_DIR", str(out), *ONE), timeout=400, env=ENV)
+    resumed = run(python(TINY_TRAIN, "OUT_DIR", str(out), *ONE), timeout=400, env=ENV)
     assert_ok(resumed)
     assert RESUMED.search(resumed.stdout)[1].endswith(ckpt.checkpoint_name(epoch, step))
     _assert_same_weights(_final_state(out), reference_one)
@@ -317,7 +307,7 @@ def test_ctrl_c_checkpoints_at_the_agreed_step_exits_130_in_one_line_and_resumes
 @pytest.mark.slow
 def test_ctrl_c_to_torchrun_checkpoints_every_rank_at_one_step_without_worker_tracebacks(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), tmp_path / "interrupted") as job:
+    with Job(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), tmp_path / "interrupted") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         os.killpg(job.proc.pid, signal.SIGINT)  # torchrun's group, as a terminal; it passes SIGINT on
         result = job.finish(300)
@@ -329,7 +319,7 @@ def test_ctrl_c_to_torchrun_checkpoints_every_rank_at_one_step_without_worker_tr
     epoch, step = int(stop[1]), int(stop[2])
     assert load_checkpoint(str(out / "checkpoints" / ckpt.checkpoint_name(epoch, step)))["step_in_epoch"] == step
 
-    resumed = run(torchrun(2, FAULT, "OUT_DIR", str(out), *TWO), timeout=400)
+    resumed = run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), timeout=400)
     assert_ok(resumed)
     _assert_same_weights(_final_state(out, epochs=1), reference_two)
 
@@ -369,7 +359,7 @@ def test_preempted_two_rank_job_is_requeued_once_by_rank_0_after_its_checkpoint(
         FAULT_SIGNAL_AT_STEP="2",
         FAULT_SIGNAL="SIGTERM",
     )
-    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "TRAIN.CKPT_PERIOD_ITERS", "0", "DIST.REQUEUE", "True")
+    cmd = torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO, "TRAIN.CKPT_PERIOD_ITERS", "0", "DIST.REQUEUE", "True")
     result = run(cmd, timeout=300, env=env)
     assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M) == ["75", "75"], result.stderr[-3000:]
     stop = re.search(r"preempted at epoch (\d+), step (\d+); exiting with 75", result.stderr)
@@ -415,7 +405,7 @@ def test_a_preempted_process_still_exits_75_when_signalled_again_while_exiting()
 def test_stalled_rank_fails_the_job_after_the_timeout_naming_ranks_and_step(tmp_path):
     timeout_s = 15
     out = tmp_path / "run"
-    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "OPTIM.MAX_EPOCH", "20", "DIST.TIMEOUT_S", str(timeout_s))
+    cmd = torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO, "OPTIM.MAX_EPOCH", "20", "DIST.TIMEOUT_S", str(timeout_s))
     with Job(cmd, tmp_path / "logs") as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         workers = job.workers()
@@ -444,7 +434,9 @@ def test_stopped_rank_is_named_by_its_missing_heartbeat_before_the_collective_ti
     # then, however fast the steps), while rank 0 waits in the next all-reduce.
     timeout_s, stall_s = 14, 3
     out = tmp_path / "run"
-    cmd = torchrun(2, FAULT, "OUT_DIR", str(out), *TWO, "DIST.TIMEOUT_S", str(timeout_s), "DIST.STALL_S", str(stall_s))
+    cmd = torchrun(
+        2, TINY_TRAIN, "OUT_DIR", str(out), *TWO, "DIST.TIMEOUT_S", str(timeout_s), "DIST.STALL_S", str(stall_s)
+    )
     env = dict(ENV, FAULT_SIGNAL_AT_STEP="5", FAULT_SIGNAL_DELAY_S="2", FAULT_SIGNAL="SIGSTOP", FAULT_SIGNAL_RANK="1")
     named = re.compile(
         r"rank 0: rank\(s\) \[1\] sent no heartbeat for 3s \(DIST.STALL_S\): stalled or dead \(([^;]*)\);"
@@ -496,7 +488,7 @@ def test_preempted_run_resumes_to_bit_identical_weights(tmp_path, reference_one,
         SLURM_JOB_ID="4242",
         PATH=f"{fake_bin}:{os.environ['PATH']}",
     )
-    preempted = run(python(FAULT, *args, "DIST.REQUEUE", "True"), timeout=300, env=env)
+    preempted = run(python(TINY_TRAIN, *args, "DIST.REQUEUE", "True"), timeout=300, env=env)
     assert preempted.returncode == 75, preempted.stderr[-3000:]
     assert f"preempted at epoch 2, step {stop_step}" in preempted.stderr
     assert f"preemption ({sig}): checkpointing at epoch 2, step {stop_step}" in preempted.stdout
@@ -509,7 +501,7 @@ def test_preempted_run_resumes_to_bit_identical_weights(tmp_path, reference_one,
         newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
         expected = periodic
 
-    resumed = run(python(FAULT, *args), timeout=300, env=ENV)
+    resumed = run(python(TINY_TRAIN, *args), timeout=300, env=ENV)
     assert_ok(resumed)
     assert RESUMED.search(resumed.stdout)[1] == str(expected)
     if truncate_newest:
@@ -525,7 +517,7 @@ def test_a_kill_during_a_background_checkpoint_write_resumes_from_the_previous_o
     args = ["OUT_DIR", str(out), *ONE]
     stalled, previous = ckpt.checkpoint_name(1, 20), ckpt.checkpoint_name(1, 10)  # TRAIN.CKPT_PERIOD_ITERS 10
     env = clean_env(FAULT_STALL_CHECKPOINT=stalled, FAULT_STALL_MARKER=str(marker))
-    with Job(python(FAULT, *args), tmp_path / "killed", env=env) as job:
+    with Job(python(TINY_TRAIN, *args), tmp_path / "killed", env=env) as job:
         job.wait_until(marker.exists, 300, "the stalled checkpoint write")
         # Training went on while the write stood still: the next PRINT_FREQ window (step 25) is logged.
         job.wait_until(lambda: "step 25/" in job.out.read_text(), 300, "a step logged during the write")
@@ -534,7 +526,7 @@ def test_a_kill_during_a_background_checkpoint_write_resumes_from_the_previous_o
     assert marker.read_text() == "checkpoint-writer", "the file was written by the background writer"
     names = os.listdir(out / "checkpoints")
     assert stalled not in names and any(n.startswith(f".{stalled}.") for n in names), names  # its partial temporary
-    resumed = run(python(FAULT, *args), timeout=300, env=ENV)
+    resumed = run(python(TINY_TRAIN, *args), timeout=300, env=ENV)
     assert_ok(resumed)
     assert RESUMED.search(resumed.stdout)[1] == str(out / "checkpoints" / previous)
     assert not [n for n in os.listdir(out / "checkpoints") if n.endswith(".part")], "the next write pruned it"
@@ -547,7 +539,7 @@ def test_auto_resume_after_an_epoch_continues_exactly_like_an_uninterrupted_run(
 ):
     out = tmp_path / "run"
     shutil.copytree(stopped_after_epoch_1, out)
-    second = run(python(FAULT, "OUT_DIR", str(out), *ONE), timeout=300, env=ENV)
+    second = run(python(TINY_TRAIN, "OUT_DIR", str(out), *ONE), timeout=300, env=ENV)
     assert_ok(second)
     resumed = RESUMED.search(second.stdout)
     assert resumed, second.stdout[-3000:]
@@ -567,7 +559,7 @@ def test_auto_resume_after_an_epoch_continues_exactly_like_an_uninterrupted_run(
 def test_nan_loss_stops_naming_epoch_and_first_bad_step(tmp_path):
     bad_step = 7  # forward calls 7 and 8 (= optimizer steps 7 and 8 of epoch 1) return NaN
     env = clean_env(FAULT_NAN_CALLS=f"{bad_step},{bad_step + 1}")
-    result = run(python(FAULT, "OUT_DIR", str(tmp_path), *ONE, "OPTIM.MAX_EPOCH", "1"), timeout=300, env=env)
+    result = run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path), *ONE, "OPTIM.MAX_EPOCH", "1"), timeout=300, env=env)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
     assert len(errors) == 1 and f"non-finite loss at epoch 1, step {bad_step}:" in errors[0]
@@ -581,7 +573,7 @@ def test_nan_policy_skip_skips_and_counts_the_bad_steps(tmp_path):
     bad = [7, 8, 20]  # forward calls = optimizer steps of epoch 1
     env = clean_env(FAULT_NAN_CALLS=",".join(map(str, bad)))
     args = ["OUT_DIR", str(tmp_path), *ONE, "OPTIM.MAX_EPOCH", "1", "TRAIN.NAN_POLICY", "skip"]
-    result = run(python(FAULT, *args), timeout=300, env=env)
+    result = run(python(TINY_TRAIN, *args), timeout=300, env=env)
     assert_ok(result)
     train = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
     assert [r["nonfinite_steps"] for r in train] == [len(bad)]
@@ -830,7 +822,7 @@ def test_resume_with_another_optimizer_is_one_clear_error_and_load_opt_false_res
     newest = out / "checkpoints" / ckpt.checkpoint_name(1)
 
     # Another optimizer is another experiment: stopped before anything is written, naming the way out.
-    changed = run(python(FAULT, *args, "OPTIM.OPTIMIZER", "adamw"), timeout=300, env=ENV)
+    changed = run(python(TINY_TRAIN, *args, "OPTIM.OPTIMIZER", "adamw"), timeout=300, env=ENV)
     assert changed.returncode == 2, changed.stderr[-3000:]
     errors = [line for line in changed.stderr.splitlines() if line.startswith("distribuuuu: error:")]
     assert len(errors) == 1 and f"({newest}): OPTIM.OPTIMIZER: 'sgd' -> 'adamw'" in errors[0], changed.stderr[-3000:]
@@ -838,7 +830,7 @@ def test_resume_with_another_optimizer_is_one_clear_error_and_load_opt_false_res
     assert "Traceback" not in changed.stderr and _train_epochs(out) == [1]
 
     weights_only = run(
-        python(FAULT, *args, "OPTIM.OPTIMIZER", "adamw", "TRAIN.LOAD_OPT", "False"), timeout=300, env=ENV
+        python(TINY_TRAIN, *args, "OPTIM.OPTIMIZER", "adamw", "TRAIN.LOAD_OPT", "False"), timeout=300, env=ENV
     )
     assert_ok(weights_only)
     assert _train_epochs(out) == [1, 2], "epoch 2 continues from epoch 1's weights"

@@ -11,9 +11,6 @@ from helpers import FAST, TRAIN, assert_ok, python, run
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, trainer
 
-# One single-process run and in-process reruns, on one thread: beside the background jobs.
-pytestmark = pytest.mark.one_core
-
 
 def _files(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder``, recursively, by relative path: its bytes."""

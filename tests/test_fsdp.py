@@ -8,7 +8,6 @@ import json
 import pytest
 import torch
 import torchvision
-from background import background_job
 from helpers import REPO, assert_ok, clean_env, run, torchrun
 from torch import nn
 
@@ -175,9 +174,9 @@ def test_combinations_fsdp_cannot_run_are_one_config_error_naming_the_keys(opts,
     load_cfg(None, opts[:2] if len(opts) > 2 else [])  # each key alone is valid
 
 
-@background_job
-def compiled_fsdp_run(tmp_path_factory, stack):
-    """The run of the test below, in the background (tests/background.py): (its OUT_DIR, the process)."""
+@pytest.fixture(scope="module")
+def compiled_fsdp_run(tmp_path_factory):
+    """The run of the test below: (its OUT_DIR, the process)."""
     tmp_path = tmp_path_factory.mktemp("compiled_fsdp")
     opts = ["TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1"]
     opts += ["DIST.STRATEGY", "fsdp", "TRAIN.COMPILE", "True", "TRAIN.CHANNELS_LAST", "True"]

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST, FAULT, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
+from helpers import FAST, REPO, TINY_TRAIN, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
 from torch import nn
 
 from distribuuuu import checkpoint as ckpt
@@ -32,7 +32,7 @@ from distribuuuu.records import NullWriter
 
 DIGITS = str(REPO / "data" / "digits")
 TINY = [
-    "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.DATASET", DIGITS,
+    "MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.DATASET", DIGITS,
     "TEST.DATASET", DIGITS, "OPTIM.MAX_EPOCH", "1",
 ]  # fmt: skip
 
@@ -89,7 +89,7 @@ def test_two_ranks_count_each_skipped_non_finite_step_once(tmp_path, strategy):
     whose gradients are not: two skipped optimizer steps (not 4 + 0, as per rank and micro-batch).
     Under fsdp the norm that decides is the sharded gradients' global one."""
     opts = [*TWO_ACCUM, "TRAIN.NAN_POLICY", "skip", "DIST.STRATEGY", strategy]
-    assert_ok(run(torchrun(2, FAULT, "OUT_DIR", str(tmp_path), *opts), timeout=300, env=clean_env(**FAULTS)))
+    assert_ok(run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *opts), timeout=300, env=clean_env(**FAULTS)))
     [record] = _train_records(tmp_path)
     assert record["nonfinite_steps"] == 2 and record["scaler_skips"] == 0
     name = ckpt.checkpoint_name(1) if strategy == "ddp" else ckpt.checkpoint_name(1).replace(".pth.tar", ".dcp")
@@ -104,7 +104,7 @@ def test_fp16_on_the_cpu_counts_each_overflow_skip_once_in_two_processes(tmp_pat
     init_scale = 2.0**24  # fp16 gradients overflow at first: the scaler backs off step by step
     env = clean_env(**FAULTS, FAULT_FP16_INIT_SCALE=str(init_scale))
     cmd = torchrun(
-        2, FAULT, "OUT_DIR", str(tmp_path), *TWO_ACCUM, "TRAIN.PRECISION", "fp16", "TRAIN.NAN_POLICY", "skip"
+        2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *TWO_ACCUM, "TRAIN.PRECISION", "fp16", "TRAIN.NAN_POLICY", "skip"
     )
     result = run(cmd, timeout=600, env=env)
     assert_ok(result)
@@ -124,10 +124,12 @@ def test_fp16_on_the_cpu_trains_and_resumes_its_scaler_bit_identically(tmp_path)
     straight, split = tmp_path / "straight", tmp_path / "split"
     first = {straight: [], split: ["TRAIN.STOP_AFTER_EPOCHS", "1"]}
     with ThreadPoolExecutor(2) as pool:  # two single-threaded runs, overlapped
-        results = pool.map(lambda out: run(python(FAULT, "OUT_DIR", str(out), *args, *first[out]), 600, env), first)
+        results = pool.map(
+            lambda out: run(python(TINY_TRAIN, "OUT_DIR", str(out), *args, *first[out]), 600, env), first
+        )
         for result in results:
             assert_ok(result)
-    resumed = run(python(FAULT, "OUT_DIR", str(split), *args), timeout=600, env=env)
+    resumed = run(python(TINY_TRAIN, "OUT_DIR", str(split), *args), timeout=600, env=env)
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout
     train = _train_records(straight)
@@ -144,7 +146,7 @@ def test_fp16_on_the_cpu_trains_and_resumes_its_scaler_bit_identically(tmp_path)
 def test_a_mid_epoch_checkpoint_never_holds_weights_from_a_non_finite_step(tmp_path):
     # NaN at step 3; metrics every 10 steps, a checkpoint every 5: the checkpoint step must check.
     args = [*TINY, "TRAIN.PRINT_FREQ", "10", "TRAIN.CKPT_PERIOD_ITERS", "5"]
-    result = run(python(FAULT, "OUT_DIR", str(tmp_path), *args), timeout=300, env=clean_env(FAULT_NAN_CALLS="3"))
+    result = run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path), *args), timeout=300, env=clean_env(FAULT_NAN_CALLS="3"))
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
     assert len(errors) == 1 and "non-finite loss at epoch 1, step 3:" in errors[0]
@@ -183,7 +185,6 @@ def test_a_slurm_task_bound_to_one_gpu_gets_it_whatever_its_localid(monkeypatch)
 # ------------------------------------------------------------------------------------------------
 # Finding 6: a rank that never starts fails the job within DIST.INIT_CHECK_TIMEOUT_S
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.one_core  # one process that waits out the start-up check
 @pytest.mark.parametrize(
     "rank, message",
     [(0, "rank 0: not every rank reached rendezvous"), (1, "rank 1: could not reach rank 0's rendezvous")],
@@ -256,7 +257,7 @@ def test_two_torchrun_agents_as_two_nodes_only_global_rank_0_writes(tmp_path):
     agent holds global rank 0 is found from the outputs, as on a real cluster."""
     outs = [tmp_path / "node0", tmp_path / "node1"]
     args = [*TINY, "TRAIN.PRINT_FREQ", "5", "TRAIN.CKPT_PERIOD_ITERS", "10"]
-    results = two_nodes(1, FAULT, [["OUT_DIR", str(out), *args] for out in outs], timeout=300)
+    results = two_nodes(1, TINY_TRAIN, [["OUT_DIR", str(out), *args] for out in outs], timeout=300)
     for node in (0, 1):
         assert_ok(results[node])
     written = [out for out in outs if out.exists() and any(out.rglob("*"))]

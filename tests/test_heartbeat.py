@@ -18,9 +18,6 @@ from distribuuuu import heartbeat
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.heartbeat import Heartbeat, stall_seconds
 
-# Threads in this process that sleep through stall thresholds: beside the background jobs.
-pytestmark = pytest.mark.one_core
-
 STALL_S = 0.6
 
 

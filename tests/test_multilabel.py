@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
+from helpers import EVAL_TINY, REPO, TEST, TINY_TRAIN, assert_ok, in_process, read_metrics
 from torch.nn import functional as F
 
 from distribuuuu import checkpoint as ckpt
@@ -25,9 +25,8 @@ from distribuuuu.losses import MultiLabelBCE
 from distribuuuu.models import build_model
 from distribuuuu.multilabel import MultiLabelSums, metrics_from_counts, score_levels
 
-register_tiny_model()  # test_net.py, predict.py and export.py run in this process and build the tiny CNN
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).
-pytestmark = [pytest.mark.usefixtures("plain_logging"), pytest.mark.one_core]
+pytestmark = pytest.mark.usefixtures("plain_logging")
 
 N, C, BINS, THRESHOLD = 257, 6, 64, 0.4
 PAIRS, PREDICT, EXPORT = (str(REPO / "tools" / t) for t in ("make_digit_pairs.py", "predict.py", "export.py"))
@@ -180,7 +179,7 @@ def pairs_run(tmp_path_factory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("pairs")
     assert_ok(in_process(PAIRS, str(root / "data"), "--train", "160", "--val", "48"))
     opts = [*PAIRS_RUN, "TRAIN.DATASET", str(root / "data"), "TEST.DATASET", str(root / "data")]
-    assert_ok(in_process(FAULT, *opts, "OUT_DIR", str(root / "out")))
+    assert_ok(in_process(TINY_TRAIN, *opts, "OUT_DIR", str(root / "out")))
     return root / "out", opts
 
 
@@ -229,7 +228,7 @@ def test_a_mid_epoch_resume_of_a_multilabel_run_is_bit_identical(pairs_run, tmp_
     (resumed / ckpt.CKPT_DIR).mkdir(parents=True)
     mid = ckpt.checkpoint_name(2, 4)  # 4 steps into epoch 2
     shutil.copy(out / ckpt.CKPT_DIR / mid, resumed / ckpt.CKPT_DIR / mid)
-    assert_ok(in_process(FAULT, *opts, "OUT_DIR", str(resumed)))
+    assert_ok(in_process(TINY_TRAIN, *opts, "OUT_DIR", str(resumed)))
     end = [load_checkpoint(str(d / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))) for d in (out, resumed)]
     for key in ("model", "ema", "optimizer"):
         assert torch.equal(

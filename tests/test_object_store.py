@@ -12,7 +12,7 @@ import os
 import sys
 
 import pytest
-from helpers import EVAL_TINY, FAULT, REPO, assert_ok, clean_env, in_process, read_metrics, run, torchrun
+from helpers import EVAL_TINY, REPO, TINY_TRAIN, assert_ok, clean_env, in_process, read_metrics, run, torchrun
 from test_packed_data import _without_timings
 
 from distribuuuu.data import DataError, remote
@@ -132,7 +132,7 @@ def test_two_processes_train_from_a_bucket_exactly_as_from_the_same_shards_on_di
     metrics = {}
     for name, root in (("disk", str(local)), ("s3", url)):
         data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
-        cmd = torchrun(2, FAULT, "OUT_DIR", str(tmp_path / name), *EVAL_TINY, "OPTIM.MAX_EPOCH", "1", *data)
+        cmd = torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path / name), *EVAL_TINY, "OPTIM.MAX_EPOCH", "1", *data)
         assert_ok(run(cmd, timeout=400, env=clean_env()))  # clean_env keeps AWS_ENDPOINT_URL and the keys
         metrics[name] = [_without_timings(r) for r in read_metrics(tmp_path / name)]
     assert metrics["s3"] == metrics["disk"] and len(metrics["disk"]) == 2

@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import FAULT, REPO, clean_env, read_metrics
+from helpers import REPO, TINY_TRAIN, clean_env, read_metrics
 
 from distribuuuu import out_dir_lock
 from distribuuuu.out_dir_lock import LOCK_NAME, Holder, OutDirBusy, OutDirLock
 
 DIGITS = str(REPO / "data" / "digits")
 TINY = [
-    "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
+    "MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
     "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS,
 ]  # fmt: skip
 
@@ -116,7 +116,7 @@ def test_the_holder_touches_its_lock_while_it_runs(tmp_path, monkeypatch):
 
 
 def _start(out: Path, log: Path, hostname: str = "") -> subprocess.Popen:
-    cmd = [sys.executable, FAULT, "OUT_DIR", str(out), *TINY]
+    cmd = [sys.executable, TINY_TRAIN, "OUT_DIR", str(out), *TINY]
     if hostname:  # a host of its own: a UTS namespace with another host name, the same file system
         cmd = ["unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$@"', "sh", *cmd]
     with open(log, "w") as f:

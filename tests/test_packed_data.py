@@ -20,8 +20,8 @@ import pytest
 import torch
 from helpers import (
     EVAL_TINY,
-    FAULT,
     REPO,
+    TINY_TRAIN,
     assert_ok,
     clean_env,
     in_process,
@@ -289,7 +289,6 @@ def test_truncated_shard_is_named_or_skipped(packed, tmp_path):
     assert SeededTransformDataset(pk, None, seed=0, skip_bad=True)[(0, 2 * SHARD_SIZE)] is None
 
 
-@pytest.mark.one_core  # it waits out the bounded retries
 def test_dead_url_is_one_error_naming_the_index():
     url = f"http://127.0.0.1:{find_free_port()}/digits"
     with pytest.raises(DataError, match=f"cannot read {url}/train/index.json"):
@@ -301,12 +300,12 @@ def test_training_on_a_truncated_shard_stops_naming_it_or_skips_and_counts_its_s
     copy = _truncated_copy(packed, tmp_path, "shard-000002.tar")
     args = ["TRAIN.DATASET", str(copy), "TEST.DATASET", str(copy), *TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.WORKERS", "1"]
     args += ["DATA.SHARD_CACHE", str(tmp_path / "cache")]
-    failed = run(python(FAULT, "OUT_DIR", str(tmp_path / "error"), *args), timeout=300)
+    failed = run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path / "error"), *args), timeout=300)
     assert failed.returncode == 1, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if line.startswith("distribuuuu: error:")]
     assert len(errors) == 1 and "shard-000002.tar" in errors[0] and "truncated" in errors[0], failed.stderr[-3000:]
 
-    skipped = run(python(FAULT, "OUT_DIR", str(tmp_path / "skip"), *args, "DATA.BAD_IMAGE", "skip"), timeout=300)
+    skipped = run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path / "skip"), *args, "DATA.BAD_IMAGE", "skip"), timeout=300)
     assert_ok(skipped)
     # The samples of shard 2 (rows 600..899) among the epoch's 44 full batches of 32.
     sampler = ResumableDistributedSampler(range(1436), 1, 0, seed=get_cfg_defaults().RNG_SEED)
@@ -327,7 +326,9 @@ def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
     on = {"folder": ["TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS)]}
     on["packed"] = ["TRAIN.DATASET", str(packed), "TEST.DATASET", str(packed)]
     with ThreadPoolExecutor(2) as pool:  # two single-threaded runs: mostly start-up time, overlapped
-        runs = pool.map(lambda n: run(python(FAULT, "OUT_DIR", str(tmp_path / n), *common, *on[n]), timeout=300), on)
+        runs = pool.map(
+            lambda n: run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path / n), *common, *on[n]), timeout=300), on
+        )
         for result in runs:
             assert_ok(result)
     reference = _final_state(tmp_path / "packed")
@@ -335,9 +336,9 @@ def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
 
     out = ["OUT_DIR", str(tmp_path / "resumed"), *common, *on["packed"]]
     env = clean_env(FAULT_SIGNAL_AT_STEP=str(STEPS_ONE + 13), FAULT_SIGNAL="SIGTERM")
-    preempted = run(python(FAULT, *out), timeout=300, env=env)
+    preempted = run(python(TINY_TRAIN, *out), timeout=300, env=env)
     assert preempted.returncode == 75, preempted.stderr[-3000:]
-    resumed = run(python(FAULT, *out), timeout=300)
+    resumed = run(python(TINY_TRAIN, *out), timeout=300)
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout and "_it_" in resumed.stdout
     _assert_same_weights(_final_state(tmp_path / "resumed"), reference)
@@ -348,7 +349,7 @@ def test_two_processes_read_the_shards_over_http_exactly_as_from_disk(packed, ht
     metrics = {}
     for name, root in (("disk", str(packed)), ("http", http_url)):
         data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
-        cmd = torchrun(2, FAULT, "OUT_DIR", str(tmp_path / name), *TINY, "OPTIM.MAX_EPOCH", "1", *data)
+        cmd = torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path / name), *TINY, "OPTIM.MAX_EPOCH", "1", *data)
         assert_ok(run(cmd, timeout=400, env=clean_env()))
         metrics[name] = [_without_timings(r) for r in read_metrics(tmp_path / name)]
     assert metrics["http"] == metrics["disk"] and len(metrics["disk"]) == 2

@@ -10,13 +10,12 @@ import pytest
 import torch
 from helpers import (
     EVAL_TINY,
-    FAULT,
     REPO,
     TEST,
+    TINY_TRAIN,
     assert_ok,
     in_process,
     read_metrics,
-    register_tiny_model,
     run,
     torchrun,
 )
@@ -29,11 +28,8 @@ from distribuuuu.data.loader import precise_bn_indices
 from distribuuuu.launch import DistEnv
 from distribuuuu.precise_bn import bn_layers, bn_moment_sums, recompute_bn_stats, set_bn_stats
 
-register_tiny_model()  # train_net.py and test_net.py run in this process and build the tiny CNN
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 from precise_bn_job import cfg, tiny_model  # noqa: E402  (the torchrun job's model and config)
-
-pytestmark = pytest.mark.one_core
 
 DIGITS = str(REPO / "data" / "digits")
 
@@ -132,7 +128,7 @@ def test_training_recomputes_raw_and_ema_statistics_and_test_net_reproduces_them
     # recomputes the same statistics over the same images.
     out, data = tmp_path / "run", ["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS]
     opts = [*EVAL_TINY, "OPTIM.MAX_EPOCH", "1", "OPTIM.EMA_DECAY", "0.9", "TRAIN.BATCH_SIZE", "32"]
-    result = in_process(FAULT, "OUT_DIR", str(out), *data, *opts, "BN.PRECISE_IMAGES", "200")
+    result = in_process(TINY_TRAIN, "OUT_DIR", str(out), *data, *opts, "BN.PRECISE_IMAGES", "200")
     assert_ok(result)
     log = (out / "log.txt").read_text()
     assert "precise BN (model weights): BatchNorm statistics recomputed over 200 training images" in log

@@ -13,9 +13,6 @@ from pathlib import Path
 import pytest
 from helpers import REPO, clean_env, run
 
-# Launches that sleep until they are killed: beside the background jobs.
-pytestmark = pytest.mark.one_core
-
 # A process that starts a grandchild in a session of its own (as torchrun starts its workers),
 # prints the grandchild's pid, and waits.
 ESCAPING = """

@@ -3,7 +3,7 @@ the batched decoder, a resume in the middle of the ramp (on another world size: 
 same: the trained weights, bit for bit), and one static graph per size under TRAIN.COMPILE.
 
 The data tests build every rank's loader in this process; the trainer's resume is two single-process
-runs of ``fault_train.py``'s tiny CNN on the digits at 8 -> 12 -> 16 px.
+runs of tests/models.py's tiny CNN on the digits at 8 -> 12 -> 16 px.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import FAULT, REPO, assert_ok, clean_env, python, read_metrics, run
+from helpers import REPO, TINY_TRAIN, assert_ok, clean_env, python, read_metrics, run
 
 from distribuuuu import checkpoint as ckpt
 from distribuuuu import run as run_setup
@@ -161,7 +161,7 @@ def test_an_epoch_of_the_ramp_resumed_on_3_ranks_after_2_reads_the_images_of_one
 # ------------------------------------------------------------------------------------------------
 STEPS = 1436 // 32  # optimizer steps per epoch on one process
 TRAIN_RUN = [
-    "MODEL.ARCH", "fault_tiny", *RAMP, "TRAIN.WORKERS", "1", "TRAIN.CKPT_PERIOD_ITERS", "20", "TRAIN.KEEP_CKPTS", "20",
+    "MODEL.ARCH", "tiny_cnn", *RAMP, "TRAIN.WORKERS", "1", "TRAIN.CKPT_PERIOD_ITERS", "20", "TRAIN.KEEP_CKPTS", "20",
     "TRAIN.PRINT_FREQ", "10", "DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9",
 ]  # fmt: skip
 
@@ -171,7 +171,7 @@ def test_a_run_resumed_mid_epoch_in_the_ramp_trains_the_weights_of_the_uninterru
     """Epoch 2 (12 px) resumed from its step-20 checkpoint by a new process, its persistent worker
     started at that epoch: weights, EMA and momentum bit-identical to the uninterrupted run's."""
     reference = tmp_path / "reference"
-    assert_ok(run(python(FAULT, "OUT_DIR", str(reference), *TRAIN_RUN), timeout=300, env=clean_env()))
+    assert_ok(run(python(TINY_TRAIN, "OUT_DIR", str(reference), *TRAIN_RUN), timeout=300, env=clean_env()))
     train = [r for r in read_metrics(reference) if r["split"] == "train"]
     assert [(r["epoch"], r["im_size"]) for r in train] == [(1, 8), (2, 12), (3, 16)]
     resumed = tmp_path / "resumed"
@@ -180,7 +180,7 @@ def test_a_run_resumed_mid_epoch_in_the_ramp_trains_the_weights_of_the_uninterru
     saved = ckpt.list_checkpoints(str(resumed / ckpt.CKPT_DIR))  # oldest first
     for path in saved[[Path(p).name for p in saved].index(mid_ramp) + 1 :]:  # as if stopped right after it
         Path(path).unlink()
-    result = run(python(FAULT, "OUT_DIR", str(resumed), *TRAIN_RUN), timeout=300, env=clean_env())
+    result = run(python(TINY_TRAIN, "OUT_DIR", str(resumed), *TRAIN_RUN), timeout=300, env=clean_env())
     assert_ok(result)
     assert f"resumed from {resumed / ckpt.CKPT_DIR / mid_ramp} at epoch 2, step 20" in result.stdout
     assert "epoch 2/3 trains at 12 px" in result.stdout and "epoch 3/3 trains at 16 px" in result.stdout

@@ -597,7 +597,6 @@ def test_a_zero_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
     assert [r["epoch"] for r in read_metrics(out) if r["split"] == "train"] == [1, 2]
 
 
-@pytest.mark.one_core  # one single-threaded process
 @pytest.mark.slow
 def test_a_bf16_run_trains_with_float32_weights(tmp_path):
     out = tmp_path / "bf16"
@@ -612,7 +611,6 @@ def test_a_bf16_run_trains_with_float32_weights(tmp_path):
     assert {v.dtype for v in final_checkpoint(out)["model"].values()} == {torch.float32}
 
 
-@pytest.mark.one_core  # one single-threaded process
 @pytest.mark.slow
 def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
     out = tmp_path / "compiled"

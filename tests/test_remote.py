@@ -27,9 +27,6 @@ from distribuuuu.data import DataError, remote
 from distribuuuu.data.packed import BadShardError, _ShardFiles
 from distribuuuu.launch import find_free_port
 
-# A local HTTP server and its downloads, in this process: beside the background jobs.
-pytestmark = pytest.mark.one_core
-
 TINY_BACKOFF = remote.Retry(attempts=5, backoff_s=0.001, max_backoff_s=0.01)
 
 

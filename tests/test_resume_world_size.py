@@ -1,6 +1,6 @@
 """Resume on another world size, exactly, under ddp and fsdp: one epoch trained by 2, then 3, then 2 ranks.
 
-Each chain is one epoch of the digits with ``fault_train.py``'s tiny CNN (16 px), preempted
+Each chain is one epoch of the digits with tests/models.py's tiny CNN (16 px), preempted
 (SIGTERM) mid-epoch by 2 ranks, resumed by 3 ranks and preempted again, then finished by 2
 ranks. ``FAULT_RECORD`` makes every rank record the sampler keys each step trained on, the LR and
 the global sample position, and rank 0 save the state each resume restored. One chain per
@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from background import background_job
-from helpers import DDP_FSDP_REL, FAULT, REPO, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
+from helpers import DDP_FSDP_REL, REPO, TINY_TRAIN, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -37,7 +36,7 @@ from distribuuuu.records import NullWriter
 DIGITS = REPO / "data" / "digits"
 BATCH, ACCUM = 16, 2
 CHAIN = [
-    "MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1",
+    "MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1",
     "TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS), "OPTIM.EMA_DECAY", "0.9", "DATA.MIXUP_ALPHA", "0.2",
     "TRAIN.BATCH_SIZE", str(BATCH), "TRAIN.ACCUM_STEPS", str(ACCUM), "TRAIN.CLIP_GRAD_NORM", "0.5",
     "TRAIN.PRINT_FREQ", "3", "TRAIN.WORKERS", "1",
@@ -54,16 +53,16 @@ def _chain(root: Path, strategy: str) -> Path:
     record.mkdir(parents=True)
     for ranks, signal_at in SEGMENTS:
         env = clean_env(FAULT_RECORD=str(record), FAULT_SIGNAL_AT_STEP=str(signal_at))
-        cmd = torchrun(ranks, FAULT, "OUT_DIR", str(out), *CHAIN, "DIST.STRATEGY", strategy)
+        cmd = torchrun(ranks, TINY_TRAIN, "OUT_DIR", str(out), *CHAIN, "DIST.STRATEGY", strategy)
         result = run(cmd, timeout=300, env=env)
         preempted = signal_at and "exiting with 75" in result.stderr
         assert result.returncode == 0 or preempted, f"{ranks} ranks:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return root
 
 
-@background_job
-def chains(tmp_path_factory, stack) -> dict[str, Path]:
-    """Both strategies' chains, in the background (tests/background.py): the tests read their records."""
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory) -> dict[str, Path]:
+    """Both strategies' chains: the tests read their records."""
     return {s: _chain(tmp_path_factory.mktemp(s), s) for s in ("ddp", "fsdp")}
 
 
@@ -156,15 +155,15 @@ def test_ddp_and_fsdp_chains_end_on_the_same_weights(chains):
         assert fsdp["loss"] == pytest.approx(ddp["loss"], abs=1e-4), fsdp["weights"]
 
 
-@background_job
-def hsdp_and_ddp(tmp_path_factory, stack) -> Path:
+@pytest.fixture(scope="module")
+def hsdp_and_ddp(tmp_path_factory) -> Path:
     """An hsdp job as two nodes of 2 ranks and a ddp job of 4 ranks, one epoch each; their OUT_DIRs' root."""
     root = tmp_path_factory.mktemp("hsdp_and_ddp")
     opts = [*CHAIN, "TRAIN.CKPT_PERIOD_ITERS", "4"]
     hsdp_opts = ["OUT_DIR", str(root / "hsdp"), *opts, "DIST.STRATEGY", "hsdp"]  # one OUT_DIR: a shared disk
-    for result in two_nodes(2, FAULT, [hsdp_opts, hsdp_opts]):
+    for result in two_nodes(2, TINY_TRAIN, [hsdp_opts, hsdp_opts]):
         assert_ok(result)
-    assert_ok(run(torchrun(4, FAULT, "OUT_DIR", str(root / "ddp"), *opts), timeout=400))
+    assert_ok(run(torchrun(4, TINY_TRAIN, "OUT_DIR", str(root / "ddp"), *opts), timeout=400))
     return root
 
 

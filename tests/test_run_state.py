@@ -21,9 +21,6 @@ from distribuuuu.launch import DistEnv
 from distribuuuu.models import build_model, register_model
 from distribuuuu.records import NullWriter
 
-# In-process checkpoints, on one thread: beside the background jobs.
-pytestmark = pytest.mark.one_core
-
 
 @register_model("run_state_cnn")
 def run_state_cnn(num_classes: int = 10, pretrained: bool = False) -> nn.Module:

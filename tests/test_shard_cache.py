@@ -24,7 +24,6 @@ from stat import S_ISREG
 
 import pytest
 import torch
-from background import background_job
 from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, serving, torchrun, two_nodes
 from test_sampler_resume import window_stretches
 
@@ -293,9 +292,9 @@ def test_local_dataset_is_read_in_place_whatever_the_limit(packed, tmp_path):
     assert links and all(p.is_symlink() for p in links)
 
 
-@background_job
-def two_node_runs(tmp_path_factory, stack):
-    """The runs of the test below, in the background (tests/background.py): (the packed folder, the
+@pytest.fixture(scope="module")
+def two_node_runs(tmp_path_factory):
+    """The runs of the test below: (the packed folder, the
     cache limit, the disk run, the two nodes' runs, the server, the peak sizes, the OUT_DIRs' root)."""
     tmp_path = tmp_path_factory.mktemp("two_nodes")
     packed = tmp_path / "digits"

@@ -19,15 +19,14 @@ from pathlib import Path
 import pytest
 from helpers import (
     EVAL_TINY,
-    FAULT,
     REPO,
     TEST,
     TINY_ARCH,
+    TINY_TRAIN,
     TRAIN,
     assert_ok,
     in_process,
     read_metrics,
-    register_tiny_model,
     run,
     serve_folder,
 )
@@ -37,10 +36,7 @@ pytest.importorskip("wids")
 datasets = pytest.importorskip("datasets")
 # The tools read any model's checkpoints alike: the tiny registered CNN keeps each export at ~2 s
 # (the light torchvision model's took ~12 s); tests/test_export_and_tracking.py exports that one.
-register_tiny_model()
 
-# In-process tools on one thread: it runs first, beside the background jobs (tests/background.py).
-pytestmark = pytest.mark.one_core
 
 TOOLS = REPO / "tools"
 PREDICT, EXPORT, CONVERT, SUMMARIZE = (
@@ -104,7 +100,7 @@ def runs(forms, tmp_path_factory) -> dict[str, Path]:
     """One 2-rank fsdp run (sharded checkpoints) and one single-process ddp run (files), with EMA."""
     out = tmp_path_factory.mktemp("runs")
     cmd = torchrun_cmd(
-        2, FAULT, *RUN_OPTS, *data(forms["folder"]), "DIST.STRATEGY", "fsdp", "OUT_DIR", str(out / "fsdp")
+        2, TINY_TRAIN, *RUN_OPTS, *data(forms["folder"]), "DIST.STRATEGY", "fsdp", "OUT_DIR", str(out / "fsdp")
     )
     assert_ok(run(cmd, timeout=300))
     assert_ok(in_process(TRAIN, *RUN_OPTS, *data(forms["folder"]), "OUT_DIR", str(out / "ddp")))

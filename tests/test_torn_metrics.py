@@ -18,16 +18,10 @@ from helpers import (
     in_process,
     python,
     read_metrics,
-    register_tiny_model,
     run,
 )
 
 from distribuuuu.metrics_file import repair_torn_tail
-
-register_tiny_model()
-
-# In-process runs of the tiny CNN on synthetic images, one thread: beside the background jobs.
-pytestmark = pytest.mark.one_core
 
 SUMMARIZE, PLOT = str(REPO / "tools" / "summarize.py"), str(REPO / "tools" / "plot_metrics.py")
 TORN = '{"split": "train", "epoch": 2, "lo'  # what a user found after a run died mid-append

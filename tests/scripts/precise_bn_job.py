@@ -27,7 +27,7 @@ DIGITS = str(Path(__file__).resolve().parents[2] / "data" / "digits")
 def tiny_model() -> nn.Module:
     """The tiny CNN (two conv-BN blocks) with non-trivial BN affine weights, so the second BN's
     input depends on the first's normalisation."""
-    from scripts.fault_train import TinyNet
+    from models import TinyNet
 
     torch.manual_seed(0)
     model = TinyNet(10)
@@ -40,7 +40,7 @@ def tiny_model() -> nn.Module:
 def cfg(images: int, transform: str = "train"):
     """Digits at 16 px, batches of 4, ``images`` precise-BN images read with ``transform``."""
     c = get_cfg_defaults()
-    c.merge_from_list(["MODEL.ARCH", "fault_tiny", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"])
+    c.merge_from_list(["MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"])
     c.merge_from_list(["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "TRAIN.BATCH_SIZE", "4", "TRAIN.WORKERS", "0"])
     c.merge_from_list(["BN.PRECISE_IMAGES", str(images), "BN.PRECISE_TRANSFORM", transform])
     validate_cfg(c)
