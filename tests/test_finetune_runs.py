@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import FAST_ARCH, REPO, assert_ok, lone_env, python, read_metrics, run, torchrun
+from helpers import FAST_ARCH, REPO, assert_ok, in_process, lone_env, read_metrics, run, torchrun
 
 from distribuuuu.checkpoint import load_checkpoint, model_state_from
 
@@ -67,12 +67,12 @@ def test_fine_tuning_the_digits_checkpoint_on_5_classes_with_a_new_head_and_a_fr
     # (tests/test_tool_matrix.py fine-tunes from every checkpoint form, .dcp folders included).
     pretrained, _, _ = digits_run
     five, fine = _five_class_copy(tmp_path / "digits5"), tmp_path / "fine"
-    result = run(
-        python(str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(fine), "TRAIN.DATASET", str(five),
-               "TEST.DATASET", str(five), "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3",
-               "MODEL.WEIGHTS", str(pretrained / "best.pth.tar"), "MODEL.FREEZE", "['conv1.*', 'bn1.*']",
-               "OPTIM.BASE_LR", "0.02", "OPTIM.HEAD_LR_MULT", "5.0", "OPTIM.MAX_EPOCH", "2", *QUIET),
-        timeout=600, env=lone_env(),  # runs alone, with the readers of the background jobs: both cores
+    result = in_process(
+        str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(fine), "TRAIN.DATASET", str(five),
+        "TEST.DATASET", str(five), "MODEL.NUM_CLASSES", "5", "TRAIN.TOPK", "3",
+        "MODEL.WEIGHTS", str(pretrained / "best.pth.tar"), "MODEL.FREEZE", "['conv1.*', 'bn1.*']",
+        "OPTIM.BASE_LR", "0.02", "OPTIM.HEAD_LR_MULT", "5.0", "OPTIM.MAX_EPOCH", "2", *QUIET,
+        env=lone_env(),  # both cores
     )  # fmt: skip
     assert_ok(result)
     assert "skipped 2 tensors of another shape" in result.stderr + result.stdout  # fc.weight, fc.bias: a new head

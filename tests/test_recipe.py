@@ -28,7 +28,7 @@ from torch import nn
 if __name__ == "__main__":  # run as the worker script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import REPO, assert_ok, clean_env, python, read_metrics, run, torchrun  # noqa: E402
+from helpers import REPO, assert_ok, clean_env, in_process, python, read_metrics, run, torchrun  # noqa: E402
 
 from distribuuuu import checkpoint, cli, trainer  # noqa: E402
 from distribuuuu import run as run_setup  # noqa: E402
@@ -478,13 +478,20 @@ WORKER = str(Path(__file__).resolve())
 ONE_EPOCH = [*TINY, "OPTIM.MAX_EPOCH", "1", "OPTIM.EMA_DECAY", "0.9", "OPTIM.EMA_WARMUP", "False"]
 
 
-def worker_run(out_dir: Path, nproc: int, *opts: str, mode: str = "train", timeout: float = 300):
-    """Run the worker (1 plain process or a 2-process torchrun job); return (result, per-rank stats)."""
+def worker_run(out_dir: Path, nproc: int, *opts: str, mode: str = "train", launch: bool = False, timeout: float = 300):
+    """Run the worker: a ``nproc``-process torchrun job, or with one rank in this process unless
+    ``launch`` (a process of its own); return (result, per-rank stats)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stats_prefix = out_dir / f"stats_{mode}"
-    args = (mode, "OUT_DIR", str(out_dir), *opts)
-    cmd = torchrun(nproc, WORKER, *args) if nproc > 1 else python(WORKER, *args)
-    result = run(cmd, timeout=timeout, env=clean_env(RECIPE_STATS=str(stats_prefix)))
+    args, env = (mode, "OUT_DIR", str(out_dir), *opts), clean_env(RECIPE_STATS=str(stats_prefix))
+    if nproc > 1 or launch:
+        result = run(torchrun(nproc, WORKER, *args) if nproc > 1 else python(WORKER, *args), timeout=timeout, env=env)
+    else:
+        counted = run_setup.wrap_model, trainer.optimizer_step  # the worker's counters wrap them: put back after
+        try:
+            result = in_process(WORKER, *args, env=env)
+        finally:
+            run_setup.wrap_model, trainer.optimizer_step = counted
     assert_ok(result)
     stats = [json.loads(Path(f"{stats_prefix}.rank{r}.json").read_text()) for r in range(nproc)]
     return result, stats
@@ -614,7 +621,8 @@ def test_a_bf16_run_trains_with_float32_weights(tmp_path):
 @pytest.mark.slow
 def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
     out = tmp_path / "compiled"
-    worker_run(out, 1, *TINY, "TRAIN.COMPILE", "True", "OPTIM.MAX_EPOCH", "1", timeout=400)
+    # A process of its own: Inductor's compile workers live as long as the process that compiled.
+    worker_run(out, 1, *TINY, "TRAIN.COMPILE", "True", "OPTIM.MAX_EPOCH", "1", launch=True, timeout=400)
     state = final_checkpoint(out)
     assert list(state["model"]) == list(RecipeCNN(10).state_dict())  # no _orig_mod. prefixes
     path = out / checkpoint.CKPT_DIR / "ckpt_ep_001.pth.tar"

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import clean_env, in_process
 
 from distribuuuu.config import ConfigError, load_cfg
 
@@ -112,16 +111,8 @@ def _write_run(out_dir: Path, epochs: int, with_ema: bool) -> Path:
 
 
 def _run_plot(*args: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MPLCONFIGDIR": str(tmp_path / "mpl")}
-    return subprocess.run(
-        [sys.executable, str(PLOT), *args],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """tools/plot_metrics.py in this process (its exit code and output, as a process of its own gives)."""
+    return in_process(str(PLOT), *args, env=clean_env(MPLCONFIGDIR=str(tmp_path / "mpl")))
 
 
 def _assert_png(path: Path) -> None:
