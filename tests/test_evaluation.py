@@ -1,4 +1,5 @@
-"""Confusion matrix and per-class accuracy: a 2-process gloo job against one process's count."""
+"""Confusion matrix and per-class accuracy: every rank of a threaded process group against one
+process's count."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, run, torchrun
+from helpers import on_ranks
 
+from distribuuuu.data.samplers import ExactEvalSampler
 from distribuuuu.evaluation import ConfusionMatrix, confusion_png, per_class_accuracy, save_evaluation
 
-sys.path.insert(0, str(REPO / "tests" / "scripts"))
-import confusion_job  # noqa: E402
+NUM_SAMPLES, NUM_CLASSES = 53, 4  # 53: divisible by neither 2 nor 3
+
+
+def _dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and targets of the whole evaluation set, the same on every rank and in the check."""
+    g = torch.Generator().manual_seed(11)
+    return torch.randn(NUM_SAMPLES, NUM_CLASSES, generator=g), torch.randint(
+        0, NUM_CLASSES, (NUM_SAMPLES,), generator=g
+    )
 
 
 def _count_by_hand(logits: torch.Tensor, targets: torch.Tensor, num_classes: int) -> list[list[int]]:
@@ -26,21 +35,40 @@ def _count_by_hand(logits: torch.Tensor, targets: torch.Tensor, num_classes: int
     return matrix
 
 
-@pytest.mark.slow
-def test_two_ranks_reduce_to_the_single_process_matrix(tmp_path):
-    result = run(torchrun(2, str(REPO / "tests" / "scripts" / "confusion_job.py"), str(tmp_path)), timeout=180)
-    assert_ok(result)
-    locals_ = sorted(int(line.split("local=")[1]) for line in result.stdout.splitlines() if line.startswith("OK"))
-    assert locals_ == [26, 27]  # each rank counted only its shard
-    logits, targets = confusion_job.dataset()
-    expected = _count_by_hand(logits, targets, confusion_job.NUM_CLASSES)
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_reduce_to_the_single_process_matrix_and_only_rank_0_writes(tmp_path, world):
+    # Each rank counts its ExactEvalSampler shard in batches of 5 (the last shorter) and calls the
+    # collective reduce; rank 0 alone writes the files.
+    logits, targets = _dataset()
+    names = [f"class_{c}" for c in range(NUM_CLASSES)]
+
+    def rank_job(rank: int) -> tuple[list[int], list[list[int]], list[list[int]], list]:
+        shard = list(ExactEvalSampler(NUM_SAMPLES, world, rank))
+        matrix = ConfusionMatrix(NUM_CLASSES)
+        for batch in torch.tensor(shard).split(5):
+            matrix.update(logits[batch], targets[batch])
+        local = matrix.counts.view(NUM_CLASSES, NUM_CLASSES).tolist()
+        reduced = matrix.reduce()
+        return shard, local, reduced.tolist(), save_evaluation(tmp_path, "val", reduced, names)
+
+    ranks = on_ranks(world, rank_job)
+    shards = [shard for shard, *_ in ranks]
+    assert sorted(i for shard in shards for i in shard) == list(range(NUM_SAMPLES))  # each sample on one rank
+    assert sorted(len(s) for s in shards) == sorted(
+        NUM_SAMPLES // world + (r < NUM_SAMPLES % world) for r in range(world)
+    )
+    expected = _count_by_hand(logits, targets, NUM_CLASSES)
+    for shard, local, reduced, _ in ranks:
+        assert local == _count_by_hand(logits[shard], targets[shard], NUM_CLASSES)  # each rank counted its shard only
+        assert reduced == expected
+    assert [bool(written) for *_, written in ranks] == [True] + [False] * (world - 1)  # only the main process writes
     saved = json.loads((tmp_path / "val_per_class.json").read_text())
     assert saved["confusion"] == expected
     with open(tmp_path / "val_confusion.csv", newline="") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["target\\predicted", "class_0", "class_1", "class_2", "class_3"]
+    assert rows[0] == ["target\\predicted", *names]
     assert [[int(v) for v in row[1:]] for row in rows[1:]] == expected
-    for c, name in enumerate(rows[0][1:]):
+    for c, name in enumerate(names):
         entry = saved["classes"][name]
         assert (entry["samples"], entry["correct"]) == (sum(expected[c]), expected[c][c])
         assert entry["accuracy"] == pytest.approx(100.0 * expected[c][c] / sum(expected[c]))

@@ -1,14 +1,12 @@
-"""Fine-tuning end to end: the digits checkpoint on a subset of its classes, the
-repeated-augmentation sampler in a 2-process job, and the evaluation output of a 2-process training
-run (extra val set, confusion matrix, predictions), each checked against what one process computes
-independently."""
+"""Fine-tuning end to end: the digits checkpoint on a subset of its classes, and the evaluation
+output of a 2-process training run (extra val set, confusion matrix, predictions), each checked
+against what one process computes independently."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,35 +19,6 @@ from distribuuuu.checkpoint import load_checkpoint, model_state_from
 DIGITS = REPO / "data" / "digits"
 QUIET = ["TRAIN.PRINT_FREQ", "100"]
 SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", *QUIET]
-
-
-def _interleave(shards: list[list]) -> list:
-    """The global sequence: position p went to rank p % W as its (p // W)-th sample."""
-    return [shard[i] for i in range(len(shards[0])) for shard in shards]
-
-
-@pytest.mark.slow  # 40 s on 2 shared cores
-def test_repeated_augmentation_in_a_2_process_job_repeats_each_sample_k_times_and_resumes():
-    k = 3
-    opts = ["TRAIN.SAMPLER", "repeated", "TRAIN.REPEATED_AUG", str(k), "TRAIN.DATASET", str(DIGITS)]
-    result = run(torchrun(2, str(REPO / "tests" / "scripts" / "sampler_job.py"), *opts), timeout=180)
-    assert_ok(result)
-    ranks = json.loads(next(line[5:] for line in result.stdout.splitlines() if line.startswith("KEYS ")))
-    train_len = len(torchvision.datasets.ImageFolder(DIGITS / "train"))
-    for epoch in (0, 1):
-        shards = [[tuple(key) for key in rank[str(epoch)]] for rank in ranks]
-        assert [len(s) for s in shards] == [train_len // 2] * 2
-        keys = _interleave(shards)
-        counts = Counter(index for _, index in keys)
-        last = keys[-1][1]
-        assert all(c == k for i, c in counts.items() if i != last) and 1 <= counts[last] <= k
-        assert len(set(keys)) == len(keys)  # each copy its own augmentation round: no two seeds alike
-        assert {r for r, _ in keys} == set(range(epoch * k, epoch * k + k))
-        for index in counts:  # the copies go to both ranks
-            if counts[index] >= 2:
-                assert {p % 2 for p, (_, i) in enumerate(keys) if i == index} == {0, 1}
-    for rank in ranks:  # a resumed epoch continues exactly where the uninterrupted one was
-        assert rank["resumed"] == rank["1"][5:]
 
 
 def _five_class_copy(root: Path) -> Path:

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, assert_ok, clean_env, python, run, torchrun, two_nodes
+from helpers import REPO, assert_ok, clean_env, in_process, run, torchrun, two_nodes
 
 from distribuuuu.distributed import all_reduce_sum, cleanup_distributed, setup_distributed
 from distribuuuu.launch import DistEnv, LaunchError, find_free_port
@@ -42,7 +42,7 @@ def _rows(stdout: str, names: list[str]) -> dict[str, str]:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the checks would run")
 def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
-    result = run(python(GPU_CHECK), timeout=120)
+    result = in_process(GPU_CHECK)  # a plain single process: the tool's own __main__ in this one
     lines = (result.stdout + result.stderr).splitlines()
     assert result.returncode == 2, result
     assert len(lines) == 1 and "no CUDA GPU visible" in lines[0], lines

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import (
     DUMMY_OPTS,
     EVAL_FAST,
@@ -23,19 +24,20 @@ from helpers import (
     assert_ok,
     clean_env,
     in_process,
+    on_ranks,
     python,
     read_metrics,
     run,
     torchrun,
 )
 
+from distribuuuu import utils
 from distribuuuu.checkpoint import load_checkpoint
 from distribuuuu.launch import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
 # Counted on disk, not copied from a run: 361, divisible by neither 2 nor 3.
 VAL_IMAGES = sum(1 for p in (REPO / "data" / "digits" / "val").rglob("*") if p.is_file())
-UTILS_JOB = str(REPO / "tests" / "scripts" / "utils_job.py")
 TEARDOWN_JOB = str(REPO / "tests" / "scripts" / "teardown_job.py")
 
 
@@ -149,30 +151,68 @@ def test_test_net_without_weights_exits_2_naming_model_weights(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("distribuuuu: error:") and "MODEL.WEIGHTS" in lines[0], lines
 
 
+@pytest.fixture(scope="module")
+def utils_and_teardown_job(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """One 2-process torchrun job (the launcher's environment, real gloo, DDP): the utils example
+    (utils_job.py), then train_model in the same group. Its result, the example's and the run's folders."""
+    tmp_path = tmp_path_factory.mktemp("utils_teardown")
+    utils_out, run_out = tmp_path / "utils", tmp_path / "run"
+    utils_out.mkdir()
+    args = [str(utils_out), *EVAL_FAST, *DUMMY_OPTS, "OUT_DIR", str(run_out)]  # the loop, not the data
+    return run(torchrun(2, TEARDOWN_JOB, *args), timeout=300, env=clean_env()), utils_out, run_out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
-def test_train_model_ends_its_process_group_before_it_returns(tmp_path):
+def test_train_model_ends_its_process_group_before_it_returns(utils_and_teardown_job):
     """Nothing of the run (the stall reporter's view of it held DDP, whose reducer holds the group)
     may keep the process group alive past train_model: its gloo threads then ended during interpreter
     shutdown, which now and then aborted a rank that had trained to the end ("terminate called
     without an active exception")."""
-    cmd = torchrun(2, TEARDOWN_JOB, *EVAL_FAST, *DUMMY_OPTS, "OUT_DIR", str(tmp_path))  # the loop, not the data
-    result = run(cmd, timeout=300, env=clean_env())
+    result, _, run_out = utils_and_teardown_job
     assert_ok(result)
     left = [line for line in result.stdout.splitlines() if line.startswith("gloo threads left:")]
     assert left == ["gloo threads left: []"] * 2, result.stdout[-2000:]
+    assert "torchrun launch, 2 process(es)" in (run_out / "log.txt").read_text()
 
 
 # ------------------------------------------------------------------------------------------------
 # distribuuuu.utils in a user's own script
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_utils_job_runs_under_torchrun_with_two_processes(tmp_path):
-    result = run(torchrun(2, UTILS_JOB, str(tmp_path)), timeout=300)
+def test_utils_job_runs_under_torchrun_with_two_processes(utils_and_teardown_job):
+    # What only processes show: setup_distributed from torchrun's variables, DDP keeping the
+    # replicas of two processes identical, rank 0's file read back by the other process.
+    result, utils_out, _ = utils_and_teardown_job
     assert_ok(result)
     ok_lines = sorted(line.split()[1] for line in result.stdout.splitlines() if line.startswith("OK rank="))
     assert ok_lines == ["rank=0", "rank=1"], result.stdout
     assert "world=2" in result.stdout
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pth.tar"], "one file, written once, no temp left"
-    state = load_checkpoint(str(tmp_path / "model.pth.tar"))
-    assert state["saved_by"] == 0
+    assert sorted(p.name for p in utils_out.iterdir()) == ["model.pth.tar"], "one file, written once, no temp left"
+    assert load_checkpoint(str(utils_out / "model.pth.tar"))["saved_by"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_utils_reductions_and_rank_0s_checkpoint_on_every_rank(tmp_path, world):
+    """distribuuuu.utils' collectives on every rank of a threaded process group, against sums by hand."""
+    path = str(tmp_path / "model.pth.tar")
+
+    def rank_job(rank: int) -> dict:
+        assert (utils.get_rank(), utils.get_world_size(), utils.is_main_process()) == (rank, world, rank == 0)
+        summed = utils.all_reduce_sum(torch.tensor([rank + 1.0])).item()
+        [mean] = utils.scaled_all_reduce([torch.tensor([float(rank)])])
+        gathered = utils.all_gather_object({"rank": rank})
+        chosen = utils.broadcast_object(f"from {rank}")
+        weights = torch.full((3,), float(rank))  # each rank its own: only rank 0's may land in the file
+        utils.save_checkpoint({"weights": weights, "saved_by": rank}, path)
+        utils.barrier()
+        state = utils.load_checkpoint(path)
+        return {"sum": summed, "mean": mean.item(), "gathered": gathered, "chosen": chosen, "state": state}
+
+    for result in on_ranks(world, rank_job):
+        assert result["sum"] == sum(r + 1 for r in range(world))
+        assert result["mean"] == sum(range(world)) / world
+        assert result["gathered"] == [{"rank": r} for r in range(world)]
+        assert result["chosen"] == "from 0"
+        assert result["state"]["saved_by"] == 0 and torch.equal(result["state"]["weights"], torch.zeros(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pth.tar"], "one file, written once, no temp left"

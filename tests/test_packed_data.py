@@ -31,7 +31,7 @@ from helpers import (
     serve_folder,
     torchrun,
 )
-from test_sampler_resume import window_stretches
+from test_sampler_resume import RESUME_AT, config_sampler_keys, window_stretches
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
@@ -202,25 +202,21 @@ def test_shard_window_loaders_train_on_each_sample_once_in_windows_whatever_the_
     assert [index for _, index in _interleave(resumed)][: n - 6 * BATCH] == order[6 * BATCH : n]
 
 
-@pytest.mark.slow  # 78 s here with a training run beside it on the 2 shared cores
-def test_shard_window_order_of_a_2_process_job_is_the_one_process_order_and_resumes(packed, tmp_path):
-    """tests/scripts/sampler_job.py under torchrun (gloo, 2 processes) with DATA.SHUFFLE_WINDOW 2:
-    the two ranks' keys interleave into the order one process computes for each epoch, windows of
-    2 shards, and an epoch resumed after 5 samples a rank continues it exactly."""
-    job = str(REPO / "tests" / "scripts" / "sampler_job.py")
+def test_shard_window_order_of_2_ranks_of_a_real_config_is_the_one_process_order_and_resumes(packed, tmp_path):
+    """Both ranks' samplers of a real config (load_cfg, build_train_split) with DATA.SHUFFLE_WINDOW
+    2: their keys interleave into the order one process computes for each epoch, windows of 2
+    shards, and an epoch resumed after 5 samples a rank continues it exactly."""
     opts = ["TRAIN.DATASET", str(packed), "DATA.SHUFFLE_WINDOW", "2", "DATA.SHARD_CACHE", str(tmp_path / "cache")]
-    result = run(torchrun(2, job, *opts), timeout=180)
-    assert_ok(result)
-    ranks = json.loads(next(line[5:] for line in result.stdout.splitlines() if line.startswith("KEYS ")))
+    ranks = config_sampler_keys(opts, 2)
     shard_of = _shard_of_rows(packed)
     for epoch in (0, 1):
-        keys = _interleave([[tuple(key) for key in rank[str(epoch)]] for rank in ranks])
+        keys = _interleave([rank[epoch] for rank in ranks])
         one_process = ShardWindowSampler(range(len(shard_of)), 1, 0, get_cfg_defaults().RNG_SEED, shard_of, 2)
         one_process.set_epoch(epoch)
         assert keys == list(one_process)  # 1436 samples: no padding on 2 ranks
         window_stretches([index for _, index in keys], shard_of, 2)
     for rank in ranks:
-        assert rank["resumed"] == rank["1"][5:]
+        assert rank["resumed"] == rank[1][RESUME_AT:]
 
 
 def test_packed_jpegs_take_the_decoders_and_the_batched_path_of_the_folder(tmp_path):

@@ -11,6 +11,9 @@ from collections import Counter
 
 import pytest
 import torch
+import torchvision
+from helpers import REPO
+from test_sampler_resume import RESUME_AT, config_sampler_keys
 
 from distribuuuu.data.samplers import RepeatedAugmentationSampler, WeightedDistributedSampler, occurrence_numbers
 from distribuuuu.losses import inverse_frequency_weights
@@ -116,3 +119,26 @@ def test_copies_of_a_sample_are_augmented_differently_and_reproducibly():
     assert len({key[1] for key in keys[:3]}) == 1
     assert not torch.equal(images[0], images[1]) and not torch.equal(images[1], images[2])
     assert torch.equal(images[1], dataset[keys[1]][0])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_repeated_augmentation_of_a_real_config_repeats_each_sample_k_times_across_the_ranks_and_resumes(world):
+    """Every rank's sampler built from TRAIN.SAMPLER repeated by load_cfg and build_train_split on
+    the digits (1436 images, divisible by neither 3 nor 2 x 3 = 6)."""
+    k, digits = 3, REPO / "data" / "digits"
+    opts = ["TRAIN.SAMPLER", "repeated", "TRAIN.REPEATED_AUG", str(k), "TRAIN.DATASET", str(digits)]
+    ranks = config_sampler_keys(opts, world)
+    train_len = len(torchvision.datasets.ImageFolder(digits / "train"))
+    for epoch in (0, 1):
+        shards = [rank[epoch] for rank in ranks]
+        assert [len(s) for s in shards] == [train_len // world] * world
+        keys = _interleave(shards)
+        counts = Counter(index for _, index in keys)
+        last = keys[-1][1]
+        assert all(c == k for i, c in counts.items() if i != last) and 1 <= counts[last] <= k
+        assert len(set(keys)) == len(keys)  # each copy its own augmentation round: no two seeds alike
+        assert {r for r, _ in keys} == set(range(epoch * k, epoch * k + k))
+        for index, count in counts.items():  # consecutive copies: on as many ranks as there are copies
+            assert len({p % world for p, (_, i) in enumerate(keys) if i == index}) == min(count, world)
+    for rank in ranks:  # a resumed epoch continues exactly where the uninterrupted one was
+        assert rank["resumed"] == rank[1][RESUME_AT:]

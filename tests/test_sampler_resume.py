@@ -10,7 +10,10 @@ from __future__ import annotations
 import pytest
 from torch.utils.data import DistributedSampler
 
+from distribuuuu.config import load_cfg
+from distribuuuu.data import build_train_split
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
+from distribuuuu.launch import DistEnv
 
 SEED = 7
 SHARD = 7  # samples per shard in the windowed cases; the last shard holds the rest
@@ -143,3 +146,27 @@ def test_negative_position_is_refused_and_a_finished_epoch_is_empty():
         s.set_position(-1)
     s.set_position(10)
     assert len(s) == 0 and list(s) == []
+
+
+RESUME_AT = 5  # samples of one rank into epoch 1
+
+
+def config_sampler_keys(opts: list[str], world: int) -> list[dict]:
+    """Every rank's training sampler of a real config (load_cfg, build_train_split with that rank's
+    DistEnv, as training builds it), all built in this process: the data code takes no collective.
+    Per rank, its ``(round, index)`` keys of epochs 0 and 1, and "resumed": epoch 1 from a sampler
+    built anew (as after a restart) and started after RESUME_AT samples."""
+    ranks = []
+    for rank in range(world):
+        env, keys = DistEnv(rank=rank, world_size=world), {}
+        sampler = build_train_split(load_cfg(opts=opts), env).sampler
+        for epoch in (0, 1):
+            sampler.set_epoch(epoch)
+            sampler.set_start(0)
+            keys[epoch] = [tuple(key) for key in sampler]
+        resumed = build_train_split(load_cfg(opts=opts), env).sampler
+        resumed.set_epoch(1)
+        resumed.set_start(RESUME_AT)
+        keys["resumed"] = [tuple(key) for key in resumed]
+        ranks.append(keys)
+    return ranks

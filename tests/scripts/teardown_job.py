@@ -1,15 +1,20 @@
-"""Train with ``trainer.train_model`` under torchrun, then print the gloo threads left in this process.
+"""Run the ``distribuuuu.utils`` example (utils_job.py) under torchrun, then train with
+``trainer.train_model`` in the same process group, then print the gloo threads left in this process.
 
-    torchrun --nproc_per_node=2 tests/scripts/teardown_job.py KEY VALUE ...
+    torchrun --nproc_per_node=2 tests/scripts/teardown_job.py UTILS_OUT_DIR KEY VALUE ...
 
-train_model destroys its process group before it returns; once nothing else holds the group, its
-gloo threads have ended too. Prints ``gloo threads left: [...]`` on every rank.
+One launch for both: train_model takes the group already set up (setup_distributed returns at once)
+and destroys it before it returns; once nothing else holds the group, its gloo threads have ended
+too. Prints utils_job's ``OK rank=...`` line and ``gloo threads left: [...]`` on every rank.
+(Setting up a second group in one torchrun process after destroying the first hangs: hence one group.)
 """
 
 import os
 import sys
 
-from distribuuuu import trainer
+import utils_job
+
+from distribuuuu import trainer, utils
 from distribuuuu.config import load_cfg
 
 
@@ -23,5 +28,6 @@ def gloo_threads() -> list[str]:
 
 
 if __name__ == "__main__":
-    trainer.train_model(load_cfg(None, sys.argv[1:]))
+    utils_job.train_and_save(utils.setup_distributed(), sys.argv[1])
+    trainer.train_model(load_cfg(None, sys.argv[2:]))
     print(f"gloo threads left: {gloo_threads()}", flush=True)

@@ -16,6 +16,12 @@ from distribuuuu import utils
 
 def main(out_dir: str) -> None:
     env = utils.setup_distributed()  # reads torchrun/Slurm/MPI variables; gloo on CPU, nccl on GPU
+    train_and_save(env, out_dir)  # returns with its DDP model gone: nothing holds the process group any more
+    utils.cleanup_distributed()
+
+
+def train_and_save(env: utils.DistEnv, out_dir: str) -> None:
+    """Train a DDP model on each rank's own data, check the replicas and the reductions, save it on rank 0."""
     rank, world = utils.get_rank(), utils.get_world_size()
 
     # A tiny classifier, wrapped in DDP: it copies rank 0's initial weights to every rank and
@@ -61,7 +67,6 @@ def main(out_dir: str) -> None:
     assert all(torch.equal(v, model.state_dict()[k].cpu()) for k, v in state["model"].items())
 
     utils.barrier()
-    utils.cleanup_distributed()
     # One write per line: print() writes text and newline separately, and the ranks share a pipe.
     sys.stdout.write(f"OK rank={rank} world={world} loss={loss_meter.avg:.4f}\n")
     sys.stdout.flush()
