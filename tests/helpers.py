@@ -336,7 +336,10 @@ def on_ranks(world_size: int, fn, timeout: float = 120) -> list:
     """``fn(rank)`` on every rank of a ``world_size`` process group made of threads of this process
     (torch's own test backend, "threaded": every collective of the real API, run across the threads;
     ``dist.get_rank()`` answers each thread its rank): the ranks' results, in rank order, or the
-    first rank's error. For collective bookkeeping; launches are for what only processes show."""
+    first rank's error. For collective bookkeeping; launches are for what only processes show.
+    The ranks share what a process has once: torch's global RNG (a rank that draws augmentations
+    must load its batches under a lock, or the ranks draw from each other's seeds), the thread
+    count, ``os.environ``."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
