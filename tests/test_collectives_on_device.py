@@ -20,13 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import FAST, REPO
+from models import CONV_BN_HEAD
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from distribuuuu.config import load_cfg
 from distribuuuu.distributed import all_reduce_sum, cleanup_distributed
 from distribuuuu.launch import find_free_port
-from distribuuuu.models import register_model
 
 DIGITS = str(REPO / "data" / "digits")
 TENSOR_COLLECTIVES = (
@@ -39,16 +39,6 @@ FACTORIES = {
 }  # fmt: skip
 MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
 _MARK = "_distribuuuu_on_host"
-TINY = "collectives_tiny"
-
-
-@register_model(TINY)
-def tiny_net(num_classes: int = 10, pretrained: bool = False) -> torch.nn.Module:
-    """Conv-BN-ReLU and a linear head: every op runs through HostTensors, so the model is kept small."""
-    return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes),
-    )  # fmt: skip
 
 
 def on_host(t: torch.Tensor) -> bool:
@@ -175,7 +165,8 @@ def test_training_and_evaluation_collectives_get_device_tensors(strategy, strict
     from distribuuuu import trainer
 
     offences, calls = strict_collectives
-    opts = [*FAST, "MODEL.ARCH", TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "128"]
+    opts = [*FAST, "MODEL.ARCH", CONV_BN_HEAD, "OPTIM.MAX_EPOCH", "1"]
+    opts += ["TRAIN.BATCH_SIZE", "128", "TEST.BATCH_SIZE", "128"]
     opts += ["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS, "DIST.STRATEGY", strategy, "OPTIM.EMA_DECAY", "0.9"]
     opts += ["OUT_DIR", str(tmp_path)]
     trainer.train_model(load_cfg(None, opts))
