@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -179,23 +180,23 @@ def _captured_fds() -> Iterator[tuple[_Captured, _Captured]]:
 
 
 class Started:
-    """``cmd`` started in a session of its own, its output kept in temporary files (``stdout``: a
-    file descriptor to write to instead, a terminal say); ``result`` waits for it, ``poll`` asks
-    whether it ended, ``close`` kills it if still running.
+    """``cmd`` started in a session of its own, watched while it runs: ``out``/``err`` are the files
+    its output goes to (``stdout``: a file descriptor to write to instead, a terminal say), readable
+    at any time; ``workers`` finds the processes it started by rank, ``wait_until`` polls for what a
+    test waits for, ``result`` waits for its end, ``close`` kills what still runs.
 
     Every process it starts, in whatever session (torchrun's workers lead their own), carries its
-    tag (tests/processes.py) and dies with it."""
+    tag (tests/processes.py) and dies with it, stopped (SIGSTOP) or not."""
 
     def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, stdout=None):
-        self.tag = processes.new_launch_tag()
+        self.cmd, self.tag, self._dir = cmd, processes.new_launch_tag(), tempfile.TemporaryDirectory()
+        self.out, self.err = Path(self._dir.name, "stdout"), Path(self._dir.name, "stderr")
         env = {**(env or clean_env()), processes.LAUNCH_VAR: self.tag}
-        self.cmd, self._files = cmd, (tempfile.TemporaryFile(), tempfile.TemporaryFile())
-        self._result: subprocess.CompletedProcess | None = None
-        self._code: int | None = None
-        out = self._files[0].fileno() if stdout is None else stdout
-        self._proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=self._files[1], start_new_session=True
-        )
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
+            self._proc = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out if stdout is None else stdout, stderr=err,
+                start_new_session=True,
+            )  # fmt: skip
         self.pid = self._proc.pid
 
     def __enter__(self) -> Started:
@@ -204,49 +205,54 @@ class Started:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def result(self, timeout: float) -> subprocess.CompletedProcess:
-        """Wait at most ``timeout`` seconds from now; the finished process, or AssertionError (with
-        its output and the processes it left) after killing it and them."""
-        if self._result is None:
-            code = self._wait(timeout)
-            if code is None:
-                left = self._kill()
-                out, err = self._output()
-                raise _timed_out(self.cmd, timeout, out, err, left) from None
-            self._result = subprocess.CompletedProcess(self.cmd, code, *self._output())
-        return self._result
+    def output(self) -> tuple[str, str]:
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+    def tail(self) -> str:
+        out, err = self.output()
+        return f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
 
     def poll(self) -> int | None:
         """Its exit code if it has ended, else None (at once)."""
-        return self._wait(0.01)
+        return self._proc.poll()
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait at most ``timeout`` seconds from now; the finished process, or AssertionError (with
+        its output and the processes it left) after killing it and them."""
+        try:
+            code = self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            killed = "".join(f"\n  {process}" for process in self._kill())
+            raise AssertionError(f"{self.cmd} did not finish in {timeout}s; killed:{killed}\n{self.tail()}") from None
+        return subprocess.CompletedProcess(self.cmd, code, *self.output())
+
+    def wait_until(self, predicate, timeout: float, what: str) -> float:
+        """Poll ``predicate`` until true; the seconds it took. Fails naming ``what`` if it ends first."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if predicate():
+                return time.monotonic() - start
+            if self.poll() is not None:
+                raise AssertionError(f"exited {self.poll()} before {what}\n{self.tail()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} within {timeout}s\n{self.tail()}")
+
+    def workers(self) -> dict[int, int]:
+        """{rank: pid} of the processes it started with a RANK (torchrun's workers), from /proc."""
+        return {
+            int(dict(v.split("=", 1) for v in process.environ)["RANK"]): process.pid
+            for process in processes.tagged(processes.LAUNCH_VAR, self.tag)
+            if process.ppid == self.pid and any(v.startswith("RANK=") for v in process.environ)
+        }
 
     def close(self) -> None:
-        """Kill what is still running of it (e.g. the session ended before a test waited for it)."""
         self._kill()
-        for f in self._files:
-            f.close()
-
-    def _output(self) -> tuple[str, str]:
-        return tuple(f.seek(0) or f.read().decode(errors="replace") for f in self._files)
-
-    def _wait(self, timeout: float | None) -> int | None:
-        if self._code is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._code = self._proc.wait(timeout)
-        return self._code
+        self._dir.cleanup()
 
     def _kill(self) -> list[processes.Process]:
         left = processes.kill_tagged(processes.LAUNCH_VAR, self.tag)
-        self._wait(None)
+        self._proc.wait()
         return left
-
-
-def _timed_out(cmd: list[str], timeout: float, out: str, err: str, killed: list) -> AssertionError:
-    killed_lines = "".join(f"\n  {process}" for process in killed)
-    return AssertionError(
-        f"{cmd} did not finish in {timeout}s; killed {len(killed)} process(es):{killed_lines}"
-        f"\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
-    )
 
 
 def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list[str]:

@@ -28,6 +28,8 @@ _launches = itertools.count()
 class Process:
     pid: int
     cmdline: str
+    ppid: int = 0
+    environ: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"pid {self.pid}: {self.cmdline[:300]}"
@@ -45,16 +47,16 @@ def tagged(var: str, value: str) -> list[Process]:
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
-                if entry not in f.read().split(b"\0"):
-                    continue
+                environ = f.read().split(b"\0")
             with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            if entry not in environ or state == b"Z":
+                continue
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        found.append(Process(int(name), cmdline))
+        found.append(Process(int(name), cmdline, int(ppid), tuple(v.decode(errors="replace") for v in environ if v)))
     return found
 
 

@@ -30,6 +30,7 @@ from helpers import (
     FAST,
     REPO,
     TINY_TRAIN,
+    Started,
     assert_ok,
     clean_env,
     in_process,
@@ -70,75 +71,6 @@ pytestmark = pytest.mark.usefixtures("plain_logging")
 # ------------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------------
-class Job:
-    """A launched command, watched while it runs; on exit it and every worker it started are killed.
-
-    torchrun starts each worker in its own session, so killing torchrun's process group alone
-    would leave them running: their pids are remembered and their groups killed too.
-    """
-
-    def __init__(self, cmd: list[str], log_dir: Path, env: dict | None = None):
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.out, self.err = log_dir / "stdout.txt", log_dir / "stderr.txt"
-        env = dict(env or ENV)
-        with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
-        self.seen: set[int] = set()
-
-    def __enter__(self) -> Job:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.workers()  # remember any worker started since the last look
-        for pid in [*self.seen, self.proc.pid]:
-            for sig in (signal.SIGCONT, signal.SIGKILL):  # SIGCONT: a stopped process as well
-                try:
-                    os.killpg(pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        self.proc.wait(timeout=30)
-
-    def workers(self) -> dict[int, int]:
-        """{rank: pid} of the processes torchrun started (read from /proc: ppid and RANK)."""
-        found = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-                if ppid != self.proc.pid:
-                    continue
-                environ = (stat.parent / "environ").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
-                continue
-            rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
-            if rank is not None:
-                found[rank] = int(stat.parent.name)
-        self.seen.update(found.values())
-        return found
-
-    def wait_until(self, predicate, timeout: float, what: str) -> float:
-        """Poll ``predicate`` until true; return the time it took. Fails if the job exits first."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout:
-            if predicate():
-                return time.monotonic() - start
-            if self.proc.poll() is not None:
-                raise AssertionError(f"job exited {self.proc.returncode} before {what}\n{self.tail()}")
-            time.sleep(0.05)
-        raise AssertionError(f"no {what} within {timeout}s\n{self.tail()}")
-
-    def finish(self, timeout: float) -> subprocess.CompletedProcess:
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"job did not finish in {timeout}s\n{self.tail()}") from None
-        return subprocess.CompletedProcess(
-            self.proc.args, self.proc.returncode, self.out.read_text(), self.err.read_text()
-        )
-
-    def tail(self) -> str:
-        return f"stdout:\n{self.out.read_text()[-3000:]}\nstderr:\n{self.err.read_text()[-3000:]}"
-
-
 def _mid_epoch_checkpoints(out: Path) -> list[str]:
     """Finished mid-epoch checkpoints (files or sharded directories; not a temporary being written)."""
     names = os.listdir(out / "checkpoints") if (out / "checkpoints").is_dir() else []
@@ -217,11 +149,11 @@ def _restartable_job(out: Path, *args: str) -> list[str]:
 @pytest.mark.slow
 def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(_restartable_job(out), tmp_path / "logs") as job:
+    with Started(_restartable_job(out), ENV) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         first_round = job.workers()
         os.kill(first_round[1], signal.SIGKILL)
-        result = job.finish(400)
+        result = job.result(400)
     assert_ok(result)
     resumed = RESUMED.search(result.stdout)
     assert resumed and "_it_" in resumed[1], f"no mid-epoch resume:\n{result.stdout[-3000:]}"
@@ -232,10 +164,10 @@ def test_sigkilled_rank_is_restarted_by_torchrun_and_resumes_to_the_same_weights
 @pytest.mark.slow
 def test_sigkilled_fsdp_rank_resumes_from_the_sharded_checkpoint_to_ddps_weights(tmp_path, reference_two):
     out = tmp_path / "run"
-    with Job(_restartable_job(out, "DIST.STRATEGY", "fsdp"), tmp_path / "logs") as job:
+    with Started(_restartable_job(out, "DIST.STRATEGY", "fsdp"), ENV) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         os.kill(job.workers()[1], signal.SIGKILL)
-        result = job.finish(400)
+        result = job.result(400)
     assert_ok(result)
     resumed = RESUMED.search(result.stdout)
     assert resumed and resumed[1].endswith(".dcp") and "_it_" in resumed[1], (
@@ -261,13 +193,13 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_is_requeued_once_and_re
     (fake_bin / "scontrol").chmod(0o755)
     env = dict(ENV, SLURM_JOB_ID="4242", PATH=f"{fake_bin}:{os.environ['PATH']}")
     cmd = torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO, "DIST.REQUEUE", "True")
-    with Job(cmd, tmp_path / "preempted", env=env) as job:
+    with Started(cmd, env) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
         # Signal the workers as Slurm does (every process of the step): torchrun then reports
         # their exit codes. (Signalling torchrun works too: it forwards SIGTERM to the workers.)
         for pid in job.workers().values():
             os.kill(pid, signal.SIGTERM)
-        result = job.finish(300)
+        result = job.result(300)
     # torchrun itself exits 1 whenever a worker exits non-zero; its report names each exit code.
     assert result.returncode == 1, job.tail()
     assert re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M) == ["75", "75"], result.stderr[-3000:]
@@ -313,10 +245,10 @@ def test_ctrl_c_checkpoints_at_the_agreed_step_exits_130_in_one_line_and_resumes
     # A terminal's Ctrl-C reaches its whole foreground process group: the trainer and its
     # DataLoader workers (TRAIN.WORKERS 2), which leave it to the trainer.
     cmd = python(TINY_TRAIN, "OUT_DIR", str(out), *ONE, "TRAIN.WORKERS", "2")
-    with Job(cmd, tmp_path / "interrupted") as job:
+    with Started(cmd, ENV) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
-        os.killpg(job.proc.pid, signal.SIGINT)
-        result = job.finish(300)
+        os.killpg(job.pid, signal.SIGINT)
+        result = job.result(300)
     assert result.returncode == 130, job.tail()
     assert [line for line in result.stderr.splitlines() if line.strip()] == [INTERRUPTED.search(result.stderr)[0]]
     epoch, step = (int(g) for g in INTERRUPTED.search(result.stderr).groups())
@@ -333,10 +265,10 @@ def test_ctrl_c_checkpoints_at_the_agreed_step_exits_130_in_one_line_and_resumes
 @pytest.mark.slow
 def test_ctrl_c_to_torchrun_checkpoints_every_rank_at_one_step_without_worker_tracebacks(tmp_path):
     out = tmp_path / "run"
-    with Job(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), tmp_path / "interrupted") as job:
+    with Started(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), ENV) as job:
         job.wait_until(lambda: _mid_epoch_checkpoints(out), 300, "a mid-epoch checkpoint")
-        os.killpg(job.proc.pid, signal.SIGINT)  # torchrun's group, as a terminal; it passes SIGINT on
-        result = job.finish(300)
+        os.killpg(job.pid, signal.SIGINT)  # torchrun's group, as a terminal; it passes SIGINT on
+        result = job.result(300)
     assert result.returncode != 0, job.tail()
     # torchrun reports the signal it got with a traceback of its own; the workers print one line.
     assert "KeyboardInterrupt" not in result.stderr and result.stderr.count("Traceback") <= 1, job.tail()
@@ -416,7 +348,7 @@ def test_a_stopped_rank_is_named_by_its_missing_heartbeat_and_fails_the_job_at_t
     named = re.compile(
         r"rank 0: rank\(s\) \[1\] sent no heartbeat for 3s \(DIST.STALL_S\): stalled or dead \(([^;]*)\);"
     )
-    with Job(cmd, tmp_path / "logs", env=env) as job:
+    with Started(cmd, env) as job:
         job.wait_until(lambda: named.search(job.out.read_text()), 300, "the line naming rank 1")
         named_at = time.monotonic()
         workers = job.workers()
@@ -430,7 +362,7 @@ def test_a_stopped_rank_is_named_by_its_missing_heartbeat_and_fails_the_job_at_t
         # A stopped process keeps torchrun's SIGTERM pending: continue it, or torchrun waits 30 s
         # more before its SIGKILL.
         os.kill(workers[1], signal.SIGCONT)
-        result = job.finish(120)
+        result = job.result(120)
     print(f"rank 0 exited {ended_after:.1f}s after the line naming rank 1 (DIST.TIMEOUT_S={timeout_s})")
     assert result.returncode != 0, job.tail()
     lines = [line for line in (result.stdout + result.stderr).splitlines() if "sent no heartbeat" in line]
@@ -503,12 +435,12 @@ def test_a_kill_during_a_background_checkpoint_write_resumes_from_the_previous_o
     args = ["OUT_DIR", str(out), *ONE]
     stalled, previous = ckpt.checkpoint_name(1, 20), ckpt.checkpoint_name(1, 10)  # TRAIN.CKPT_PERIOD_ITERS 10
     env = clean_env(FAULT_STALL_CHECKPOINT=stalled, FAULT_STALL_MARKER=str(marker))
-    with Job(python(TINY_TRAIN, *args), tmp_path / "killed", env=env) as job:
+    with Started(python(TINY_TRAIN, *args), env) as job:
         job.wait_until(marker.exists, 300, "the stalled checkpoint write")
         # Training went on while the write stood still: the next PRINT_FREQ window (step 25) is logged.
         job.wait_until(lambda: "step 25/" in job.out.read_text(), 300, "a step logged during the write")
-        os.killpg(job.proc.pid, signal.SIGKILL)
-        job.finish(60)
+        os.killpg(job.pid, signal.SIGKILL)
+        job.result(60)
     assert marker.read_text() == "checkpoint-writer", "the file was written by the background writer"
     names = os.listdir(out / "checkpoints")
     assert stalled not in names and any(n.startswith(f".{stalled}.") for n in names), names  # its partial temporary

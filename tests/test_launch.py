@@ -5,10 +5,10 @@ Auto-resume after an epoch is tested in test_faults.py, beside the uninterrupted
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import subprocess
-import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from helpers import (
     REPO,
     TEST,
     TRAIN,
+    Started,
     assert_ok,
     clean_env,
     in_process,
@@ -45,34 +46,12 @@ def _split(records: list[dict], split: str) -> list[dict]:
     return [r for r in records if r["split"] == split]
 
 
-def _run_together(cmd: list[str], envs: list[dict], log_dir: Path, timeout: float) -> list[tuple[int, str, str]]:
-    """Start one process per env (each in its own session), wait for all; kill all on timeout."""
-    procs, logs = [], []
-    for i, env in enumerate(envs):
-        out, err = log_dir / f"task{i}.out", log_dir / f"task{i}.err"
-        logs.append((out, err))
-        with open(out, "w") as fo, open(err, "w") as fe:  # files, not pipes: no task blocks on a full pipe
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fo, stderr=fe, start_new_session=True))
-    timer = threading.Timer(timeout, lambda: [_kill(p) for p in procs])
-    timer.start()
-    try:
-        codes = [p.wait() for p in procs]
-    finally:
-        timer.cancel()
-        for p in procs:
-            _kill(p)
-    results = [(code, out.read_text(), err.read_text()) for code, (out, err) in zip(codes, logs)]
-    assert all(code != -signal.SIGKILL for code in codes), f"killed after {timeout}s: {results}"
-    return results
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+def _run_together(cmd: list[str], envs: list[dict], timeout: float) -> list:
+    """One process per env, started together: their finished processes (all killed on a timeout)."""
+    with contextlib.ExitStack() as stack:
+        started = [stack.enter_context(Started(cmd, env)) for env in envs]
+        deadline = time.monotonic() + timeout
+        return [s.result(max(1.0, deadline - time.monotonic())) for s in started]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,9 +75,8 @@ def slurm_run(tmp_path_factory) -> Path:
         )
         for rank in (0, 1)
     ]
-    results = _run_together(python(TRAIN, "OUT_DIR", str(out_dir), *ONE_EPOCH), envs, tmp_path, timeout=400)
-    for code, out, err in results:
-        assert code == 0, f"exit {code}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    for result in _run_together(python(TRAIN, "OUT_DIR", str(out_dir), *ONE_EPOCH), envs, timeout=400):
+        assert_ok(result)
     return out_dir
 
 
