@@ -24,7 +24,7 @@ import processes
 import zygote
 from PIL import Image
 
-from distribuuuu.launch import find_free_port
+from distribuuuu.runtime.launcher import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "tools" / "train_net.py")

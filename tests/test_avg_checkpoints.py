@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu.checkpoint_average import averaged_checkpoint
+from distribuuuu.checkpointing import checkpoint as ckpt
+from distribuuuu.checkpointing.average import averaged_checkpoint
 
 register_tiny_model()  # train_net.py and test_net.py run in this process and build the tiny CNN
 pytestmark = pytest.mark.one_core

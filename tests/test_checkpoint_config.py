@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import EVAL_TINY, FAULT, REPO, TEST, assert_ok, in_process, read_metrics, register_tiny_model
 
-from distribuuuu import checkpoint as ckpt
+from distribuuuu.checkpointing import checkpoint as ckpt
 
 register_tiny_model()  # test_net.py runs in this process and builds the run's tiny CNN
 

@@ -24,9 +24,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from distribuuuu.config import load_cfg
-from distribuuuu.distributed import all_reduce_sum, cleanup_distributed
-from distribuuuu.launch import find_free_port
 from distribuuuu.models import register_model
+from distribuuuu.runtime.launcher import find_free_port
+from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed
 
 # A one-rank group in this process, on one thread: beside the background jobs.
 pytestmark = pytest.mark.one_core
@@ -98,9 +98,9 @@ class HostTensors(TorchFunctionMode):
 
 
 def _caller() -> str:
-    """The first frame in distribuuuu/ or tools/ above the collective helpers of distributed.py."""
+    """The first frame in distribuuuu/ or tools/ above the collective helpers of runtime/process_group.py."""
     frames = [f for f in inspect.stack()[2:] if os.path.relpath(f.filename, REPO).startswith(("distribuuuu", "tools"))]
-    helper = os.path.join("distribuuuu", "distributed.py")
+    helper = os.path.join("distribuuuu", "runtime", "process_group.py")
     frame = next((f for f in frames if os.path.relpath(f.filename, REPO) != helper), frames[0] if frames else None)
     return f"{os.path.relpath(frame.filename, REPO)}:{frame.lineno} {frame.function}" if frame else "?"
 
@@ -139,7 +139,7 @@ def one_rank_group(monkeypatch):
 
 
 def test_the_stand_in_rejects_a_host_tensor_and_passes_a_device_tensor(strict_collectives, one_rank_group):
-    from distribuuuu.distributed import setup_distributed
+    from distribuuuu.runtime.process_group import setup_distributed
 
     offences, _ = strict_collectives
     env = setup_distributed("gloo")
@@ -149,7 +149,7 @@ def test_the_stand_in_rejects_a_host_tensor_and_passes_a_device_tensor(strict_co
     assert offences == []
     all_reduce_sum(torch.tensor([2.0]))
     all_reduce_sum(on_device.cpu() + 1)
-    assert len(offences) == 2 and "distribuuuu/distributed.py" in offences[0], offences
+    assert len(offences) == 2 and "distribuuuu/runtime/process_group.py" in offences[0], offences
 
 
 def _benchmark_tool():

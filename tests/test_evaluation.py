@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import REPO, assert_ok, run, torchrun
 
-from distribuuuu.evaluation import ConfusionMatrix, confusion_png, per_class_accuracy, save_evaluation
+from distribuuuu.records.eval_outputs import ConfusionMatrix, confusion_png, per_class_accuracy, save_evaluation
 
 sys.path.insert(0, str(REPO / "tests" / "scripts"))
 import confusion_job  # noqa: E402
@@ -83,7 +83,7 @@ def test_counting_matches_a_double_loop_without_bincount(monkeypatch):
 
 def test_without_matplotlib_the_picture_is_skipped_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    with caplog.at_level(logging.WARNING, logger="distribuuuu.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="distribuuuu.records.eval_outputs"):
         assert confusion_png(torch.eye(2, dtype=torch.int64), ["a", "b"]) is None
         written = save_evaluation(tmp_path, "val", torch.eye(2, dtype=torch.int64), ["a", "b"])
     assert [Path(p).name for p in written] == ["val_confusion.csv", "val_per_class.json"]

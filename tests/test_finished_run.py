@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST, TRAIN, assert_ok, python, run
 
-from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, trainer
+from distribuuuu.checkpointing import checkpoint as ckpt
 
 # One single-process run and in-process reruns, on one thread: beside the background jobs.
 pytestmark = pytest.mark.one_core

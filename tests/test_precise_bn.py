@@ -22,12 +22,12 @@ from helpers import (
 )
 from torch import nn
 
-from distribuuuu import checkpoint as ckpt
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
 from distribuuuu.data import build_precise_bn_split
 from distribuuuu.data.loader import precise_bn_indices
-from distribuuuu.launch import DistEnv
-from distribuuuu.precise_bn import bn_layers, bn_moment_sums, recompute_bn_stats, set_bn_stats
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.precise_bn import bn_layers, bn_moment_sums, recompute_bn_stats, set_bn_stats
 
 register_tiny_model()  # train_net.py and test_net.py run in this process and build the tiny CNN
 sys.path.insert(0, str(REPO / "tests" / "scripts"))

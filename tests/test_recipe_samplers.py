@@ -12,8 +12,12 @@ from collections import Counter
 import pytest
 import torch
 
-from distribuuuu.data.samplers import RepeatedAugmentationSampler, WeightedDistributedSampler, occurrence_numbers
-from distribuuuu.losses import inverse_frequency_weights
+from distribuuuu.data.samplers import (
+    RepeatedAugmentationSampler,
+    WeightedDistributedSampler,
+    inverse_frequency_weights,
+    occurrence_numbers,
+)
 
 
 def _shards(make, world: int, epoch: int) -> list[list[tuple[int, int]]]:

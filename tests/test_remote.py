@@ -25,7 +25,7 @@ from helpers import serving
 
 from distribuuuu.data import DataError, remote
 from distribuuuu.data.packed import BadShardError, _ShardFiles
-from distribuuuu.launch import find_free_port
+from distribuuuu.runtime.launcher import find_free_port
 
 # A local HTTP server and its downloads, in this process: beside the background jobs.
 pytestmark = pytest.mark.one_core

@@ -22,7 +22,7 @@ from helpers import (
     run,
 )
 
-from distribuuuu.metrics_file import repair_torn_tail
+from distribuuuu.records.metrics_file import repair_torn_tail
 
 register_tiny_model()
 

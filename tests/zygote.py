@@ -212,7 +212,7 @@ def _worker_client(argv: list[str]) -> None:
 # The server: one thread, a fork per request, exit statuses back to the clients
 # ---------------------------------------------------------------------------------------------
 def _warm_the_plot() -> None:
-    """Every finished training run draws OUT_DIR/metrics.png (distribuuuu.plots): with pyplot
+    """Every finished training run draws OUT_DIR/metrics.png (distribuuuu.records.plots): with pyplot
     imported and its font loaded here, a forked run's plot costs ~0.6 s instead of ~2 s."""
     try:
         import matplotlib

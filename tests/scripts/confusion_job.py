@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from distribuuuu import utils  # noqa: E402
 from distribuuuu.data.samplers import ExactEvalSampler  # noqa: E402
-from distribuuuu.evaluation import ConfusionMatrix, save_evaluation  # noqa: E402
+from distribuuuu.records.eval_outputs import ConfusionMatrix, save_evaluation  # noqa: E402
 
 NUM_SAMPLES, NUM_CLASSES = 53, 4
 

@@ -18,8 +18,8 @@ from torch import nn  # noqa: E402
 from distribuuuu import utils  # noqa: E402
 from distribuuuu.config import get_cfg_defaults, validate_cfg  # noqa: E402
 from distribuuuu.data import build_precise_bn_split  # noqa: E402
-from distribuuuu.precise_bn import bn_layers  # noqa: E402
-from distribuuuu.validation import precise_bn  # noqa: E402
+from distribuuuu.training.evaluation import precise_bn  # noqa: E402
+from distribuuuu.training.precise_bn import bn_layers  # noqa: E402
 
 DIGITS = str(Path(__file__).resolve().parents[2] / "data" / "digits")
 
