@@ -15,14 +15,14 @@ from typing import Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 from yacs.config import CfgNode
 
-from distribuuuu.checkpoint import CheckpointError
+from distribuuuu.checkpointing.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, DataError
-from distribuuuu.distributed import cleanup_distributed
 from distribuuuu.errors import first_line
-from distribuuuu.faults import CollectiveError, NonFiniteLossError
-from distribuuuu.launch import LaunchError, RankLaunchError, detect_env_rank, find_free_port
-from distribuuuu.preemption import EXIT_INTERRUPTED, INTERRUPT, PREEMPT_SIGNALS, Preempted
+from distribuuuu.runtime.faults import CollectiveError, NonFiniteLossError
+from distribuuuu.runtime.launcher import LaunchError, RankLaunchError, detect_env_rank, find_free_port
+from distribuuuu.runtime.preemption import EXIT_INTERRUPTED, INTERRUPT, PREEMPT_SIGNALS, Preempted
+from distribuuuu.runtime.process_group import cleanup_distributed
 
 EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
 EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher environment or checkpoint

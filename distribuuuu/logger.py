@@ -1,6 +1,6 @@
 """Rank-aware logging: rank 0 to stdout (or the progress bar) and log.txt, the other ranks warnings only.
 
-The ground floor: the metrics writer, trackers and summaries live above it (records.py).
+The ground floor: the metrics writer, trackers and summaries live above it (records/).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The training algorithm: train_model -> train_epochs -> train_one_epoch -> train_epoch -> train_step.
 
-Everything else has its own home: the run's set-up (``run.py``), what a checkpoint holds and
-resuming it (``state.py``), evaluation (``validation.py``: validate, test_model), autocast and
-gradient sync (``parallel.py``), the records (``records.py``), preemption, RNG and fault handling.
+Everything else has its own home: the run's set-up (``training/run.py``), what a checkpoint holds and
+resuming it (``training/components.py``, ``training/resume.py``), evaluation (``training/evaluation.py``:
+validate, test_model), autocast and gradient sync (``runtime/parallel.py``), the records (``records/``),
+preemption, RNG and fault handling.
 """
 
 from __future__ import annotations
@@ -17,18 +18,11 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import BEST_METRICS, check_dataset_paths, global_batch
 from distribuuuu.data.progressive import progressive_on, train_size
-from distribuuuu.distributed import broadcast_buffers, cleanup_distributed, rank0_decides
-from distribuuuu.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
-from distribuuuu.heartbeat import reporting_position
-from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger
-from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
-from distribuuuu.optim import lr_at, set_lr
-from distribuuuu.out_dir_lock import OutDirLock, is_a_restart
-from distribuuuu.parallel import autocast, gradient_sync, norm_value, to_device
-from distribuuuu.preemption import PreemptionHandler, stop_for_preemption
-from distribuuuu.records import (
+from distribuuuu.records.meters import MetricSums
+from distribuuuu.records.out_dir_lock import OutDirLock, is_a_restart
+from distribuuuu.records.writer import (
     log_train_window,
     multilabel_text,
     reported_k,
@@ -36,7 +30,23 @@ from distribuuuu.records import (
     write_eval_record,
     write_train_record,
 )
-from distribuuuu.run import (
+from distribuuuu.runtime.faults import check_finite, collective_error, is_comm_failure, naming_failed_collectives
+from distribuuuu.runtime.heartbeat import reporting_position
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.parallel import autocast, gradient_sync, norm_value, to_device
+from distribuuuu.runtime.preemption import PreemptionHandler, stop_for_preemption
+from distribuuuu.runtime.process_group import broadcast_buffers, cleanup_distributed, rank0_decides
+from distribuuuu.training.evaluation import precise_bn, test_model, validate
+from distribuuuu.training.optim import lr_at, set_lr
+from distribuuuu.training.resume import (
+    ResumePoint,
+    find_checkpoint_to_resume,
+    log_config_changes,
+    resume_or_load_weights,
+    save_training_checkpoint,
+    writing_checkpoints,
+)
+from distribuuuu.training.run import (
     Run,
     TrainState,
     build_run,
@@ -45,15 +55,6 @@ from distribuuuu.run import (
     report_finished_run,
     start_process_group,
 )
-from distribuuuu.state import (
-    ResumePoint,
-    find_checkpoint_to_resume,
-    log_config_changes,
-    resume_or_load_weights,
-    save_training_checkpoint,
-    writing_checkpoints,
-)
-from distribuuuu.validation import precise_bn, test_model, validate
 
 __all__ = ["test_model", "train_epoch", "train_model", "train_one_epoch", "train_step", "validate"]
 

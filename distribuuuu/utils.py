@@ -1,7 +1,10 @@
 """The public toolbox for other scripts: ``from distribuuuu import utils``. Re-exports only."""
 
-from distribuuuu.checkpoint import load_checkpoint, save_checkpoint
-from distribuuuu.distributed import (
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, save_checkpoint
+from distribuuuu.models import count_parameters, register_model, unwrap_model
+from distribuuuu.records.meters import AverageMeter, MetricSums, accuracy, topk_correct
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.process_group import (
     all_gather_object,
     all_reduce_sum,
     barrier,
@@ -15,9 +18,6 @@ from distribuuuu.distributed import (
     scaled_all_reduce,
     setup_distributed,
 )
-from distribuuuu.launch import DistEnv
-from distribuuuu.meters import AverageMeter, MetricSums, accuracy, topk_correct
-from distribuuuu.models import count_parameters, register_model, unwrap_model
 
 __all__ = [
     "AverageMeter",

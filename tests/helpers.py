@@ -25,7 +25,7 @@ import processes
 from models import TINY_ARCH
 from PIL import Image
 
-from distribuuuu.launch import find_free_port
+from distribuuuu.runtime.launcher import find_free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "tools" / "train_net.py")

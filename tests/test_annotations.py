@@ -13,14 +13,14 @@ import torch
 from helpers import EVAL_TINY, REPO, TINY_TRAIN, assert_ok, in_process, read_metrics, truncated_jpeg
 from PIL import Image
 
-from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, trainer
-from distribuuuu.checkpoint import load_checkpoint, model_state_from
+from distribuuuu.checkpointing import checkpoint as ckpt
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import load_cfg
 from distribuuuu.data import DataError, build_train_split, build_val_split
 from distribuuuu.data.annotations import AnnotationSpec, read_annotations
 from distribuuuu.data.datasets import build_base_dataset
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
 
 DIGITS = REPO / "data" / "digits"
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).

@@ -17,10 +17,11 @@ import pytest
 import torch
 from helpers import DUMMY_OPTS, TINY_ARCH
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu import cli, state, trainer
-from distribuuuu.background_write import BackgroundWriter, host_copy
-from distribuuuu.preemption import EXIT_PREEMPTED
+from distribuuuu import cli, trainer
+from distribuuuu.checkpointing import checkpoint as ckpt
+from distribuuuu.checkpointing.background_write import BackgroundWriter, host_copy
+from distribuuuu.runtime.preemption import EXIT_PREEMPTED
+from distribuuuu.training import resume as state
 
 pytestmark = pytest.mark.usefixtures("plain_logging")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import EVAL_TINY, REPO, TEST, TINY_TRAIN, assert_ok, in_process, read_metrics
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu.checkpoint_average import averaged_checkpoint
+from distribuuuu.checkpointing import checkpoint as ckpt
+from distribuuuu.checkpointing.average import averaged_checkpoint
 
 AVG = str(REPO / "tools" / "avg_checkpoints.py")
 CONVERT = str(REPO / "tools" / "convert_checkpoint.py")

@@ -22,7 +22,7 @@ from distribuuuu.data.datasets import seeded_cpu_rng
 from distribuuuu.data.prefetch import prefetched
 from distribuuuu.data.resample import EvalGeometry, TrainGeometry, resample_batched, resample_each, size_groups
 from distribuuuu.data.transforms import _after_crop_and_flip, _crop_and_flip
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
 
 
 def _float32_tolerance(height: int, width: int) -> float:

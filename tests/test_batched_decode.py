@@ -19,13 +19,13 @@ import torchvision
 from helpers import REPO, TINY_ARCH, TINY_TRAIN, assert_ok, clean_env, python, read_metrics, run, truncated_jpeg
 from PIL import Image
 
-from distribuuuu.checkpoint import load_checkpoint, model_state_from
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, batched, build_train_split, build_val_split, jpeg
 from distribuuuu.data.batched import BatchDecoder, EncodedSample, collate_encoded, decode_stats
 from distribuuuu.data.encoded import decode_image_bytes
 from distribuuuu.data.loader import DeviceLoader
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
 
 DIGITS = REPO / "data" / "digits"
 PER_CLASS = {"train": 24, "val": 6}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import EVAL_TINY, REPO, TEST, TINY_TRAIN, assert_ok, in_process, read_metrics
 
-from distribuuuu import checkpoint as ckpt
+from distribuuuu.checkpointing import checkpoint as ckpt
 
 DIGITS = REPO / "data" / "digits"
 # Non-default model and data keys: a test_net.py that built the default config would fail to load

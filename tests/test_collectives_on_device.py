@@ -25,8 +25,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from distribuuuu.config import load_cfg
-from distribuuuu.distributed import all_reduce_sum, cleanup_distributed
-from distribuuuu.launch import find_free_port
+from distribuuuu.runtime.launcher import find_free_port
+from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed
 
 DIGITS = str(REPO / "data" / "digits")
 TENSOR_COLLECTIVES = (
@@ -87,7 +87,7 @@ class HostTensors(TorchFunctionMode):
 def _caller() -> str:
     """The first frame in distribuuuu/ or tools/ above the collective helpers of distributed.py."""
     frames = [f for f in inspect.stack()[2:] if os.path.relpath(f.filename, REPO).startswith(("distribuuuu", "tools"))]
-    helper = os.path.join("distribuuuu", "distributed.py")
+    helper = os.path.join("distribuuuu", "runtime", "process_group.py")
     frame = next((f for f in frames if os.path.relpath(f.filename, REPO) != helper), frames[0] if frames else None)
     return f"{os.path.relpath(frame.filename, REPO)}:{frame.lineno} {frame.function}" if frame else "?"
 
@@ -126,7 +126,7 @@ def one_rank_group(monkeypatch):
 
 
 def test_the_stand_in_rejects_a_host_tensor_and_passes_a_device_tensor(strict_collectives, one_rank_group):
-    from distribuuuu.distributed import setup_distributed
+    from distribuuuu.runtime.process_group import setup_distributed
 
     offences, _ = strict_collectives
     env = setup_distributed("gloo")
@@ -136,7 +136,7 @@ def test_the_stand_in_rejects_a_host_tensor_and_passes_a_device_tensor(strict_co
     assert offences == []
     all_reduce_sum(torch.tensor([2.0]))
     all_reduce_sum(on_device.cpu() + 1)
-    assert len(offences) == 2 and "distribuuuu/distributed.py" in offences[0], offences
+    assert len(offences) == 2 and "distribuuuu/runtime/process_group.py" in offences[0], offences
 
 
 def _benchmark_tool():

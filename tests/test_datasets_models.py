@@ -14,8 +14,8 @@ from PIL import Image
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError, build_train_split
 from distribuuuu.data.datasets import build_base_dataset
-from distribuuuu.launch import DistEnv
 from distribuuuu.models import build_model
+from distribuuuu.runtime.launcher import DistEnv
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

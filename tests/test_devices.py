@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from distribuuuu import run as run_setup
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_train_split
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training import run as run_setup
 
 
 def _count(model: nn.Module, kind: type) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, TEST, assert_ok, python, read_metrics, run
 
-from distribuuuu import checkpoint
+from distribuuuu.checkpointing import checkpoint
 from distribuuuu.config import load_cfg
 
 pytestmark = pytest.mark.slow  # a 12-epoch resnet18 run (the session's digits_run)

@@ -27,15 +27,15 @@ from helpers import (
 from helpers import run as run_cmd
 from torch import nn
 
-from distribuuuu import checkpoint as ckpt
 from distribuuuu import trainer
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
-from distribuuuu.distillation import weights_digest
-from distribuuuu.launch import DistEnv
-from distribuuuu.losses import DistillationLoss
-from distribuuuu.meters import MetricSums
 from distribuuuu.models import build_model
-from distribuuuu.records import NullWriter
+from distribuuuu.records.meters import MetricSums
+from distribuuuu.records.writer import NullWriter
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.distillation import weights_digest
+from distribuuuu.training.losses import DistillationLoss
 
 # The tiny CNN for one epoch of 4 steps on synthetic 16 px images, with mixup and cutmix: their
 # draws take part, so a teacher that moved the global RNG would show.

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distribuuuu import distributed as D
-from distribuuuu.launch import DEFAULT_PORT, LaunchError, detect_env, find_free_port, parse_slurm_nodelist
+from distribuuuu.runtime import process_group as D
+from distribuuuu.runtime.launcher import DEFAULT_PORT, LaunchError, detect_env, find_free_port, parse_slurm_nodelist
 
 
 def _slurm(**extra: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ import pytest
 from helpers import REPO, assert_ok, run, torchrun
 
 from distribuuuu import utils
-from distribuuuu.checkpoint import load_checkpoint
+from distribuuuu.checkpointing.checkpoint import load_checkpoint
 from distribuuuu.config import flatten, get_cfg_defaults
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -149,7 +149,7 @@ def test_every_file_and_readme_section_a_config_comment_names_exists():
 
 
 def test_a_summary_without_matplotlib_gives_the_readmes_install_command(tmp_path, monkeypatch):
-    from distribuuuu import summary
+    from distribuuuu.records import summary
 
     def no_matplotlib(*args, **kwargs):
         raise ImportError("No module named 'matplotlib'")

@@ -14,7 +14,7 @@ import torch
 from helpers import on_ranks
 
 from distribuuuu.data.samplers import ExactEvalSampler
-from distribuuuu.evaluation import ConfusionMatrix, confusion_png, per_class_accuracy, save_evaluation
+from distribuuuu.records.eval_outputs import ConfusionMatrix, confusion_png, per_class_accuracy, save_evaluation
 
 NUM_SAMPLES, NUM_CLASSES = 53, 4  # 53: divisible by neither 2 nor 3
 
@@ -111,7 +111,7 @@ def test_counting_matches_a_double_loop_without_bincount(monkeypatch):
 
 def test_without_matplotlib_the_picture_is_skipped_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    with caplog.at_level(logging.WARNING, logger="distribuuuu.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="distribuuuu.records.eval_outputs"):
         assert confusion_png(torch.eye(2, dtype=torch.int64), ["a", "b"]) is None
         written = save_evaluation(tmp_path, "val", torch.eye(2, dtype=torch.int64), ["a", "b"])
     assert [Path(p).name for p in written] == ["val_confusion.csv", "val_per_class.json"]

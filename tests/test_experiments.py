@@ -17,13 +17,13 @@ from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, l
 from PIL import Image
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint as ckpt
 from distribuuuu import trainer
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError, map_classes
-from distribuuuu.distributed import cleanup_distributed
-from distribuuuu.launch import find_free_port
-from distribuuuu.state import find_checkpoint_to_resume
+from distribuuuu.runtime.launcher import find_free_port
+from distribuuuu.runtime.process_group import cleanup_distributed
+from distribuuuu.training.resume import find_checkpoint_to_resume
 
 DIGITS = REPO / "data" / "digits"
 PREDICT = str(REPO / "tools" / "predict.py")

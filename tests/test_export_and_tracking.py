@@ -43,8 +43,8 @@ from helpers import (
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
-from distribuuuu.records import MetricsWriter
-from distribuuuu.records import epoch_curves as record_curves
+from distribuuuu.records.writer import MetricsWriter
+from distribuuuu.records.writer import epoch_curves as record_curves
 
 EXPORT = str(REPO / "tools" / "export.py")
 SUMMARIZE = str(REPO / "tools" / "summarize.py")
@@ -317,7 +317,7 @@ EVAL_KEYS_OPTS = [
 @pytest.fixture(scope="module")
 def eval_keys_run(tmp_path_factory) -> Path:
     """The run's OUT_DIR, with best.dcp converted to a single file too (best.pth.tar)."""
-    from distribuuuu.sharded_checkpoint import to_single_file
+    from distribuuuu.checkpointing.sharded import to_single_file
 
     out = tmp_path_factory.mktemp("eval_keys")
     env = lone_env()
@@ -456,9 +456,9 @@ def test_predict_preprocesses_as_stored_unless_its_keys_change_an_eval_key(monke
     sys.path.insert(0, str(REPO / "tools"))
     import predict
 
-    from distribuuuu import state as state_module
     from distribuuuu.data.transforms import EvalPreprocessing
-    from distribuuuu.state import warn_if_evaluated_otherwise
+    from distribuuuu.training import resume as state_module
+    from distribuuuu.training.resume import warn_if_evaluated_otherwise
 
     cfg = load_cfg(
         opts=["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "20", "TEST.CROP_SIZE", "18", "TEST.INTERPOLATION", "bicubic"]

@@ -40,13 +40,15 @@ from helpers import (
     torchrun,
 )
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu import cli, preemption, state, trainer
-from distribuuuu.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
+from distribuuuu import cli, trainer
+from distribuuuu.checkpointing import checkpoint as ckpt
+from distribuuuu.checkpointing.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
+from distribuuuu.checkpointing.sharded import save_states
 from distribuuuu.files import write_failure
-from distribuuuu.launch import find_free_port
-from distribuuuu.preemption import PreemptionHandler
-from distribuuuu.sharded_checkpoint import save_states
+from distribuuuu.runtime import preemption
+from distribuuuu.runtime.launcher import find_free_port
+from distribuuuu.runtime.preemption import PreemptionHandler
+from distribuuuu.training import resume as state
 
 DIGITS = str(REPO / "data" / "digits")
 # Mixup draws from the global RNG and EMA has its own state: an exact resume must restore both.
@@ -301,7 +303,7 @@ def test_a_second_ctrl_c_stops_at_once_and_one_within_a_second_is_the_same_one(m
 
 _STOPPING_PROCESS = """
 import os, signal, sys, time
-from distribuuuu.preemption import PreemptionHandler
+from distribuuuu.runtime.preemption import PreemptionHandler
 try:
     with PreemptionHandler(60) as handler:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -16,7 +16,7 @@ from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 from torchvision.models.vision_transformer import VisionTransformer
 
 from distribuuuu.config import get_cfg_defaults
-from distribuuuu.optim import LAMB, LARS, build_optimizer, freeze, layer_ids, lr_at, param_groups, set_lr
+from distribuuuu.training.optim import LAMB, LARS, build_optimizer, freeze, layer_ids, lr_at, param_groups, set_lr
 
 
 def _lr_of(optimizer: torch.optim.Optimizer) -> dict[int, float]:

@@ -14,7 +14,7 @@ import torch
 import torchvision
 from helpers import FAST_ARCH, REPO, assert_ok, in_process, lone_env, read_metrics, run, torchrun
 
-from distribuuuu.checkpoint import load_checkpoint, model_state_from
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 
 DIGITS = REPO / "data" / "digits"
 QUIET = ["TRAIN.PRINT_FREQ", "100"]

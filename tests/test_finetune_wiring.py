@@ -14,20 +14,20 @@ import torch
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
-from distribuuuu import checkpoint as ckpt
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import dataset_targets
 from distribuuuu.data.samplers import WeightedDistributedSampler
-from distribuuuu.launch import DistEnv
 from distribuuuu.logger import setup_logging
-from distribuuuu.meters import MetricSums
 from distribuuuu.models import register_model
-from distribuuuu.optim import lr_at, set_lr
-from distribuuuu.records import NullWriter
-from distribuuuu.rng import seed_everything
-from distribuuuu.run import build_run
-from distribuuuu.state import load_weights
+from distribuuuu.records.meters import MetricSums
+from distribuuuu.records.writer import NullWriter
+from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.trainer import train_epoch, train_step
+from distribuuuu.training.optim import lr_at, set_lr
+from distribuuuu.training.resume import load_weights
+from distribuuuu.training.rng import seed_everything
+from distribuuuu.training.run import build_run
 
 NUM_LAYERS = 3
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST, TRAIN, assert_ok, python, run
 
-from distribuuuu import checkpoint as ckpt
 from distribuuuu import cli, trainer
+from distribuuuu.checkpointing import checkpoint as ckpt
 
 
 def _files(folder: Path) -> dict[str, bytes]:

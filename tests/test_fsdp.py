@@ -11,11 +11,11 @@ import torchvision
 from helpers import REPO, assert_ok, clean_env, run, torchrun
 from torch import nn
 
-from distribuuuu.checkpoint import load_checkpoint
+from distribuuuu.checkpointing.checkpoint import load_checkpoint
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.models import enable_grad_checkpointing, find_blocks, named_blocks
-from distribuuuu.optim import layer_ids
-from distribuuuu.parallel import build_mesh, mixed_precision_policy
+from distribuuuu.runtime.parallel import build_mesh, mixed_precision_policy
+from distribuuuu.training.optim import layer_ids
 
 JOB = str(REPO / "tests" / "scripts" / "fsdp_job.py")
 

@@ -21,14 +21,22 @@ import torch.distributed as dist
 from helpers import FAST, REPO, TINY_TRAIN, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
 from torch import nn
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu import components, rng, state
-from distribuuuu import distributed as D
-from distribuuuu import run as run_setup
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
-from distribuuuu.launch import DistEnv, LaunchError, detect_env, find_free_port, parse_slurm_nodelist, select_device
 from distribuuuu.models import register_model
-from distribuuuu.records import NullWriter
+from distribuuuu.records.writer import NullWriter
+from distribuuuu.runtime import process_group as D
+from distribuuuu.runtime.launcher import (
+    DistEnv,
+    LaunchError,
+    detect_env,
+    find_free_port,
+    parse_slurm_nodelist,
+    select_device,
+)
+from distribuuuu.training import components, rng
+from distribuuuu.training import resume as state
+from distribuuuu.training import run as run_setup
 
 DIGITS = str(REPO / "data" / "digits")
 TINY = [

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from helpers import REPO, assert_ok, clean_env, in_process, run, torchrun, two_nodes
 
-from distribuuuu.distributed import all_reduce_sum, cleanup_distributed, setup_distributed
-from distribuuuu.launch import DistEnv, LaunchError, find_free_port
+from distribuuuu.runtime.launcher import DistEnv, LaunchError, find_free_port
+from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed, setup_distributed
 
 GPU_CHECK = str(REPO / "tools" / "gpu_check.py")
 CPU_CHECKS = {

@@ -14,9 +14,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from distribuuuu import heartbeat
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.heartbeat import Heartbeat, stall_seconds
+from distribuuuu.runtime import heartbeat
+from distribuuuu.runtime.heartbeat import Heartbeat, stall_seconds
 
 STALL_S = 0.6
 

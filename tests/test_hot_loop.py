@@ -23,10 +23,10 @@ from torch import nn
 
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
-from distribuuuu.distributed import all_reduce_sum, cleanup_distributed, setup_distributed
-from distribuuuu.launch import DistEnv
 from distribuuuu.models import register_model
-from distribuuuu.records import NullWriter
+from distribuuuu.records.writer import NullWriter
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed, setup_distributed
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",

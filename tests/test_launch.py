@@ -33,8 +33,8 @@ from helpers import (
 )
 
 from distribuuuu import utils
-from distribuuuu.checkpoint import load_checkpoint
-from distribuuuu.launch import find_free_port
+from distribuuuu.checkpointing.checkpoint import load_checkpoint
+from distribuuuu.runtime.launcher import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
 # Counted on disk, not copied from a run: 361, divisible by neither 2 nor 3.

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import FAST, TRAIN, assert_ok, clean_env, in_process, python, read_metrics, run
 
-from distribuuuu.checkpoint import load_checkpoint
-from distribuuuu.launch import find_free_port
+from distribuuuu.checkpointing.checkpoint import load_checkpoint
+from distribuuuu.runtime.launcher import find_free_port
 
 ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]  # later keys win: FAST's 2 epochs become 1
 STEPS_2_RANKS = 1436 // (32 * 2)  # train images // (TRAIN.BATCH_SIZE x 2 ranks)
@@ -114,7 +114,7 @@ import os, sys, time
 from distribuuuu import cli
 from distribuuuu.config import load_cfg
 from distribuuuu.data import DataError
-from distribuuuu.launch import RankLaunchError
+from distribuuuu.runtime.launcher import RankLaunchError
 
 def main(cfg):
     if os.environ["RANK"] == "1":

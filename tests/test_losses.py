@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from distribuuuu.losses import BinaryCrossEntropy, build_criterion, inverse_frequency_weights
+from distribuuuu.data.samplers import inverse_frequency_weights
+from distribuuuu.training.losses import BinaryCrossEntropy, build_criterion
 
 LOGITS = torch.tensor([[2.0, -1.0, 0.5], [0.0, 1.5, -2.0]])
 

@@ -1,5 +1,6 @@
 """The package's imports follow the module map of docs/development.md: every module in one layer,
-no import pointing to a higher layer, no imports closing a circle.
+no import pointing to a higher layer, no imports closing a circle, and no subpackage importing a
+subpackage placed above it (each sits at its highest row of the map).
 
 The layers are read from the map itself (its table's first column, top layer first), so the map
 is the one place that says where a module belongs. Every import of every module is read with
@@ -102,6 +103,45 @@ def test_no_import_points_to_a_higher_layer():
         if importer in layers and target in layers and layers[target] < layers[importer]
     ]
     assert not upward, "imports that point up the module map:\n" + "\n".join(upward) + "\n" + HOW_TO_PLACE
+
+
+def upward_subpackage_imports(modules: dict[str, Path], layers: dict[str, int], root: Path) -> list[str]:
+    """'file:line imports module' for each import of a subpackage placed above the importer's own."""
+    package = {m: path.relative_to(root).parts[0] if path.parent != root else "" for m, path in modules.items()}
+    place: dict[str, int] = {}  # a subpackage sits at the highest row that holds one of its modules
+    for module, row in layers.items():
+        if package.get(module):
+            place[package[module]] = min(place.get(package[module], row), row)
+    return [
+        f"{modules[importer].relative_to(root.parent)}:{line} imports {target}: "
+        f"{package[target]}/ sits above {package[importer]}/ in the module map"
+        for importer, line, target in imports(modules)
+        if package[importer]
+        and package[target]
+        and package[importer] != package[target]
+        and (place[package[target]], package[target]) < (place[package[importer]], package[importer])
+    ]
+
+
+def test_no_subpackage_imports_a_subpackage_above_it():
+    upward = upward_subpackage_imports(package_modules(), map_layers(), PACKAGE)
+    assert not upward, "imports of a subpackage placed higher in the map:\n" + "\n".join(upward) + "\n" + HOW_TO_PLACE
+
+
+def test_the_subpackage_check_names_an_import_of_a_subpackage_above(tmp_path):
+    """On a made-up package: low/ imports high/, which the map places above it (same row: by name)."""
+    files = {"high/a.py": "from pkg.low import b\n", "low/b.py": "import os\n", "low/c.py": "from pkg.high import a\n"}
+    for name, text in files.items():
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text)
+    modules = {"pkg." + name[:-3].replace("/", "."): tmp_path / "pkg" / name for name in files}
+    for layers in (
+        {"pkg.high.a": 0, "pkg.low.b": 1, "pkg.low.c": 1},
+        {"pkg.high.a": 0, "pkg.low.b": 0, "pkg.low.c": 0},
+    ):
+        assert upward_subpackage_imports(modules, layers, tmp_path / "pkg") == [
+            "pkg/low/c.py:1 imports pkg.high.a: high/ sits above low/ in the module map"
+        ]
 
 
 def test_no_imports_close_a_circle():

@@ -15,15 +15,15 @@ import torch
 from helpers import EVAL_TINY, REPO, TEST, TINY_TRAIN, assert_ok, in_process, read_metrics
 from torch.nn import functional as F
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu.checkpoint import load_checkpoint, model_state_from
+from distribuuuu.checkpointing import checkpoint as ckpt
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import load_cfg
 from distribuuuu.data import load_image
 from distribuuuu.data.samplers import ExactEvalSampler
 from distribuuuu.data.transforms import build_batch_mixer, build_val_transform
-from distribuuuu.losses import MultiLabelBCE
 from distribuuuu.models import build_model
-from distribuuuu.multilabel import MultiLabelSums, metrics_from_counts, score_levels
+from distribuuuu.records.multilabel import MultiLabelSums, metrics_from_counts, score_levels
+from distribuuuu.training.losses import MultiLabelBCE
 
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).
 pytestmark = pytest.mark.usefixtures("plain_logging")

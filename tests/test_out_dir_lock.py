@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, TINY_TRAIN, clean_env, read_metrics
 
-from distribuuuu import out_dir_lock
-from distribuuuu.out_dir_lock import LOCK_NAME, Holder, OutDirBusy, OutDirLock
+from distribuuuu.records import out_dir_lock
+from distribuuuu.records.out_dir_lock import LOCK_NAME, Holder, OutDirBusy, OutDirLock
 
 DIGITS = str(REPO / "data" / "digits")
 TINY = [

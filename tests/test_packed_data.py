@@ -41,7 +41,7 @@ from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.packed import BadShardError, PackedDataset, key_of
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
 from distribuuuu.data.transforms import build_normalize
-from distribuuuu.launch import DistEnv, find_free_port
+from distribuuuu.runtime.launcher import DistEnv, find_free_port
 
 pytest.importorskip("wids")
 DIGITS = REPO / "data" / "digits"

@@ -13,13 +13,13 @@ from helpers import EVAL_TINY, REPO, TEST, TINY_TRAIN, assert_ok, in_process, on
 from models import TinyNet
 from torch import nn
 
-from distribuuuu import checkpoint as ckpt
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
 from distribuuuu.data import build_precise_bn_split
 from distribuuuu.data.loader import precise_bn_indices
-from distribuuuu.launch import DistEnv
-from distribuuuu.precise_bn import bn_layers, bn_moment_sums, recompute_bn_stats, set_bn_stats
-from distribuuuu.validation import precise_bn
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.evaluation import precise_bn
+from distribuuuu.training.precise_bn import bn_layers, bn_moment_sums, recompute_bn_stats, set_bn_stats
 
 DIGITS = str(REPO / "data" / "digits")
 

@@ -17,15 +17,15 @@ import pytest
 import torch
 from helpers import REPO, TINY_TRAIN, assert_ok, clean_env, python, read_metrics, run
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu import run as run_setup
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
 from distribuuuu.data.datasets import sample_seed, seeded_cpu_rng
 from distribuuuu.data.loader import build_train_split
 from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.progressive import schedule_sizes, schedule_text, train_size
 from distribuuuu.data.transforms import build_normalize, build_train_transform
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training import run as run_setup
 
 DIGITS = str(REPO / "data" / "digits")
 # Epochs 0, 1, 2 (from 0) train at 8, 12 and 16 px.

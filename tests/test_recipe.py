@@ -30,15 +30,16 @@ if __name__ == "__main__":  # run as the worker script: make the repository impo
 
 from helpers import REPO, assert_ok, clean_env, in_process, python, read_metrics, run, torchrun  # noqa: E402
 
-from distribuuuu import checkpoint, cli, trainer  # noqa: E402
-from distribuuuu import run as run_setup  # noqa: E402
+from distribuuuu import cli, trainer  # noqa: E402
+from distribuuuu.checkpointing import checkpoint  # noqa: E402
 from distribuuuu.config import get_cfg_defaults, load_cfg  # noqa: E402
 from distribuuuu.data import build_batch_mixer  # noqa: E402
 from distribuuuu.ema import ModelEMA  # noqa: E402
-from distribuuuu.launch import DistEnv  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
-from distribuuuu.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
-from distribuuuu.records import NullWriter  # noqa: E402
+from distribuuuu.records.writer import NullWriter  # noqa: E402
+from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
+from distribuuuu.training import run as run_setup  # noqa: E402
+from distribuuuu.training.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
 
 DIGITS = REPO / "data" / "digits"
 
@@ -147,7 +148,7 @@ def flat_weights(model: nn.Module) -> torch.Tensor:
 
 
 def sums_for(run: trainer.Run):
-    from distribuuuu.meters import MetricSums
+    from distribuuuu.records.meters import MetricSums
 
     return MetricSums(run.env.device, run.cfg.TRAIN.TOPK)
 

@@ -15,8 +15,12 @@ import torchvision
 from helpers import REPO
 from test_sampler_resume import RESUME_AT, config_sampler_keys
 
-from distribuuuu.data.samplers import RepeatedAugmentationSampler, WeightedDistributedSampler, occurrence_numbers
-from distribuuuu.losses import inverse_frequency_weights
+from distribuuuu.data.samplers import (
+    RepeatedAugmentationSampler,
+    WeightedDistributedSampler,
+    inverse_frequency_weights,
+    occurrence_numbers,
+)
 
 
 def _shards(make, world: int, epoch: int) -> list[list[tuple[int, int]]]:

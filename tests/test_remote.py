@@ -25,7 +25,7 @@ from helpers import serving
 
 from distribuuuu.data import DataError, remote
 from distribuuuu.data.packed import BadShardError, _ShardFiles
-from distribuuuu.launch import find_free_port
+from distribuuuu.runtime.launcher import find_free_port
 
 TINY_BACKOFF = remote.Retry(attempts=5, backoff_s=0.001, max_backoff_s=0.01)
 

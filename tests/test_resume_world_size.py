@@ -24,14 +24,14 @@ from helpers import DDP_FSDP_REL, REPO, TINY_TRAIN, assert_ok, clean_env, read_m
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu import run as run_setup
-from distribuuuu import state
+from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import get_cfg_defaults, load_cfg
-from distribuuuu.launch import DistEnv
 from distribuuuu.models import register_model
-from distribuuuu.optim import lr_at
-from distribuuuu.records import NullWriter
+from distribuuuu.records.writer import NullWriter
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training import resume as state
+from distribuuuu.training import run as run_setup
+from distribuuuu.training.optim import lr_at
 
 DIGITS = REPO / "data" / "digits"
 BATCH, ACCUM = 16, 2

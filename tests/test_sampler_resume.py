@@ -13,7 +13,7 @@ from torch.utils.data import DistributedSampler
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_train_split
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
 
 SEED = 7
 SHARD = 7  # samples per shard in the windowed cases; the last shard holds the rest

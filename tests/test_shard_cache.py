@@ -32,7 +32,7 @@ from distribuuuu.data import build_train_split
 from distribuuuu.data.packed import PackedDataset, _ShardFiles
 from distribuuuu.data.samplers import ShardWindowSampler
 from distribuuuu.data.shard_cache import LOCKS, ShardOrder
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
 
 pytest.importorskip("wids")
 DIGITS = REPO / "data" / "digits"

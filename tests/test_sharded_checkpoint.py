@@ -10,7 +10,7 @@ import torch
 from helpers import REPO, assert_ok, clean_env, run, torchrun
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from distribuuuu.checkpoint import (
+from distribuuuu.checkpointing.checkpoint import (
     CheckpointError,
     checkpoint_name,
     find_resumable,
@@ -18,8 +18,14 @@ from distribuuuu.checkpoint import (
     load_checkpoint,
     prune_checkpoints,
 )
+from distribuuuu.checkpointing.sharded import (
+    from_single_file,
+    load_sharded,
+    save_sharded,
+    to_single_file,
+    verify_sharded,
+)
 from distribuuuu.ema import ModelEMA
-from distribuuuu.sharded_checkpoint import from_single_file, load_sharded, save_sharded, to_single_file, verify_sharded
 from tests.scripts.fsdp_job import TinyResNet
 
 JOB = str(REPO / "tests" / "scripts" / "dcp_job.py")
@@ -152,10 +158,10 @@ def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp
     """tools/convert_checkpoint.py on a file shaped like train_net.py's (cfg inside): file -> dcp -> file."""
     from helpers import in_process
 
-    from distribuuuu.checkpoint import save_checkpoint
+    from distribuuuu.checkpointing.checkpoint import save_checkpoint
     from distribuuuu.config import get_cfg_defaults
     from distribuuuu.models import build_model
-    from distribuuuu.optim import build_optimizer
+    from distribuuuu.training.optim import build_optimizer
 
     cfg = get_cfg_defaults()
     cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES = "resnet18", 10
@@ -179,8 +185,8 @@ def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp
 
 
 def test_a_dcp_directory_is_taken_wherever_a_checkpoint_file_is_and_the_listing_orders_both(tmp_path):
-    from distribuuuu.checkpoint import save_checkpoint
-    from distribuuuu.state import load_weights
+    from distribuuuu.checkpointing.checkpoint import save_checkpoint
+    from distribuuuu.training.resume import load_weights
 
     path = _save(tmp_path, 3)
     model, optimizer, ema = _run(seed=0)

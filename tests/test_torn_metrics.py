@@ -21,7 +21,7 @@ from helpers import (
     run,
 )
 
-from distribuuuu.metrics_file import repair_torn_tail
+from distribuuuu.records.metrics_file import repair_torn_tail
 
 SUMMARIZE, PLOT = str(REPO / "tools" / "summarize.py"), str(REPO / "tools" / "plot_metrics.py")
 TORN = '{"split": "train", "epoch": 2, "lo'  # what a user found after a run died mid-append

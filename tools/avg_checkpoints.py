@@ -23,21 +23,21 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.checkpoint import save_checkpoint  # noqa: E402
-from distribuuuu.checkpoint_average import (  # noqa: E402
+from distribuuuu.checkpointing.average import (  # noqa: E402
     averaged_checkpoint,
     best_checkpoints,
     check_output,
     last_checkpoints,
 )
-from distribuuuu.checkpoint_config import cfg_from_checkpoint, run_keys  # noqa: E402
+from distribuuuu.checkpointing.checkpoint import save_checkpoint  # noqa: E402
+from distribuuuu.checkpointing.stored_config import cfg_from_checkpoint, run_keys  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import DataError, build_precise_bn_split  # noqa: E402
 from distribuuuu.errors import CheckpointError  # noqa: E402
-from distribuuuu.launch import DistEnv  # noqa: E402
 from distribuuuu.logger import setup_logging  # noqa: E402
 from distribuuuu.models import build_model, load_model_weights  # noqa: E402
-from distribuuuu.validation import precise_bn  # noqa: E402
+from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
+from distribuuuu.training.evaluation import precise_bn  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -37,21 +37,27 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
-from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
 from distribuuuu.config import ConfigError, global_batch, load_cfg  # noqa: E402
 from distribuuuu.data import DataError, build_train_split, build_train_transform, jpeg, load_image  # noqa: E402
-from distribuuuu.distributed import all_reduce_sum, barrier, broadcast_object, cleanup_distributed, setup_distributed  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
-from distribuuuu.launch import DistEnv, LaunchError  # noqa: E402
-from distribuuuu.meters import MetricSums  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
-from distribuuuu.optim import LAMB, LARS, freeze, lr_at, optimizer_groups, set_lr  # noqa: E402
-from distribuuuu.parallel import autocast, gradient_sync, local_state_bytes, to_device  # noqa: E402
-from distribuuuu.records import NullWriter  # noqa: E402
-from distribuuuu.rng import seed_everything  # noqa: E402
-from distribuuuu.validation import validate  # noqa: E402
+from distribuuuu.records.meters import MetricSums  # noqa: E402
+from distribuuuu.records.writer import NullWriter  # noqa: E402
+from distribuuuu.runtime.launcher import DistEnv, LaunchError  # noqa: E402
+from distribuuuu.runtime.parallel import autocast, gradient_sync, local_state_bytes, to_device  # noqa: E402
+from distribuuuu.runtime.process_group import (  # noqa: E402
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    cleanup_distributed,
+    setup_distributed,
+)
+from distribuuuu.training import run as run_setup  # noqa: E402
+from distribuuuu.training.evaluation import validate  # noqa: E402
+from distribuuuu.training.optim import LAMB, LARS, freeze, lr_at, optimizer_groups, set_lr  # noqa: E402
+from distribuuuu.training.rng import seed_everything  # noqa: E402
 
 WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
@@ -889,7 +895,7 @@ def memory_table(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> str
     """Run --what memory for every world size x arch x strategy (one torchrun job each); a markdown table."""
     import subprocess
 
-    from distribuuuu.launch import find_free_port
+    from distribuuuu.runtime.launcher import find_free_port
 
     own = ["--steps", str(bench.steps), "--warmup", str(bench.warmup), "--repeats", str(bench.repeats)]
     own += [*(["--cfg", cfg_args.cfg_file] if cfg_args.cfg_file else []), *cfg_args.opts]

@@ -45,7 +45,7 @@ from predict import (  # noqa: E402
 from torch import nn  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
-from distribuuuu.checkpoint import CheckpointError  # noqa: E402
+from distribuuuu.checkpointing.checkpoint import CheckpointError  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError  # noqa: E402
 from distribuuuu.data.loader import annotation_spec  # noqa: E402

@@ -43,13 +43,17 @@ from torch import nn  # noqa: E402
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from distribuuuu import checkpoint as ckpt  # noqa: E402
-from distribuuuu import run as run_setup  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
+from distribuuuu.checkpointing import checkpoint as ckpt  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
 from distribuuuu.data import batched, build_train_split, build_val_split  # noqa: E402
 from distribuuuu.data.transforms import build_normalize  # noqa: E402
-from distribuuuu.distributed import (  # noqa: E402
+from distribuuuu.errors import first_line  # noqa: E402
+from distribuuuu.models import register_model  # noqa: E402
+from distribuuuu.records.meters import MetricSums  # noqa: E402
+from distribuuuu.records.writer import NullWriter  # noqa: E402
+from distribuuuu.runtime.launcher import DistEnv, LaunchError, detect_env, detect_env_rank  # noqa: E402
+from distribuuuu.runtime.process_group import (  # noqa: E402
     all_gather_object,
     all_reduce_sum,
     barrier,
@@ -58,13 +62,9 @@ from distribuuuu.distributed import (  # noqa: E402
     cleanup_distributed,
     setup_distributed,
 )
-from distribuuuu.errors import first_line  # noqa: E402
-from distribuuuu.launch import DistEnv, LaunchError, detect_env, detect_env_rank  # noqa: E402
-from distribuuuu.meters import MetricSums  # noqa: E402
-from distribuuuu.models import register_model  # noqa: E402
-from distribuuuu.records import NullWriter  # noqa: E402
-from distribuuuu.rng import seed_everything  # noqa: E402
-from distribuuuu.state import resume_or_load_weights, save_training_checkpoint  # noqa: E402
+from distribuuuu.training import run as run_setup  # noqa: E402
+from distribuuuu.training.resume import resume_or_load_weights, save_training_checkpoint  # noqa: E402
+from distribuuuu.training.rng import seed_everything  # noqa: E402
 
 EXIT_FAILED, EXIT_NOTHING_TO_CHECK = 1, 2
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "digits")

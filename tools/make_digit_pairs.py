@@ -7,7 +7,7 @@ Each image pairs two digit images of the same split drawn at random (a 16 x 8 st
 both digits are the same). OUT receives train/ and val/ PNGs and train.csv and val.csv with a header:
 train with MODEL.TASK multilabel (docs/annotations.md, "Multi-label classification"). It prints the
 figures of the trivial baseline a model must beat: every val image scored with the training label
-frequencies, evaluated as training evaluates (distribuuuu.multilabel).
+frequencies, evaluated as training evaluates (distribuuuu.records.multilabel).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.multilabel import MultiLabelSums  # noqa: E402
+from distribuuuu.records.multilabel import MultiLabelSums  # noqa: E402
 
 
 def digit_images(src: str, split: str) -> list[tuple[str, str]]:

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.metrics_file import MetricsError  # noqa: E402
-from distribuuuu.plots import PLOT_INSTALL, load_run, save_plot  # noqa: E402
+from distribuuuu.records.metrics_file import MetricsError  # noqa: E402
+from distribuuuu.records.plots import PLOT_INSTALL, load_run, save_plot  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.metrics_file import MetricsError  # noqa: E402
-from distribuuuu.summary import format_summary, summarize, write_summary  # noqa: E402
+from distribuuuu.records.metrics_file import MetricsError  # noqa: E402
+from distribuuuu.records.summary import format_summary, summarize, write_summary  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 

@@ -10,9 +10,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.checkpoint_config import evaluation_cfg  # noqa: E402
+from distribuuuu.checkpointing.stored_config import evaluation_cfg  # noqa: E402
 from distribuuuu.cli import run_tool  # noqa: E402
-from distribuuuu.validation import test_model  # noqa: E402
+from distribuuuu.training.evaluation import test_model  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_tool(test_model, description=__doc__, build_cfg=evaluation_cfg))

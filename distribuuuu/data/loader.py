@@ -33,6 +33,7 @@ from distribuuuu.data.samplers import (
     ResumableDistributedSampler,
     ShardWindowSampler,
     WeightedDistributedSampler,
+    inverse_frequency_weights,
 )
 from distribuuuu.data.shard_cache import ProgressReporter, ShardCache, ShardCacheError, ShardOrder
 from distribuuuu.data.transforms import (
@@ -43,9 +44,8 @@ from distribuuuu.data.transforms import (
     build_train_transform,
     build_val_transform,
 )
-from distribuuuu.launch import DistEnv
-from distribuuuu.losses import inverse_frequency_weights
-from distribuuuu.preemption import ignore_preemption_signals
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.preemption import ignore_preemption_signals
 
 
 @dataclass
@@ -177,7 +177,7 @@ def _loader(
         persistent_workers=workers > 0 and cfg.TRAIN.PERSISTENT_WORKERS,
         prefetch_factor=cfg.TRAIN.PREFETCH_FACTOR if workers > 0 else None,
         collate_fn=collate_skipping_bad if decoder is None else collate_encoded,
-        worker_init_fn=ignore_preemption_signals,  # the trainer handles them: see faults.py
+        worker_init_fn=ignore_preemption_signals,  # the trainer handles them: see runtime/faults.py
         # Its own generator, so creating an epoch's iterator does not draw from the global RNG:
         # otherwise a resumed run's random stream would drift from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.RNG_SEED),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DistributedSampler, Sampler
@@ -232,6 +232,20 @@ class RepeatedAugmentationSampler(_RepeatingDistributedSampler):
     def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:
         picked = torch.randperm(self.dataset_len, generator=generator)[: -(-total // self.rounds_per_epoch)]
         return picked.repeat_interleave(self.rounds_per_epoch)[:total]
+
+
+def inverse_frequency_weights(targets: Sequence[int] | torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Weight each class by ``N / (C * count)`` (scikit-learn's "balanced"): the mean weight per sample is 1.
+
+    A class without samples is an error: its weight would be infinite.
+    """
+    counts = torch.bincount(torch.as_tensor(targets, dtype=torch.int64), minlength=num_classes)
+    if len(counts) > num_classes:
+        raise ValueError(f"targets go up to {len(counts) - 1} but there are {num_classes} classes")
+    empty = torch.nonzero(counts == 0).flatten().tolist()
+    if empty:
+        raise ValueError(f"class weights: classes {empty} have no samples")
+    return (counts.sum() / (num_classes * counts.double())).float()
 
 
 class WeightedDistributedSampler(_RepeatingDistributedSampler):

@@ -20,12 +20,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from distribuuuu import state, trainer  # noqa: E402
+from distribuuuu import trainer  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
-from distribuuuu.launch import DistEnv  # noqa: E402
-from distribuuuu.meters import MetricSums  # noqa: E402
-from distribuuuu.records import NullWriter  # noqa: E402
-from distribuuuu.run import build_run  # noqa: E402
+from distribuuuu.records.meters import MetricSums  # noqa: E402
+from distribuuuu.records.writer import NullWriter  # noqa: E402
+from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
+from distribuuuu.training import resume  # noqa: E402
+from distribuuuu.training.run import build_run  # noqa: E402
 
 DEFAULTS = ["MODEL.ARCH", "resnet18", "MODEL.DUMMY_INPUT", "True", "TRAIN.IM_SIZE", "32", "TRAIN.BATCH_SIZE", "64"]
 DEFAULTS += ["DATA.DUMMY_SIZE", "640", "TRAIN.WORKERS", "0", "OPTIM.EMA_DECAY", "0.999"]
@@ -47,9 +48,9 @@ def main() -> None:
         with_steps: dict[str, list[float]] = {"sync": [], "background": []}
         for repeat in range(args.repeats + 1):  # the first round warms up, unrecorded
             for how in ("sync", "background") if repeat % 2 else ("background", "sync"):
-                state.wait_for_checkpoint(run)
+                resume.wait_for_checkpoint(run)
                 start = time.perf_counter()
-                state.save_training_checkpoint(run, background=how == "background")
+                resume.save_training_checkpoint(run, background=how == "background")
                 saved = time.perf_counter()
                 for batch in batches:
                     trainer.train_step(run, [batch], sums)
@@ -57,7 +58,7 @@ def main() -> None:
                 if repeat:
                     held[how].append(saved - start)
                     with_steps[how].append(time.perf_counter() - start)
-                state.wait_for_checkpoint(run)  # outside the timing: the next save is an epoch away
+                resume.wait_for_checkpoint(run)  # outside the timing: the next save is an epoch away
         size = os.path.getsize(os.path.join(out, "checkpoints", os.listdir(os.path.join(out, "checkpoints"))[0]))
     print(f"{cfg.MODEL.ARCH}, checkpoint {size / 2**20:.1f} MiB, {args.repeats} alternated repeats, medians:")
     for how in held:

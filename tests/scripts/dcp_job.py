@@ -17,10 +17,10 @@ import torch.distributed as dist
 from fsdp_job import TinyResNet, train  # tests/scripts is the script's directory
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from distribuuuu.distributed import all_gather_object
+from distribuuuu.checkpointing.sharded import load_sharded, save_sharded
 from distribuuuu.ema import ModelEMA
-from distribuuuu.parallel import build_mesh, shard_model
-from distribuuuu.sharded_checkpoint import load_sharded, save_sharded
+from distribuuuu.runtime.parallel import build_mesh, shard_model
+from distribuuuu.runtime.process_group import all_gather_object
 
 NAME = "ckpt_ep_001_it_000004.dcp"
 

@@ -17,10 +17,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import models  # noqa: E402, F401  (registers the tiny CNN, tiny_cnn)
 
-from distribuuuu import checkpoint as ckpt  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
+from distribuuuu.checkpointing import checkpoint as ckpt  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
-from distribuuuu.distributed import cleanup_distributed, is_main_process  # noqa: E402
+from distribuuuu.runtime.process_group import cleanup_distributed, is_main_process  # noqa: E402
 
 RUN = ["MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.BATCH_SIZE", "32",
        "OPTIM.MAX_EPOCH", "3", "OPTIM.BASE_LR", "0.1", "TRAIN.PRINT_FREQ", "11", "LOG.PROGRESS", "False",

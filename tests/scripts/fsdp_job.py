@@ -19,7 +19,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from distribuuuu.ema import ModelEMA
-from distribuuuu.parallel import (
+from distribuuuu.runtime.parallel import (
     broadcast_parameters,
     build_mesh,
     local_state_bytes,

@@ -130,7 +130,7 @@ def _save_resumed_state(run, path: str) -> None:
     """Rank 0 saves the run's whole state right after its resume (every rank gathers: collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    from distribuuuu.sharded_checkpoint import _optimizer_by_index
+    from distribuuuu.checkpointing.sharded import _optimizer_by_index
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model, optim = get_state_dict(run.model, run.optimizer, options=options)

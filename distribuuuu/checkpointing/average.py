@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 
-from distribuuuu.checkpoint import load_checkpoint
-from distribuuuu.checkpoint_names import CKPT_DIR, FILE, checkpoint_position, list_checkpoints
+from distribuuuu.checkpointing.checkpoint import load_checkpoint
+from distribuuuu.checkpointing.names import CKPT_DIR, FILE, checkpoint_position, list_checkpoints
+from distribuuuu.checkpointing.single_file import model_state_from
 from distribuuuu.errors import CheckpointError
-from distribuuuu.metrics_file import METRICS_FILE, MetricsError, read_records
-from distribuuuu.single_file import model_state_from
+from distribuuuu.records.metrics_file import METRICS_FILE, MetricsError, read_records
 
 # What the averaged checkpoint keeps of the newest input: what a best.pth.tar holds (the tools read
 # these), less the optimizer, scaler, RNG and position, which belong to no averaged weights.

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import yaml
 
 from distribuuuu.config import BEST_METRICS, config_diff, get_cfg_defaults
-from distribuuuu.metrics_file import METRICS_FILE, Record, read_records
-from distribuuuu.plots import PLOT_INSTALL, dedupe, load_run, save_plot
+from distribuuuu.records.metrics_file import METRICS_FILE, Record, read_records
+from distribuuuu.records.plots import PLOT_INSTALL, dedupe, load_run, save_plot
 
 SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
 

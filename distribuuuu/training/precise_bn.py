@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from distribuuuu.distributed import all_reduce_sum
+from distribuuuu.runtime.process_group import all_reduce_sum
 
 
 def bn_layers(model: nn.Module) -> list[_BatchNorm]:

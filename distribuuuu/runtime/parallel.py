@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distribuuuu.launch import DistEnv
 from distribuuuu.models import find_blocks, has_batchnorm
+from distribuuuu.runtime.launcher import DistEnv
 
 logger = logging.getLogger(__name__)
 

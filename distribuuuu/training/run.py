@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.background_write import BackgroundWriter
-from distribuuuu.checkpoint_names import CKPT_DIR
+from distribuuuu.checkpointing.background_write import BackgroundWriter
+from distribuuuu.checkpointing.names import CKPT_DIR
 from distribuuuu.config import ConfigError, global_batch
 from distribuuuu.data import (
     Split,
@@ -24,21 +24,22 @@ from distribuuuu.data import (
     label_counts,
 )
 from distribuuuu.data.progressive import progressive_on, schedule_sizes, schedule_text, train_size
-from distribuuuu.distillation import Teacher, load_teacher
-from distribuuuu.distributed import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
+from distribuuuu.data.samplers import inverse_frequency_weights
 from distribuuuu.ema import ModelEMA
-from distribuuuu.heartbeat import stall_seconds
-from distribuuuu.launch import DistEnv
 from distribuuuu.logger import attach_log_file, get_logger, setup_logging
-from distribuuuu.losses import DistillationLoss, build_criterion, inverse_frequency_weights, positive_weights
-from distribuuuu.manifest import record_start
 from distribuuuu.models import build_model, count_parameters, find_blocks, has_batchnorm
-from distribuuuu.optim import build_optimizer, freeze, scaled_base_lr
-from distribuuuu.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
-from distribuuuu.preemption import PreemptionHandler
 from distribuuuu.progress import show_progress_bar
-from distribuuuu.records import make_writer
-from distribuuuu.rng import seed_everything
+from distribuuuu.records.manifest import record_start
+from distribuuuu.records.writer import make_writer
+from distribuuuu.runtime.heartbeat import stall_seconds
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
+from distribuuuu.runtime.preemption import PreemptionHandler
+from distribuuuu.runtime.process_group import check_group, format_rank_table, is_dist, rank0_decides, setup_distributed
+from distribuuuu.training.distillation import Teacher, load_teacher
+from distribuuuu.training.losses import DistillationLoss, build_criterion, positive_weights
+from distribuuuu.training.optim import build_optimizer, freeze, scaled_base_lr
+from distribuuuu.training.rng import seed_everything
 
 logger = get_logger("run")
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distribuuuu.metrics_file import METRICS_FILE, Record, read_records
+from distribuuuu.records.metrics_file import METRICS_FILE, Record, read_records
 
 # How to get matplotlib: the "plot" extra, as the README installs it (every message says the same).
 PLOT_INSTALL = 'pip install -e ".[plot]"'

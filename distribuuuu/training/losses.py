@@ -91,20 +91,6 @@ def positive_weights(positives: torch.Tensor, samples: int) -> torch.Tensor:
     return ((samples - positives) / positives.double()).float()
 
 
-def inverse_frequency_weights(targets: Sequence[int] | torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Weight each class by ``N / (C * count)`` (scikit-learn's "balanced"): the mean weight per sample is 1.
-
-    A class without samples is an error: its weight would be infinite.
-    """
-    counts = torch.bincount(torch.as_tensor(targets, dtype=torch.int64), minlength=num_classes)
-    if len(counts) > num_classes:
-        raise ValueError(f"targets go up to {len(counts) - 1} but there are {num_classes} classes")
-    empty = torch.nonzero(counts == 0).flatten().tolist()
-    if empty:
-        raise ValueError(f"class weights: classes {empty} have no samples")
-    return (counts.sum() / (num_classes * counts.double())).float()
-
-
 class DistillationLoss(nn.Module):
     """``(1 - alpha) * task + alpha * distillation`` of the student's logits against a teacher's.
 

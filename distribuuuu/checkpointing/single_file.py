@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from distribuuuu.distributed import is_main_process
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.files import atomic_write, write_failure
+from distribuuuu.runtime.process_group import is_main_process
 
 
 def _tensors(obj: Any):

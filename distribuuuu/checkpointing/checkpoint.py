@@ -1,9 +1,9 @@
 """Checkpoints of either format, as the trainer and the tools take them: one file or a ``.dcp`` folder.
 
-Above both formats (``single_file.py``, ``sharded_checkpoint.py``) and the checkpoints folder
-(``checkpoint_names.py``), none of which imports this module. The one front door for each
+Above both formats (``single_file.py``, ``sharded.py``) and the checkpoints folder
+(``names.py``), none of which imports this module. The one front door for each
 operation on a checkpoint, whatever its format: ``save_checkpoint`` (a single file; sharded ones
-are saved collectively by ``components.py``), ``load_checkpoint``, ``verify_checkpoint``,
+are saved collectively by ``training/components.py``), ``load_checkpoint``, ``verify_checkpoint``,
 ``find_resumable``, ``prune_checkpoints``, ``list_checkpoints``; ``sharded_checkpoint.to_single_file``
 and ``from_single_file`` convert. The names the package has always exported from here stay here.
 """
@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from distribuuuu import sharded_checkpoint as shards
-from distribuuuu.checkpoint_names import (  # noqa: F401  (re-exported)
+from distribuuuu.checkpointing import sharded as shards
+from distribuuuu.checkpointing.names import (  # noqa: F401  (re-exported)
     BEST_NAME,
     BEST_SHARDED,
     CKPT_DIR,
@@ -27,9 +27,9 @@ from distribuuuu.checkpoint_names import (  # noqa: F401  (re-exported)
     list_checkpoints,
     stale_temporaries,
 )
-from distribuuuu.distributed import is_main_process
+from distribuuuu.checkpointing.single_file import load_file, model_state_from, save_checkpoint, state_checksum  # noqa: F401
 from distribuuuu.errors import CheckpointError  # noqa: F401  (re-exported)
-from distribuuuu.single_file import load_file, model_state_from, save_checkpoint, state_checksum  # noqa: F401
+from distribuuuu.runtime.process_group import is_main_process
 
 logger = logging.getLogger(__name__)
 

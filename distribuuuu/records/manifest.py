@@ -19,7 +19,7 @@ import torchvision
 from yacs.config import CfgNode
 
 from distribuuuu.config import dump_cfg
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
 
 STARTS_DIR = "starts"
 

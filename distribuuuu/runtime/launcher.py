@@ -1,6 +1,6 @@
 """Which launcher started this process (torchrun, MPI, Slurm or none) and where it sits: pure.
 
-Reading the environment needs no process group; ``distributed.py`` builds on this, never the reverse.
+Reading the environment needs no process group; ``process_group.py`` builds on this, never the reverse.
 """
 
 from __future__ import annotations

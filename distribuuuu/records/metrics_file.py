@@ -4,7 +4,7 @@ The file is append-only, one JSON object a line. A run that dies mid-append (a f
 cut, a kill) can leave half a record without its newline. Every reader goes through
 ``read_records``, which skips such a line with one warning instead of refusing the file; the
 writer calls ``repair_torn_tail`` before it appends, so the next record is not glued onto the torn
-one. The writer lives above (records.py); the plots and the summary read through here.
+one. The writer lives above (writer.py); the plots and the summary read through here.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ import os
 from yacs.config import CfgNode
 
 from distribuuuu.logger import get_logger
-from distribuuuu.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
-from distribuuuu.multilabel import FIELDS as MULTILABEL_FIELDS
 from distribuuuu.progress import WINDOW
+from distribuuuu.records.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
+from distribuuuu.records.multilabel import FIELDS as MULTILABEL_FIELDS
 
 logger = get_logger("trainer")  # the training log's own name: its lines read as the trainer's
 
@@ -146,7 +146,7 @@ class MetricsWriter:
             self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
         self.trackers = None
         if cfg is not None and cfg.LOG.TRACKERS:
-            from distribuuuu.tracking import Trackers  # only a run that asks for trackers imports them
+            from distribuuuu.records.tracking import Trackers  # only a run that asks for trackers imports them
 
             self.trackers = Trackers(cfg, out_dir)
 
@@ -171,7 +171,7 @@ class MetricsWriter:
 
     def summarize(self) -> None:
         """Write OUT_DIR/summary.md (and the plot) at the end of training, and log the summary."""
-        from distribuuuu.summary import write_summary
+        from distribuuuu.records.summary import write_summary
 
         summary_log = get_logger("summary")
         try:

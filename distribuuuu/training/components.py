@@ -20,19 +20,19 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from yacs.config import CfgNode
 
-from distribuuuu import sharded_checkpoint as shards
+from distribuuuu.checkpointing import sharded as shards
+from distribuuuu.checkpointing.single_file import model_state_from
 from distribuuuu.config import ConfigError, global_batch
 from distribuuuu.data.transforms import eval_preprocessing
-from distribuuuu.distributed import all_gather_object, is_main_process
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.logger import get_logger
 from distribuuuu.models import load_model_weights
-from distribuuuu.rng import capture_rng_state, restore_rng_state
-from distribuuuu.single_file import model_state_from
+from distribuuuu.runtime.process_group import all_gather_object, is_main_process
+from distribuuuu.training.rng import capture_rng_state, restore_rng_state
 
 if TYPE_CHECKING:
-    from distribuuuu.run import Run
+    from distribuuuu.training.run import Run
 
 logger = get_logger("state")
 

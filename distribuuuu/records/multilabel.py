@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from distribuuuu.distributed import all_reduce_sum
+from distribuuuu.runtime.process_group import all_reduce_sum
 
 LOGIT_RANGE = 16.0  # logits beyond +-16 (scores within 1.2e-7 of 0 or 1) share the end levels
 FIELDS = ("map", "f1_macro", "f1_micro", "precision_macro", "precision_micro", "recall_macro", "recall_micro")

@@ -16,11 +16,17 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from yacs.config import CfgNode
 
-from distribuuuu import checkpoint as ckpt
-from distribuuuu import sharded_checkpoint as shards
-from distribuuuu.background_write import BackgroundWriter, host_copy
-from distribuuuu.checkpoint_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
-from distribuuuu.components import (
+from distribuuuu.checkpointing import checkpoint as ckpt
+from distribuuuu.checkpointing import sharded as shards
+from distribuuuu.checkpointing.background_write import BackgroundWriter, host_copy
+from distribuuuu.checkpointing.stored_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
+from distribuuuu.config import ConfigError, config_changes
+from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
+from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
+from distribuuuu.models import load_model_weights, versioned
+from distribuuuu.runtime.parallel import is_sharded
+from distribuuuu.runtime.process_group import rank0_decides
+from distribuuuu.training.components import (
     file_states,
     load_file_state,
     load_sharded_state,
@@ -29,13 +35,7 @@ from distribuuuu.components import (
     start_saving_sharded_state,
     to_restore,
 )
-from distribuuuu.config import ConfigError, config_changes
-from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
-from distribuuuu.distributed import rank0_decides
-from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
-from distribuuuu.models import load_model_weights, versioned
-from distribuuuu.parallel import is_sharded
-from distribuuuu.run import Run
+from distribuuuu.training.run import Run
 
 logger = get_logger("state")
 

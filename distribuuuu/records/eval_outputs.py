@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from distribuuuu.distributed import all_gather_object, all_reduce_sum, is_main_process
 from distribuuuu.files import write_bytes
-from distribuuuu.plots import PLOT_INSTALL
+from distribuuuu.records.plots import PLOT_INSTALL
+from distribuuuu.runtime.process_group import all_gather_object, all_reduce_sum, is_main_process
 
 logger = logging.getLogger(__name__)
 

@@ -11,18 +11,18 @@ from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError, check_dataset_paths, eval_crop_size
 from distribuuuu.data import Split, build_precise_bn_split, build_val_split, sample_paths
-from distribuuuu.distributed import cleanup_distributed
-from distribuuuu.evaluation import EvalOutputs
-from distribuuuu.launch import DistEnv
 from distribuuuu.logger import get_logger
-from distribuuuu.meters import MetricSums
 from distribuuuu.models import model_source
-from distribuuuu.multilabel import MultiLabelSums
-from distribuuuu.parallel import autocast, is_sharded, missing_forwards, to_device
-from distribuuuu.precise_bn import recompute_bn_stats
-from distribuuuu.records import multilabel_text, reported_k, topk_text, write_eval_record
-from distribuuuu.run import build_model_for, open_outputs, prepare_process, start_process_group
-from distribuuuu.state import load_weights, warn_if_evaluated_otherwise
+from distribuuuu.records.eval_outputs import EvalOutputs
+from distribuuuu.records.meters import MetricSums
+from distribuuuu.records.multilabel import MultiLabelSums
+from distribuuuu.records.writer import multilabel_text, reported_k, topk_text, write_eval_record
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.parallel import autocast, is_sharded, missing_forwards, to_device
+from distribuuuu.runtime.process_group import cleanup_distributed
+from distribuuuu.training.precise_bn import recompute_bn_stats
+from distribuuuu.training.resume import load_weights, warn_if_evaluated_otherwise
+from distribuuuu.training.run import build_model_for, open_outputs, prepare_process, start_process_group
 
 logger = get_logger("trainer")  # the name the evaluation lines have always carried
 
@@ -39,7 +39,7 @@ def validate(
     model.eval()
     t = cfg.TEST
     sums = MetricSums(env.device, cfg.TRAIN.TOPK)
-    labels = None  # MODEL.TASK multilabel: mAP and F1 counts (multilabel.py)
+    labels = None  # MODEL.TASK multilabel: mAP and F1 counts (records/multilabel.py)
     if cfg.MODEL.TASK == "multilabel":
         labels = MultiLabelSums(cfg.MODEL.NUM_CLASSES, t.AP_BINS, t.THRESHOLD, env.device)
     names = split.classes + [str(c) for c in range(len(split.classes), cfg.MODEL.NUM_CLASSES)]

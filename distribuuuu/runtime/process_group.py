@@ -1,6 +1,6 @@
 """The process group: set-up for torchrun, Slurm, MPI or a plain process, collectives and rank helpers.
 
-Which launcher started us is read by ``launch.py`` (pure). Every helper here works with or
+Which launcher started us is read by ``launcher.py`` (pure). Every helper here works with or
 without a process group, so unit tests and notebooks can call them.
 """
 
@@ -17,8 +17,15 @@ import torch
 import torch.distributed as dist
 
 from distribuuuu.errors import first_line
-from distribuuuu.heartbeat import Heartbeat
-from distribuuuu.launch import DistEnv, LaunchError, RankLaunchError, detect_env, detect_env_rank, select_device
+from distribuuuu.runtime.heartbeat import Heartbeat
+from distribuuuu.runtime.launcher import (
+    DistEnv,
+    LaunchError,
+    RankLaunchError,
+    detect_env,
+    detect_env_rank,
+    select_device,
+)
 
 T = TypeVar("T")
 # The store every rank met at (set by setup_distributed): it keeps answering while a worker is

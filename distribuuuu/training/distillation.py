@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from yacs.config import CfgNode
 
-from distribuuuu.checkpoint import CheckpointError, load_checkpoint, model_state_from, state_checksum
-from distribuuuu.checkpoint_config import SHAPE_KEYS, cfg_from_checkpoint
+from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoint, model_state_from, state_checksum
+from distribuuuu.checkpointing.stored_config import SHAPE_KEYS, cfg_from_checkpoint
 from distribuuuu.config import ConfigError
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger

@@ -12,9 +12,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from distribuuuu.distributed import is_dist, rendezvous_store
 from distribuuuu.errors import first_line
-from distribuuuu.launch import DistEnv
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.process_group import is_dist, rendezvous_store
 
 
 class NonFiniteLossError(RuntimeError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from distribuuuu.distributed import all_reduce_sum, get_rank
+from distribuuuu.runtime.process_group import all_reduce_sum, get_rank
 
 
 class AverageMeter:

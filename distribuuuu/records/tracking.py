@@ -1,4 +1,4 @@
-"""Experiment trackers (W&B, MLflow) behind the metrics writer (records.py): optional, rank 0 only, never fatal.
+"""Experiment trackers (W&B, MLflow) behind the metrics writer (writer.py): optional, rank 0 only, never fatal.
 
 The metrics writer hands every tracker the scalars it writes to TensorBoard, each with its x
 axis (``epoch`` for the per-epoch records, ``global_step`` for the PRINT_FREQ windows). A tracker

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from distribuuuu.distributed import is_main_process
 from distribuuuu.logger import get_logger
+from distribuuuu.runtime.process_group import is_main_process
 
 logger = get_logger("preemption")
 

@@ -34,12 +34,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distribuuuu.distributed import all_gather_object, broadcast_buffers, broadcast_object, get_rank, is_main_process
+from distribuuuu.checkpointing.single_file import load_file, model_state_from, save_checkpoint
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.files import atomic_write, replace_dir, temporary_name, write_failure
 from distribuuuu.models import load_model_weights, versioned
-from distribuuuu.single_file import load_file, model_state_from, save_checkpoint
+from distribuuuu.runtime.process_group import (
+    all_gather_object,
+    broadcast_buffers,
+    broadcast_object,
+    get_rank,
+    is_main_process,
+)
 
 logger = logging.getLogger(__name__)
 

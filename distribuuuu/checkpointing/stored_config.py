@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from yacs.config import CfgNode
 
-from distribuuuu.checkpoint import load_checkpoint
+from distribuuuu.checkpointing.checkpoint import load_checkpoint
 from distribuuuu.config import flatten, get_cfg_defaults, load_cfg, merge_pairs
 
 # Keys that make another experiment: resuming a checkpoint trained with other values would mix
