@@ -20,8 +20,9 @@ from distribuuuu.checkpointing.checkpoint import (
 )
 from distribuuuu.checkpointing.sharded import (
     from_single_file,
-    load_sharded,
+    load_states,
     save_sharded,
+    tensor_states,
     to_single_file,
     verify_sharded,
 )
@@ -29,6 +30,13 @@ from distribuuuu.ema import ModelEMA
 from tests.scripts.fsdp_job import TinyResNet
 
 JOB = str(REPO / "tests" / "scripts" / "dcp_job.py")
+
+
+def _load(path: str, model, optimizer, ema) -> dict:
+    """``path`` into model, optimizer and EMA shards (collective), the EMA's update count from its extra state."""
+    extra = load_states(path, tensor_states(model, optimizer, ema))
+    ema.updates = int(extra["ema_updates"])
+    return extra
 
 
 def _run(seed: int = 0):
@@ -70,7 +78,7 @@ def test_a_checkpoint_appears_whole_under_its_final_name_and_verifies(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt_ep_002.dcp"]  # no temporary left behind
     verify_sharded(path)
     model, optimizer, ema = _run(seed=1)
-    extra = load_sharded(path, model, optimizer, ema)
+    extra = _load(path, model, optimizer, ema)
     reference = _run(seed=0)
     _assert_same(get_state_dict(model, optimizer), get_state_dict(reference[0], reference[1]))
     _assert_same(ema.state_dict(), reference[2].state_dict())
@@ -146,7 +154,7 @@ def test_saved_by_2_fsdp_ranks_loads_into_3_and_into_1_identically(tmp_path):
     model = TinyResNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     ema = ModelEMA(copy.deepcopy(model), 0.9)
-    load_sharded(str(tmp_path / "ckpt_ep_001_it_000004.dcp"), model, optimizer, ema)
+    _load(str(tmp_path / "ckpt_ep_001_it_000004.dcp"), model, optimizer, ema)
     model_state, optim_state = get_state_dict(model, optimizer)
     _assert_same(model_state, saved["model"])
     _assert_same(optim_state, saved["optimizer"])

@@ -262,16 +262,6 @@ def read_extra(path: str) -> dict:
     return torch.load(os.path.join(path, EXTRA), map_location="cpu", weights_only=True)
 
 
-def load_sharded(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema: ModelEMA | None = None
-) -> dict:
-    """Load ``path`` into this rank's shards of model/optimizer/EMA (collective); return the extra state."""
-    extra = load_states(path, tensor_states(model, optimizer, ema))
-    if ema is not None:
-        ema.updates = int(extra.get("ema_updates", 0))
-    return extra
-
-
 def load_states(path: str, states: dict[str, Stateful]) -> dict:
     """Load ``path`` into the Stateful ``states`` (collective); return the extra state.
 
@@ -305,7 +295,7 @@ def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
 
     What ``load_checkpoint`` returns for a ``.dcp`` directory: evaluation, prediction, MODEL.WEIGHTS
     and the conversion tool read either format through it. The whole state is read into memory:
-    for tools and weights, not for resuming a sharded run (``load_sharded`` does that shard by shard).
+    for tools and weights, not for resuming a sharded run (``load_states`` does that shard by shard).
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

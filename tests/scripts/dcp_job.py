@@ -17,12 +17,19 @@ import torch.distributed as dist
 from fsdp_job import TinyResNet, train  # tests/scripts is the script's directory
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from distribuuuu.checkpointing.sharded import load_sharded, save_sharded
+from distribuuuu.checkpointing.sharded import load_states, save_sharded, tensor_states
 from distribuuuu.ema import ModelEMA
 from distribuuuu.runtime.parallel import build_mesh, shard_model
 from distribuuuu.runtime.process_group import all_gather_object
 
 NAME = "ckpt_ep_001_it_000004.dcp"
+
+
+def _load(path: str, model, optimizer, ema) -> dict:
+    """``path`` into model, optimizer and EMA shards (collective), the EMA's update count from its extra state."""
+    extra = load_states(path, tensor_states(model, optimizer, ema))
+    ema.updates = int(extra["ema_updates"])
+    return extra
 
 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: ModelEMA) -> dict:
@@ -54,7 +61,7 @@ def main(out_dir: str, mode: str) -> None:
         result = full_state(model, optimizer, ema)
     else:
         model, optimizer, ema = sharded_run(seed=1)  # other initial weights: the load must replace them
-        extra = load_sharded(f"{out_dir}/{NAME}", model, optimizer, ema)
+        extra = _load(f"{out_dir}/{NAME}", model, optimizer, ema)
         result = dict(full_state(model, optimizer, ema), extra=extra)
     if rank == 0:
         torch.save(result, f"{out_dir}/{mode}_{world}.pt")
