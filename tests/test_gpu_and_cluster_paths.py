@@ -26,6 +26,7 @@ from helpers import (
     assert_ok,
     clean_env,
     in_process,
+    python,
     read_metrics,
     run,
     torchrun,
@@ -216,7 +217,9 @@ def test_a_rank_alone_fails_fast_naming_the_rendezvous_and_the_key(tmp_path, ran
     )
     args = ["OUT_DIR", str(tmp_path), *FAST, "DIST.INIT_CHECK_TIMEOUT_S", "3", "DIST.TIMEOUT_S", "600"]
     tic = time.monotonic()
-    result = in_process(TRAIN, *args, env=env)  # train_net.py's __main__ in this process
+    # A launch: the property is a bounded wait; a regression that waits DIST.TIMEOUT_S (or forever)
+    # is killed after 90 s here, not left to stall the suite's process.
+    result = run(python(TRAIN, *args), timeout=90, env=env)
     elapsed = time.monotonic() - tic
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
