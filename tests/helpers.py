@@ -86,13 +86,9 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
 
 
 def in_process(script: str, *args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run ``python script *args`` in this process, as ``run`` would in a new one: the tool's own
-    ``__main__``, its stdout/stderr (file descriptors included) and exit code, with the environment,
-    working directory, thread count, signal handlers, RNGs and loggers put back afterwards.
-
-    For single-process tool runs whose behaviour does not depend on being a process of its own:
-    it saves a fresh interpreter's ~5 s of imports (torch, torchvision) per run.
-    """
+    """Run ``python script *args`` in this process, as ``run`` would in a new one (and ~5 s of imports
+    sooner): the tool's own ``__main__``, its stdout/stderr (file descriptors included) and exit code,
+    with the environment, working directory, thread count, signal handlers, RNGs and loggers put back."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_restored_process_state(env or clean_env(), cwd))
         out, err = stack.enter_context(_captured_fds())

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, python, run
+from helpers import REPO, assert_ok, in_process
 
 BENCH = str(REPO / "tools" / "benchmark.py")
 TINY = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.BATCH_SIZE", "8", "TEST.BATCH_SIZE", "16"]
@@ -40,9 +40,9 @@ def json_lines(text: str) -> list[dict]:
 def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     out = tmp_path / "bench.jsonl"
     what = "train,plain,breakdown,eval,variants,data,decode"
-    cmd = python(BENCH, "--steps", "2", "--warmup", "1", "--repeats", "2", "--workers", "0,1", "--data-batches", "2")
-    cmd += ["--photos", "8", "--bf16-steps", "1", "--json", str(out), "--what", what, *TINY]
-    result = run(cmd, timeout=400)
+    args = ["--steps", "2", "--warmup", "1", "--repeats", "2", "--workers", "0,1", "--data-batches", "2"]
+    args += ["--photos", "8", "--bf16-steps", "1", "--json", str(out), "--what", what, *TINY]
+    result = in_process(BENCH, *args)  # its __main__ in this process
     assert_ok(result)
     records = json_lines(result.stdout)
     assert records == json_lines(out.read_text()), "--json must hold exactly the printed JSON lines"
@@ -66,7 +66,7 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
         assert r["arch"] == "resnet18" and r["world_size"] == 1 and r["batch_per_proc"] == 8 and r["steps"] == 2
         assert r["dataset"] == "data/digits", "train/plain time the configured dataset, as a run reads it"
         assert 0 < r["images_per_s_min"] <= r["images_per_s_median"] <= r["images_per_s_max"]
-        # The process holds torch and a resnet18 with its gradients and optimizer state: > 100 MiB.
+        # The process (here pytest's) holds torch and a resnet18 with its gradients and optimizer state: > 100 MiB.
         assert r["peak_mem_kind"] == "process_rss" and 100 < r["peak_mem_mib"] < 24 * 1024
     ratio = next(r for r in records if r["what"] == "ratio")
     assert ratio["framework_over_plain"] > 0
@@ -80,11 +80,10 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     assert "framework/plain" in result.stdout  # the table follows the JSON lines
 
 
-@pytest.mark.slow
 def test_benchmark_packed_measures_every_path_on_the_same_photos():
     pytest.importorskip("wids")
-    cmd = python(BENCH, "--what", "packed", "--photos", "8", "--workers", "0", "--repeats", "1", "--data-batches", "1")
-    result = run([*cmd, "TRAIN.BATCH_SIZE", "2"], timeout=300)
+    args = ["--what", "packed", "--photos", "8", "--workers", "0", "--repeats", "1", "--data-batches", "1"]
+    result = in_process(BENCH, *args, "TRAIN.BATCH_SIZE", "2")
     assert_ok(result)
     records = json_lines(result.stdout)
     paths = {r["path"]: r for r in records}
@@ -125,9 +124,10 @@ def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
 @pytest.fixture(scope="module")
 def memory_table(tmp_path_factory):
     """One torchrun job per strategy (ddp, ddp+ZeRO-1, fsdp), as docs/scale-out.md's table was made:
-    it counts bytes."""
+    it counts bytes. The driver runs in this process; the jobs it starts stay launches (each rank's
+    share of the state under real DDP/FSDP on 2 ranks is the property)."""
     args = ["--memory-table", "2", "--steps", "1", "--repeats", "1", "--warmup", "1", "--archs", "resnet18", *TINY]
-    return run(python(BENCH, *args), timeout=400)
+    return in_process(BENCH, *args)
 
 
 @pytest.mark.slow

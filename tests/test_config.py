@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import TRAIN, assert_ok, python, read_metrics, run, torchrun
+from helpers import TRAIN, assert_ok, in_process, read_metrics, run, torchrun
 
 from distribuuuu.cli import parse_args
 from distribuuuu.config import (
@@ -229,9 +229,9 @@ def test_bad_input_exits_2_with_one_line_naming_it_and_trains_nothing(case, tmp_
     _assert_nothing_trained(tmp_path)
 
 
-@pytest.mark.slow
 def test_bad_input_to_the_train_net_command_exits_2_with_one_line(tmp_path):
-    result = run(python(TRAIN, *_argv("missing-dataset", tmp_path)), timeout=300)
+    # train_net.py's own __main__ (in this process): its exit code and what it prints to stderr.
+    result = in_process(TRAIN, *_argv("missing-dataset", tmp_path))
     assert result.returncode == EXIT_BAD_INPUT, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr}"
     _assert_one_error_line(result.stderr, BAD_INPUTS["missing-dataset"][1])
     _assert_nothing_trained(tmp_path)
@@ -239,6 +239,7 @@ def test_bad_input_to_the_train_net_command_exits_2_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_bad_input_under_torchrun_is_printed_once_and_named_by_torchruns_failure_summary(tmp_path):
+    # A launch: what torchrun (the launcher) reports of its ranks' failure is the property.
     missing = "/nonexistent/imagenet"
     result = run(torchrun(2, TRAIN, "OUT_DIR", str(tmp_path), "TRAIN.DATASET", missing), timeout=300)
     assert result.returncode != 0
@@ -257,7 +258,7 @@ def test_bad_input_under_torchrun_is_printed_once_and_named_by_torchruns_failure
 @pytest.mark.slow
 def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_written(tmp_path):
     opts = ["TRAIN.DATASET", "/nonexistent/imagenet", "MODEL.DUMMY_INPUT", "True", *TINY_DUMMY]
-    result = run(python(TRAIN, "OUT_DIR", str(tmp_path), *opts), timeout=300)
+    result = in_process(TRAIN, "OUT_DIR", str(tmp_path), *opts)
     assert_ok(result)
     assert ERROR_PREFIX not in result.stderr
     [train] = [r for r in read_metrics(tmp_path) if r["split"] == "train"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import REPO, TEST, assert_ok, python, read_metrics, run
+from helpers import REPO, TEST, assert_ok, in_process, read_metrics
 
 from distribuuuu.checkpointing import checkpoint
 from distribuuuu.config import load_cfg
@@ -34,7 +34,7 @@ def _final_val_top1(out_dir: Path, weights: str) -> float:
 
 
 def _test_net(data: list[str], out_dir: Path, *opts: str) -> dict:
-    result = run(python(TEST, "--cfg", RECIPE, "OUT_DIR", str(out_dir), *data, *opts))
+    result = in_process(TEST, "--cfg", RECIPE, "OUT_DIR", str(out_dir), *data, *opts)  # test_net.py's __main__ here
     assert_ok(result)
     [record] = [r for r in read_metrics(out_dir) if r["split"] == "test"]
     return record
@@ -59,7 +59,7 @@ def test_the_digits_recipe_on_packed_shards_over_http_reaches_98_percent_and_tes
     best = checkpoint.load_checkpoint(str(out / checkpoint.BEST_NAME))
     first_best = max(val, key=lambda r: r["top1"])  # max() keeps the first of equals, as the trainer
     assert (best["best_acc1"], best["best_weights"]) == (first_best["top1"], first_best["weights"])
-    # test_net.py, one process, on the same packed val split: the best weights as the 2 ranks scored them.
+    # test_net.py, one process (this one), on the same packed val split: the best weights as the 2 ranks scored them.
     kind = best["best_weights"]
     tested = _test_net(
         data, tmp_path / "best", "MODEL.WEIGHTS", str(out / checkpoint.BEST_NAME), "MODEL.WEIGHTS_KIND", kind

@@ -35,10 +35,10 @@ from helpers import (
     TRAIN,
     Started,
     assert_ok,
+    in_process,
     lone_env,
     python,
     read_metrics,
-    run,
 )
 
 from distribuuuu.config import get_cfg_defaults, load_cfg
@@ -59,12 +59,19 @@ TRACKERS = [name for name in ("wandb", "mlflow") if importlib.util.find_spec(nam
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory) -> Path:
-    """Epoch 1 (TRAIN.STOP_AFTER_EPOCHS 1), then a resumed process for epoch 2, with the installed trackers."""
+    """Epoch 1 (TRAIN.STOP_AFTER_EPOCHS 1), then a resumed run for epoch 2, with the installed
+    trackers: train_net.py's __main__ twice in this process (both cores)."""
     out = tmp_path_factory.mktemp("tracked")
     opts = [*RUN_OPTS, "OUT_DIR", str(out), "LOG.TRACKERS", repr(TRACKERS)]
     env = lone_env()
-    assert_ok(run(python(TRAIN, *opts, "TRAIN.STOP_AFTER_EPOCHS", "1"), timeout=900, env=env))
-    assert_ok(run(python(TRAIN, *opts), timeout=900, env=env))
+    assert_ok(in_process(TRAIN, *opts, "TRAIN.STOP_AFTER_EPOCHS", "1", env=env))
+    assert_ok(in_process(TRAIN, *opts, env=env))
+    if (
+        "wandb" in TRACKERS
+    ):  # the W&B service the runs started ends now: at this process's exit, it would outlive the session
+        import wandb
+
+        wandb.teardown()
     return out
 
 
@@ -124,7 +131,7 @@ def test_offline_wandb_run_gets_the_metrics_jsonl_scalars_and_the_resume_continu
     pytest.importorskip("wandb")
     run_id = json.loads((resumed_run / "trackers.json").read_text())["wandb"]
     files = glob.glob(str(resumed_run / "wandb" / "offline-run-*"))
-    assert len(files) == 2 and all(f.endswith(run_id) for f in files), f"two processes, one W&B run id: {files}"
+    assert len(files) == 2 and all(f.endswith(run_id) for f in files), f"two runs, one W&B run id: {files}"
     got: dict[str, dict[int, float]] = {}
     for row in wandb_history(resumed_run, run_id):
         for tag, value in row.items():
@@ -156,21 +163,10 @@ def test_local_mlflow_run_gets_the_metrics_jsonl_scalars_and_the_resume_continue
     assert sorted(losses) == sorted(windows) and all(abs(losses[s] - windows[s][0]) < 6e-5 for s in windows)
 
 
-WRAPPER = """
-import sys
-sys.modules["wandb"] = None  # `import wandb` now raises ImportError, as if it were not installed
-sys.argv = [sys.argv[1]] + sys.argv[2:]
-import runpy
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-@pytest.mark.slow
-def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_finishes(tmp_path):
-    wrapper = tmp_path / "no_wandb.py"
-    wrapper.write_text(WRAPPER)
+def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_finishes(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError, as if not installed
     out = tmp_path / "out"
-    result = run(python(str(wrapper), TRAIN, *DUMMY_OPTS, "OUT_DIR", str(out), "LOG.TRACKERS", "['wandb']"))
+    result = in_process(TRAIN, *DUMMY_OPTS, "OUT_DIR", str(out), "LOG.TRACKERS", "['wandb']")
     assert_ok(result)
     warnings = [line for line in (result.stdout + result.stderr).splitlines() if "not installed" in line]
     assert len(warnings) == 1 and "LOG.TRACKERS: wandb is not installed" in warnings[0], warnings
@@ -215,10 +211,10 @@ def test_the_run_summary_reports_the_metrics_and_the_config_changes(resumed_run)
     assert "`TRAIN.BATCH_SIZE`" not in text  # left at its default
     if importlib.util.find_spec("matplotlib"):
         assert (resumed_run / "metrics.png").stat().st_size > 0
-    result = run(python(SUMMARIZE, str(resumed_run)))
+    result = in_process(SUMMARIZE, str(resumed_run))
     assert_ok(result)
     assert result.stdout == text == (resumed_run / "summary.md").read_text()  # the tool's report is the trainer's
-    bad = run(python(SUMMARIZE, str(resumed_run / "nothing")))
+    bad = in_process(SUMMARIZE, str(resumed_run / "nothing"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in bad.stderr
 
 
@@ -230,8 +226,8 @@ def exported(resumed_run, tmp_path_factory) -> tuple[Path, subprocess.CompletedP
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     prefix = tmp_path_factory.mktemp("export") / "digits"
-    result = run(
-        python(EXPORT, "--weights", str(resumed_run / "best.pth.tar"), "--out", str(prefix), "--max-check", "0")
+    result = in_process(
+        EXPORT, "--weights", str(resumed_run / "best.pth.tar"), "--out", str(prefix), "--max-check", "0"
     )
     assert_ok(result)
     return prefix, result
@@ -320,8 +316,7 @@ def eval_keys_run(tmp_path_factory) -> Path:
     from distribuuuu.checkpointing.sharded import to_single_file
 
     out = tmp_path_factory.mktemp("eval_keys")
-    env = lone_env()
-    assert_ok(run(python(TINY_TRAIN, *EVAL_KEYS_OPTS, "OUT_DIR", str(out)), timeout=600, env=env))
+    assert_ok(in_process(TINY_TRAIN, *EVAL_KEYS_OPTS, "OUT_DIR", str(out), env=lone_env()))
     to_single_file(str(out / "best.dcp"), str(out / "best.pth.tar"))
     return out
 
@@ -496,7 +491,7 @@ def test_export_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     sys.path.insert(0, str(REPO / "tools"))
     import export
 
-    missing = run(python(EXPORT, "--weights", str(tmp_path / "none.pth.tar")))
+    missing = in_process(EXPORT, "--weights", str(tmp_path / "none.pth.tar"))
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
         f"export.py: error: checkpoint not found: {tmp_path / 'none.pth.tar'}"
     ]
@@ -544,11 +539,12 @@ BAR = re.compile(r"\r\x1b\[Kepoch 1/1 \[[#.]{24}\] (\d)/4  loss \d+\.\d{4}  \d+ 
 
 @pytest.mark.slow
 def test_the_progress_bar_shows_on_a_terminal_and_not_when_redirected(tmp_path):
+    # A launch: the property is what the process draws on its own terminal (its stdout a pty).
     shown = run_on_pty(python(TRAIN, *DUMMY_OPTS, "OUT_DIR", str(tmp_path / "tty")))
     assert [int(m.group(1)) for m in BAR.finditer(shown)] == [1, 2, 3, 4]  # one redraw per sync point
     assert "step 1/4" not in shown and "val model epoch 1" in shown  # windows as the bar, the rest as lines
     assert len(re.findall(r"step \d/4", (tmp_path / "tty" / "log.txt").read_text())) == 4  # log.txt keeps them
-    redirected = run(python(TRAIN, *DUMMY_OPTS, "OUT_DIR", str(tmp_path / "pipe")))
+    redirected = in_process(TRAIN, *DUMMY_OPTS, "OUT_DIR", str(tmp_path / "pipe"))  # stdout: a file, here
     assert_ok(redirected)
     assert not BAR.search(redirected.stdout) and "\r" not in redirected.stdout
     assert len(re.findall(r"step \d/4", redirected.stdout)) == 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import FAST, TRAIN, assert_ok, python, run
+from helpers import FAST, TRAIN, assert_ok, in_process
 
 from distribuuuu import cli, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
@@ -19,9 +19,9 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """A FAST run of 2 epochs (tools/train_net.py, one process, one thread)."""
+    """A FAST run of 2 epochs (tools/train_net.py in this process, one thread)."""
     out = tmp_path_factory.mktemp("finished")
-    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *FAST), timeout=400))
+    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *FAST))
     return out
 
 

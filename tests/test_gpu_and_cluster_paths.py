@@ -13,14 +13,28 @@ import math
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST, REPO, TINY_TRAIN, TRAIN, assert_ok, clean_env, python, read_metrics, run, torchrun, two_nodes
+from helpers import (
+    FAST,
+    REPO,
+    TINY_TRAIN,
+    TRAIN,
+    assert_ok,
+    clean_env,
+    in_process,
+    python,
+    read_metrics,
+    run,
+    torchrun,
+    two_nodes,
+)
 from torch import nn
 
+from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
 from distribuuuu.models import register_model
@@ -97,6 +111,7 @@ def test_two_ranks_count_each_skipped_non_finite_step_once(tmp_path, strategy):
     whose gradients are not: two skipped optimizer steps (not 4 + 0, as per rank and micro-batch).
     Under fsdp the norm that decides is the sharded gradients' global one."""
     opts = [*TWO_ACCUM, "TRAIN.NAN_POLICY", "skip", "DIST.STRATEGY", strategy]
+    # A launch: the count across two ranks' real DDP/FSDP gradient sync is the property.
     assert_ok(run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *opts), timeout=300, env=clean_env(**FAULTS)))
     [record] = _train_records(tmp_path)
     assert record["nonfinite_steps"] == 2 and record["scaler_skips"] == 0
@@ -111,6 +126,7 @@ def test_fp16_on_the_cpu_counts_each_overflow_skip_once_in_two_processes(tmp_pat
     skipped steps is log2(initial scale / final scale): the checkpoint's scaler says it too."""
     init_scale = 2.0**24  # fp16 gradients overflow at first: the scaler backs off step by step
     env = clean_env(**FAULTS, FAULT_FP16_INIT_SCALE=str(init_scale))
+    # A launch: two ranks' GradScalers must agree on each skip (DDP's all-reduce of inf gradients).
     cmd = torchrun(
         2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *TWO_ACCUM, "TRAIN.PRECISION", "fp16", "TRAIN.NAN_POLICY", "skip"
     )
@@ -126,18 +142,13 @@ def test_fp16_on_the_cpu_counts_each_overflow_skip_once_in_two_processes(tmp_pat
 
 
 @pytest.mark.slow
-def test_fp16_on_the_cpu_trains_and_resumes_its_scaler_bit_identically(tmp_path):
+def test_fp16_on_the_cpu_trains_and_resumes_its_scaler_bit_identically(tmp_path, monkeypatch):
     args = [*TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRECISION", "fp16", "TRAIN.PRINT_FREQ", "20"]
     env = clean_env(FAULT_FP16_INIT_SCALE=str(2.0**20))
     straight, split = tmp_path / "straight", tmp_path / "split"
-    first = {straight: [], split: ["TRAIN.STOP_AFTER_EPOCHS", "1"]}
-    with ThreadPoolExecutor(2) as pool:  # two single-threaded runs, overlapped
-        results = pool.map(
-            lambda out: run(python(TINY_TRAIN, "OUT_DIR", str(out), *args, *first[out]), 600, env), first
-        )
-        for result in results:
-            assert_ok(result)
-    resumed = run(python(TINY_TRAIN, "OUT_DIR", str(split), *args), timeout=600, env=env)
+    for out, first in ((straight, []), (split, ["TRAIN.STOP_AFTER_EPOCHS", "1"])):
+        assert_ok(_tiny_train_here(monkeypatch, "OUT_DIR", str(out), *args, *first, env=env))
+    resumed = _tiny_train_here(monkeypatch, "OUT_DIR", str(split), *args, env=env)
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout
     train = _train_records(straight)
@@ -148,13 +159,24 @@ def test_fp16_on_the_cpu_trains_and_resumes_its_scaler_bit_identically(tmp_path)
     assert all(torch.equal(x, y) for x, y in zip(_tensors(a["optimizer"]), _tensors(b["optimizer"])))
 
 
+def _tiny_train_here(monkeypatch, *args: str, env: dict):
+    """tests/scripts/tiny_train.py in this process (in_process); the trainer functions its fault
+    hooks wrap (FAULT_FP16_INIT_SCALE: build_run) are put back after the run."""
+    with monkeypatch.context() as patched:
+        for name in ("build_run", "train_step", "resume_or_load_weights"):
+            patched.setattr(trainer, name, getattr(trainer, name))
+        return in_process(TINY_TRAIN, *args, env=env)
+
+
 # ------------------------------------------------------------------------------------------------
 # Finding 4: a mid-epoch checkpoint written before the non-finite check saw its steps
 # ------------------------------------------------------------------------------------------------
-def test_a_mid_epoch_checkpoint_never_holds_weights_from_a_non_finite_step(tmp_path):
+def test_a_mid_epoch_checkpoint_never_holds_weights_from_a_non_finite_step(tmp_path, monkeypatch):
     # NaN at step 3; metrics every 10 steps, a checkpoint every 5: the checkpoint step must check.
+    # In this process: FAULT_NAN_CALLS="3", as tests/models.py would have read it at its import.
+    monkeypatch.setattr(models, "_NAN_CALLS", {3})
     args = [*TINY, "TRAIN.PRINT_FREQ", "10", "TRAIN.CKPT_PERIOD_ITERS", "5"]
-    result = run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path), *args), timeout=300, env=clean_env(FAULT_NAN_CALLS="3"))
+    result = in_process(TINY_TRAIN, "OUT_DIR", str(tmp_path), *args)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
     assert len(errors) == 1 and "non-finite loss at epoch 1, step 3:" in errors[0]
@@ -204,6 +226,8 @@ def test_a_rank_alone_fails_fast_naming_the_rendezvous_and_the_key(tmp_path, ran
     )
     args = ["OUT_DIR", str(tmp_path), *FAST, "DIST.INIT_CHECK_TIMEOUT_S", "3", "DIST.TIMEOUT_S", "600"]
     tic = time.monotonic()
+    # A launch: the property is a bounded wait; a regression that waits DIST.TIMEOUT_S (or forever)
+    # is killed after 90 s here, not left to stall the suite's process.
     result = run(python(TRAIN, *args), timeout=90, env=env)
     elapsed = time.monotonic() - tic
     assert result.returncode == 2, result.stderr[-3000:]
@@ -263,6 +287,7 @@ def test_two_torchrun_agents_as_two_nodes_only_global_rank_0_writes(tmp_path):
     rank 0 writes everything (log, metrics, checkpoints), the other node's LOCAL_RANK 0 nothing.
     c10d rendezvous gives node ranks in order of arrival (``--node_rank`` is ignored), so which
     agent holds global rank 0 is found from the outputs, as on a real cluster."""
+    # A launch: two torchrun agents' rendezvous (the launcher) is the property.
     outs = [tmp_path / "node0", tmp_path / "node1"]
     args = [*TINY, "TRAIN.PRINT_FREQ", "5", "TRAIN.CKPT_PERIOD_ITERS", "10"]
     results = two_nodes(1, TINY_TRAIN, [["OUT_DIR", str(out), *args] for out in outs], timeout=300)

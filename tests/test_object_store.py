@@ -12,7 +12,7 @@ import os
 import sys
 
 import pytest
-from helpers import EVAL_TINY, REPO, TINY_TRAIN, assert_ok, clean_env, in_process, read_metrics, run, torchrun
+from helpers import EVAL_TINY, REPO, TINY_TRAIN, assert_ok, clean_env, in_process, read_metrics
 from test_packed_data import _without_timings
 
 from distribuuuu.data import DataError, remote
@@ -126,14 +126,16 @@ def test_without_obstore_a_bucket_url_names_the_extra_to_install(monkeypatch):
         remote.upload(__file__, "gs://bucket/x")
 
 
-@pytest.mark.slow  # two 1-epoch runs of 2 processes
-def test_two_processes_train_from_a_bucket_exactly_as_from_the_same_shards_on_disk(packed_both, tmp_path):
+@pytest.mark.slow  # two 1-epoch runs
+def test_a_run_trains_from_a_bucket_exactly_as_from_the_same_shards_on_disk(packed_both, tmp_path):
+    """One process each (in this one): a bucket is read through the same shard cache as an HTTP
+    server, whose sharing by ranks and workers tests/test_shard_cache.py's two-node test shows."""
     local, url, _ = packed_both
     metrics = {}
     for name, root in (("disk", str(local)), ("s3", url)):
         data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
-        cmd = torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path / name), *EVAL_TINY, "OPTIM.MAX_EPOCH", "1", *data)
-        assert_ok(run(cmd, timeout=400, env=clean_env()))  # clean_env keeps AWS_ENDPOINT_URL and the keys
+        args = ["OUT_DIR", str(tmp_path / name), *EVAL_TINY, "OPTIM.MAX_EPOCH", "1", *data]
+        assert_ok(in_process(TINY_TRAIN, *args, env=clean_env()))  # clean_env keeps AWS_ENDPOINT_URL and the keys
         metrics[name] = [_without_timings(r) for r in read_metrics(tmp_path / name)]
     assert metrics["s3"] == metrics["disk"] and len(metrics["disk"]) == 2
     assert {"val", "train"} == {r["split"] for r in metrics["disk"]}

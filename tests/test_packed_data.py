@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,6 @@ from helpers import (
     read_metrics,
     run,
     serve_folder,
-    torchrun,
 )
 from test_sampler_resume import RESUME_AT, config_sampler_keys, window_stretches
 from torch import nn
@@ -59,7 +57,7 @@ def shard_cache_in_tmp(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("packed") / "digits"
-    result = run(python(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE), "--no-shuffle"), timeout=120)
+    result = in_process(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE), "--no-shuffle")
     assert_ok(result)
     assert "train: 1436 samples in 5 shards (5 written, 0 kept)" in result.stdout
     return out
@@ -291,17 +289,16 @@ def test_dead_url_is_one_error_naming_the_index():
         build_base_dataset(url, "train")
 
 
-@pytest.mark.slow  # two 1-epoch runs of the tiny CNN
 def test_training_on_a_truncated_shard_stops_naming_it_or_skips_and_counts_its_samples(packed, tmp_path):
     copy = _truncated_copy(packed, tmp_path, "shard-000002.tar")
     args = ["TRAIN.DATASET", str(copy), "TEST.DATASET", str(copy), *TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.WORKERS", "1"]
     args += ["DATA.SHARD_CACHE", str(tmp_path / "cache")]
-    failed = run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path / "error"), *args), timeout=300)
+    failed = in_process(TINY_TRAIN, "OUT_DIR", str(tmp_path / "error"), *args)
     assert failed.returncode == 1, failed.stderr[-3000:]
     errors = [line for line in failed.stderr.splitlines() if line.startswith("distribuuuu: error:")]
     assert len(errors) == 1 and "shard-000002.tar" in errors[0] and "truncated" in errors[0], failed.stderr[-3000:]
 
-    skipped = run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path / "skip"), *args, "DATA.BAD_IMAGE", "skip"), timeout=300)
+    skipped = in_process(TINY_TRAIN, "OUT_DIR", str(tmp_path / "skip"), *args, "DATA.BAD_IMAGE", "skip")
     assert_ok(skipped)
     # The samples of shard 2 (rows 600..899) among the epoch's 44 full batches of 32.
     sampler = ResumableDistributedSampler(range(1436), 1, 0, seed=get_cfg_defaults().RNG_SEED)
@@ -321,32 +318,30 @@ def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
     common += ["DATA.SHARD_CACHE", str(tmp_path / "cache")]
     on = {"folder": ["TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS)]}
     on["packed"] = ["TRAIN.DATASET", str(packed), "TEST.DATASET", str(packed)]
-    with ThreadPoolExecutor(2) as pool:  # two single-threaded runs: mostly start-up time, overlapped
-        runs = pool.map(
-            lambda n: run(python(TINY_TRAIN, "OUT_DIR", str(tmp_path / n), *common, *on[n]), timeout=300), on
-        )
-        for result in runs:
-            assert_ok(result)
+    for name, data in on.items():  # in this process, one after the other
+        assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(tmp_path / name), *common, *data))
     reference = _final_state(tmp_path / "packed")
     _assert_same_weights(reference, _final_state(tmp_path / "folder"))  # the same pixels, the same run
 
     out = ["OUT_DIR", str(tmp_path / "resumed"), *common, *on["packed"]]
     env = clean_env(FAULT_SIGNAL_AT_STEP=str(STEPS_ONE + 13), FAULT_SIGNAL="SIGTERM")
+    # A launch: the run is stopped by a real SIGTERM to its process.
     preempted = run(python(TINY_TRAIN, *out), timeout=300, env=env)
     assert preempted.returncode == 75, preempted.stderr[-3000:]
-    resumed = run(python(TINY_TRAIN, *out), timeout=300)
+    resumed = in_process(TINY_TRAIN, *out)
     assert_ok(resumed)
     assert "resumed from" in resumed.stdout and "_it_" in resumed.stdout
     _assert_same_weights(_final_state(tmp_path / "resumed"), reference)
 
 
 @pytest.mark.slow
-def test_two_processes_read_the_shards_over_http_exactly_as_from_disk(packed, http_url, tmp_path):
+def test_a_run_reads_the_shards_over_http_exactly_as_from_disk(packed, http_url, tmp_path):
+    """One process each (in this one): ranks and workers sharing a node's cache over HTTP, as from
+    disk, are tests/test_shard_cache.py's two-node test."""
     metrics = {}
     for name, root in (("disk", str(packed)), ("http", http_url)):
         data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
-        cmd = torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path / name), *TINY, "OPTIM.MAX_EPOCH", "1", *data)
-        assert_ok(run(cmd, timeout=400, env=clean_env()))
+        assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(tmp_path / name), *TINY, "OPTIM.MAX_EPOCH", "1", *data))
         metrics[name] = [_without_timings(r) for r in read_metrics(tmp_path / name)]
     assert metrics["http"] == metrics["disk"] and len(metrics["disk"]) == 2
     cached = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "cache_http").iterdir() if p.name != ".locks")
@@ -444,7 +439,7 @@ def test_cifar_arrays_pack_as_png_and_read_back_exactly(tmp_path, monkeypatch):
 def shuffled(tmp_path_factory) -> Path:
     """data/digits packed by the tool with its default order (shuffled, seed 0), 300 a shard."""
     out = tmp_path_factory.mktemp("shuffled") / "digits"
-    result = run(python(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE)), timeout=120)
+    result = in_process(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE))
     assert_ok(result)
     assert "train: 1436 samples in 5 shards (5 written, 0 kept)" in result.stdout
     return out

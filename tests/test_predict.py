@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST_ARCH, REPO, TRAIN, assert_ok, lone_env, python, read_metrics, run
+from helpers import FAST_ARCH, REPO, TRAIN, assert_ok, in_process, lone_env, read_metrics
 
 pytestmark = pytest.mark.slow  # every test uses the checkpoint of a 2-epoch training run
 
@@ -25,9 +25,9 @@ TRAIN_OPTS = [
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> tuple[Path, dict[str, float]]:
-    """One single-process run on data/digits: its last checkpoint and val top-1 per weights kind."""
+    """One run on data/digits, in this process (both cores): its last checkpoint and val top-1 per weights kind."""
     out = tmp_path_factory.mktemp("predict_run")
-    assert_ok(run(python(TRAIN, "OUT_DIR", str(out), *TRAIN_OPTS), timeout=600, env=lone_env()))
+    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *TRAIN_OPTS, env=lone_env()))
     val = {r["weights"]: r["top1"] for r in read_metrics(out) if r["split"] == "val" and r["epoch"] == EPOCHS}
     # Far above the 10% of chance, so that preprocessing not taken from the checkpoint would show;
     # not a higher floor: after 2 epochs the accuracy depends on the CPU (80.9% here, 27% after epoch 1).
@@ -36,7 +36,8 @@ def trained(tmp_path_factory) -> tuple[Path, dict[str, float]]:
 
 
 def predict(weights: Path, *args: str):
-    return run(python(PREDICT, "--weights", str(weights), *args), timeout=300)
+    """tools/predict.py's __main__ in this process: its stdout, stderr and exit code."""
+    return in_process(PREDICT, "--weights", str(weights), *args)
 
 
 def _true_class(path: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, TINY_TRAIN, assert_ok, clean_env, python, read_metrics, run
+from helpers import REPO, TINY_TRAIN, assert_ok, in_process, read_metrics
 
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
@@ -168,10 +168,11 @@ TRAIN_RUN = [
 
 @pytest.mark.slow
 def test_a_run_resumed_mid_epoch_in_the_ramp_trains_the_weights_of_the_uninterrupted_run(tmp_path):
-    """Epoch 2 (12 px) resumed from its step-20 checkpoint by a new process, its persistent worker
-    started at that epoch: weights, EMA and momentum bit-identical to the uninterrupted run's."""
+    """Epoch 2 (12 px) resumed from its step-20 checkpoint by a new run (the tool's __main__ again,
+    in this process), its persistent worker started at that epoch: weights, EMA and momentum
+    bit-identical to the uninterrupted run's."""
     reference = tmp_path / "reference"
-    assert_ok(run(python(TINY_TRAIN, "OUT_DIR", str(reference), *TRAIN_RUN), timeout=300, env=clean_env()))
+    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(reference), *TRAIN_RUN))
     train = [r for r in read_metrics(reference) if r["split"] == "train"]
     assert [(r["epoch"], r["im_size"]) for r in train] == [(1, 8), (2, 12), (3, 16)]
     resumed = tmp_path / "resumed"
@@ -180,7 +181,7 @@ def test_a_run_resumed_mid_epoch_in_the_ramp_trains_the_weights_of_the_uninterru
     saved = ckpt.list_checkpoints(str(resumed / ckpt.CKPT_DIR))  # oldest first
     for path in saved[[Path(p).name for p in saved].index(mid_ramp) + 1 :]:  # as if stopped right after it
         Path(path).unlink()
-    result = run(python(TINY_TRAIN, "OUT_DIR", str(resumed), *TRAIN_RUN), timeout=300, env=clean_env())
+    result = in_process(TINY_TRAIN, "OUT_DIR", str(resumed), *TRAIN_RUN)
     assert_ok(result)
     assert f"resumed from {resumed / ckpt.CKPT_DIR / mid_ramp} at epoch 2, step 20" in result.stdout
     assert "epoch 2/3 trains at 12 px" in result.stdout and "epoch 3/3 trains at 16 px" in result.stdout

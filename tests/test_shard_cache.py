@@ -24,7 +24,7 @@ from stat import S_ISREG
 
 import pytest
 import torch
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, python, read_metrics, run, serving, torchrun, two_nodes
+from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, in_process, read_metrics, run, serving, torchrun, two_nodes
 from test_sampler_resume import window_stretches
 
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
@@ -50,7 +50,7 @@ def short_wait_for_room(monkeypatch):
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("packed") / "digits"
-    assert_ok(run(python(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE)), timeout=120))
+    assert_ok(in_process(PACK, str(DIGITS), str(out), "--shard-size", str(SHARD_SIZE)))
     return out
 
 
@@ -293,12 +293,10 @@ def test_local_dataset_is_read_in_place_whatever_the_limit(packed, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def two_node_runs(tmp_path_factory):
-    """The runs of the test below: (the packed folder, the
+def two_node_runs(packed, tmp_path_factory):
+    """The runs of the test below, on the module's packed folder: (the packed folder, the
     cache limit, the disk run, the two nodes' runs, the server, the peak sizes, the OUT_DIRs' root)."""
     tmp_path = tmp_path_factory.mktemp("two_nodes")
-    packed = tmp_path / "digits"
-    assert_ok(run(python(PACK, str(DIGITS), str(packed), "--shard-size", str(SHARD_SIZE)), timeout=120))
     sizes = shard_sizes(packed)
     # The least the cache accepts: (2 workers x prefetch 1 + 2) x 16 x 4 ranks = 256 positions in
     # flight touch at most 1 + ceil(256 / 112) = 4 windows of 2 shards (the last shard holds 56).
@@ -306,6 +304,8 @@ def two_node_runs(tmp_path_factory):
     common = [*FAST, "TEST.DATASET", str(packed), "DATA.SHUFFLE_WINDOW", str(WINDOW), "TRAIN.WORKERS", "2"]
     common += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PREFETCH_FACTOR", "1", "DATA.SHARD_PREFETCH", "1"]
     disk = ["OUT_DIR", str(tmp_path / "disk"), "TRAIN.DATASET", str(packed), *common]
+    # Launches: the reference is the same 4 ranks' metrics (their sampler order) read from disk, and
+    # two torchrun agents sharing one node's cache and its downloads is the property.
     disk_run = run(torchrun(4, TRAIN, *disk), timeout=300, env=clean_env())
     with counting_server(packed, flaky=True) as server, PeakSize(tmp_path / "cache0", tmp_path / "cache1") as peak:
         nodes = [
