@@ -218,8 +218,11 @@ class Started:
         try:
             code = self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            killed = "".join(f"\n  {process}" for process in self._kill())
-            raise AssertionError(f"{self.cmd} did not finish in {timeout}s; killed:{killed}\n{self.tail()}") from None
+            left = self._kill()
+            killed = "".join(f"\n  {process}" for process in left)
+            raise AssertionError(
+                f"{self.cmd} did not finish in {timeout}s; killed {len(left)} process(es):{killed}\n{self.tail()}"
+            ) from None
         return subprocess.CompletedProcess(self.cmd, code, *self.output())
 
     def wait_until(self, predicate, timeout: float, what: str) -> float:

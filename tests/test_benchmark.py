@@ -80,6 +80,7 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
     assert "framework/plain" in result.stdout  # the table follows the JSON lines
 
 
+@pytest.mark.slow  # launches, or trains, for 10-20 s: out of the quick tier
 def test_benchmark_packed_measures_every_path_on_the_same_photos():
     pytest.importorskip("wids")
     args = ["--what", "packed", "--photos", "8", "--workers", "0", "--repeats", "1", "--data-batches", "1"]

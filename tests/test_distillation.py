@@ -125,6 +125,7 @@ def final_state(out: Path) -> dict:
     return ckpt.load_checkpoint(str(ckpt.list_checkpoints(str(out / ckpt.CKPT_DIR))[-1]))
 
 
+@pytest.mark.slow  # launches, or trains, for 10-20 s: out of the quick tier
 def test_alpha_0_trains_the_weights_of_a_run_without_teacher_bit_for_bit(tmp_path, teachers):
     alone, distilled, mixed = tmp_path / "alone", tmp_path / "alpha0", tmp_path / "alpha05"
     assert_ok(train_net(alone))

@@ -215,6 +215,7 @@ def test_a_slurm_task_bound_to_one_gpu_gets_it_whatever_its_localid(monkeypatch)
 # ------------------------------------------------------------------------------------------------
 # Finding 6: a rank that never starts fails the job within DIST.INIT_CHECK_TIMEOUT_S
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # launches, or trains, for 10-20 s: out of the quick tier
 @pytest.mark.parametrize(
     "rank, message",
     [(0, "rank 0: not every rank reached rendezvous"), (1, "rank 1: could not reach rank 0's rendezvous")],

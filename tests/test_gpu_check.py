@@ -48,6 +48,7 @@ def test_without_a_gpu_it_says_so_in_one_line_and_exits_2():
     assert len(lines) == 1 and "no CUDA GPU visible" in lines[0], lines
 
 
+@pytest.mark.slow  # launches, or trains, for 10-20 s: out of the quick tier
 def test_several_nodes_without_a_work_dir_are_refused_by_every_rank_in_one_line():
     """Two torchrun agents as two nodes: each worker exits before any collective, rank 0 says why."""
     results = two_nodes(1, GPU_CHECK, [["--device", "cpu"]] * 2, timeout=180)

@@ -126,6 +126,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # launches, or trains, for 10-20 s: out of the quick tier
 @pytest.mark.parametrize("error", ["DataError", "RankLaunchError"])  # printed by rank 0 / by every rank
 def test_a_spawned_worker_that_fails_first_has_its_error_printed_once(tmp_path, error):
     script = tmp_path / "first_fails.py"
