@@ -70,32 +70,22 @@ def plain_logging():
     stop its propagation: give a test a plain logger, and restore the previous one afterwards."""
     log = logging.getLogger("distribuuuu")
     saved = (log.handlers[:], log.level, log.propagate)
-    log.handlers, log.propagate = [], True
-    log.setLevel(logging.NOTSET)
+    log.handlers, log.level, log.propagate = [], logging.NOTSET, True
     yield
     for handler in log.handlers:
         handler.close()
-    log.handlers, log.propagate = saved[0], saved[2]
-    log.setLevel(saved[1])
+    log.handlers, log.level, log.propagate = saved
 
 
 def pytest_terminal_summary(terminalreporter):
     """The versions and the CPU a run's results come from, at the end of every run (``-q`` too)."""
-    terminalreporter.write_line(_versions())
-
-
-def _versions() -> str:
     import platform
 
     import torch
     import torchvision
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "?")
-    return f"torch {torch.__version__}, torchvision {torchvision.__version__}, Python {platform.python_version()}, CPU: {cpu}"
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    terminalreporter.write_line(
+        f"torch {torch.__version__}, torchvision {torchvision.__version__}, Python {platform.python_version()}, CPU: {cpu}"
+    )

@@ -71,9 +71,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def lone_env(**extra: str) -> dict[str, str]:
-    """``clean_env`` for a process that runs alone: no ``OMP_NUM_THREADS``, so torch takes a thread
-    per core (cores / local processes). For runs whose numbers are not compared bit for bit with
-    a run of another thread count (a kernel's sums may round otherwise with more threads)."""
+    """``clean_env`` with a thread per core: for runs not compared bit for bit with a run of another
+    thread count (a kernel's sums may round otherwise with more threads)."""
     env = clean_env(**extra)
     del env["OMP_NUM_THREADS"]
     return env
@@ -305,8 +304,7 @@ def serving(server: http.server.HTTPServer) -> Iterator[str]:
 
 @contextlib.contextmanager
 def serve_folder(folder: Path | str) -> Iterator[str]:
-    """``folder`` served by a real HTTP server on 127.0.0.1 (a thread of this process, shut down
-    after): its URL."""
+    """``folder`` served by a real HTTP server on 127.0.0.1 (a thread of this process): its URL."""
     handler = functools.partial(_QuietHandler, directory=str(folder))
     with serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)) as url:
         yield url
