@@ -5,6 +5,7 @@ a bad JPEG, and trains the same weights."""
 
 from __future__ import annotations
 
+import gc
 import io
 import logging
 import shutil
@@ -120,7 +121,17 @@ def test_skip_drops_and_counts_a_bad_jpeg_and_decodes_a_png_named_jpg(bad_tree, 
     # On a CPU the batched resample gives "auto"'s pixels exactly, as the per-sample path does.
     root, _, _ = bad_tree
     opts = ("DATA.BAD_IMAGE", "skip", "DATA.BATCHED_AUGMENT", batched_augment)
-    by_batch = list(build_train_split(_cfg(root, "batched", 2, *opts), DistEnv()).loader)
+    split = build_train_split(_cfg(root, "batched", 2, *opts), DistEnv())
+    by_batch = list(split.loader)
+    # The decoder's fallback keeps no traceback, whose frames would hold the loader's iterator:
+    # dropping the split ends its (persistent) workers at once, without waiting for a collection.
+    workers = list(split.loader.loader._iterator._workers)
+    gc.disable()
+    try:
+        del split
+        assert not any(w.is_alive() for w in workers), "the workers outlived their loader"
+    finally:
+        gc.enable()
     per_sample = list(build_train_split(_cfg(root, "auto", 0, "DATA.BAD_IMAGE", "skip"), DistEnv()).loader)
     assert sum(d for _, _, d in by_batch) == sum(d for _, _, d in per_sample) == 1
     for (images_a, targets_a, _), (images_b, targets_b, _) in zip(by_batch, per_sample):

@@ -178,6 +178,10 @@ def _warn_once(kind: str, message: str) -> None:
         logger.warning(message)
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
 def _is_jpeg(data: torch.Tensor) -> bool:
     return data.numel() > 2 and data[0].item() == 0xFF and data[1].item() == 0xD8  # the SOI marker
 
@@ -234,7 +238,9 @@ class BatchDecoder:
         self.transform, self.device, self.skip_bad = transform, device, skip_bad
         self.decode_jpegs = decode_jpegs or jpeg.decode_jpegs
         self.geometry, self.normalize, self.channels_last = geometry, normalize, channels_last
-        self.device_decoder_works, self.last_error = True, None
+        # The last device failure's first line, not the exception: its traceback would hold the
+        # prefetch thread's frames, and with them the DataLoader iterator and a batch's tensors.
+        self.device_decoder_works, self.last_failure = True, ""
 
     def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self.finish(self.prepare(batch))
@@ -310,7 +316,7 @@ class BatchDecoder:
         try:
             decoded = self._decode_on_device(data)
         except RuntimeError as e:
-            self.last_error = e
+            self.last_failure = _first_line(e)
             decoded = [self._try_one_on_device(d) for d in data]
         decode_stats.gpu_images += sum(image is not None for image in decoded)
         return decoded
@@ -323,14 +329,14 @@ class BatchDecoder:
         try:
             return self._decode_on_device([data])[0]
         except RuntimeError as e:
-            self.last_error = e
+            self.last_failure = _first_line(e)
             return None
 
     def _give_up_device_decoder(self) -> None:
         self.device_decoder_works = False
         _warn_once(
             "broken",
-            f"the batched JPEG decoder on {self.device} failed ({str(self.last_error).splitlines()[0]}): "
+            f"the batched JPEG decoder on {self.device} failed ({self.last_failure}): "
             "JPEGs are decoded on the CPU from now on (counted in decode_stats.cpu_fallback_images)",
         )
 
