@@ -6,10 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import FAST, TRAIN, assert_ok, in_process
+from helpers import EVAL_TINY, TINY_TRAIN, assert_ok, in_process
 
 from distribuuuu import cli, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
+
+TWO_EPOCHS = [*EVAL_TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -19,9 +21,9 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    """A FAST run of 2 epochs (tools/train_net.py in this process, one thread)."""
+    """A run of 2 epochs of the tiny CNN (tools/train_net.py's entry point in this process)."""
     out = tmp_path_factory.mktemp("finished")
-    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *FAST))
+    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(out), *TWO_EPOCHS))
     return out
 
 
@@ -35,7 +37,7 @@ def test_running_again_into_a_finished_run_changes_no_byte_of_its_out_dir(finish
     before = _files(finished_run)
     assert {"config.yaml", "summary.md", "log.txt", "metrics.jsonl"} <= set(before)
     assert any(name.startswith("starts/") for name in before) and any(name.startswith("tb/") for name in before)
-    assert cli.run_tool(trainer.train_model, ["OUT_DIR", str(finished_run), *FAST, *changes]) == 0
+    assert cli.run_tool(trainer.train_model, ["OUT_DIR", str(finished_run), *TWO_EPOCHS, *changes]) == 0
     after = _files(finished_run)
     assert sorted(after) == sorted(before), "no file may be added or removed"
     assert [name for name in before if after[name] != before[name]] == [], "no file may be rewritten"

@@ -33,7 +33,7 @@ from test_sampler_resume import RESUME_AT, config_sampler_keys, window_stretches
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
-from distribuuuu.data import DataError, build_train_split, build_val_split
+from distribuuuu.data import DataError, build_train_split, build_val_split, remote
 from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
 from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.packed import BadShardError, PackedDataset, key_of
@@ -283,7 +283,8 @@ def test_truncated_shard_is_named_or_skipped(packed, tmp_path):
     assert SeededTransformDataset(pk, None, seed=0, skip_bad=True)[(0, 2 * SHARD_SIZE)] is None
 
 
-def test_dead_url_is_one_error_naming_the_index():
+def test_dead_url_is_one_error_naming_the_index(monkeypatch):
+    monkeypatch.setattr(remote, "RETRY", remote.Retry(backoff_s=0.001, max_backoff_s=0.01))  # every attempt, no wait
     url = f"http://127.0.0.1:{find_free_port()}/digits"
     with pytest.raises(DataError, match=f"cannot read {url}/train/index.json"):
         build_base_dataset(url, "train")
