@@ -180,13 +180,22 @@ def test_the_checks_catch_a_per_step_all_reduce_and_item(digits_batches, monkeyp
     assert sorted({step for _, name, step in calls if name == "item"}) == list(range(STEPS - 6, STEPS))
 
 
+@pytest.fixture(scope="module")
+def two_process_records(tmp_path_factory) -> Path:
+    """One 2-rank launch records an epoch in each precision: ``{precision}_rank{r}.json``."""
+    out = tmp_path_factory.mktemp("two_process_loop")
+    assert_ok(run(torchrun(2, __file__, str(out), *PRECISIONS), timeout=300, env=clean_env()))
+    return out
+
+
+PRECISIONS = ("fp32", "fp16")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(tmp_path, precision):
-    result = run(torchrun(2, __file__, str(tmp_path), precision), timeout=300, env=clean_env())
-    assert_ok(result)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(two_process_records, precision):
     for rank in range(2):
-        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        record = json.loads((two_process_records / f"{precision}_rank{rank}.json").read_text())
         assert record["ddp"], "with two processes the trainer must train through DDP"
         assert record["steps_per_epoch"] == STEPS
         calls = [tuple(c) for c in record["calls"]]
@@ -194,22 +203,23 @@ def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(tmp_path, precis
         check_host_syncs(calls)
 
 
-def _worker(out_dir: str, precision: str) -> None:
-    """One rank of the two-process job: record an epoch and write what was called."""
+def _worker(out_dir: str, precisions: list[str]) -> None:
+    """One rank of the two-process job: record an epoch per precision and write what was called."""
     env = setup_distributed("gloo", 300)
     try:
-        run = _digits_run(env, precision)
-        run = with_batches(run, list(run.train.loader))
-        calls = record_epoch(run)
-        record = {
-            "ddp": isinstance(run.forward_model, nn.parallel.DistributedDataParallel),
-            "steps_per_epoch": run.steps_per_epoch,
-            "calls": calls,
-        }
-        Path(out_dir, f"rank{env.rank}.json").write_text(json.dumps(record))
+        for precision in precisions:
+            run = _digits_run(env, precision)
+            run = with_batches(run, list(run.train.loader))
+            calls = record_epoch(run)
+            record = {
+                "ddp": isinstance(run.forward_model, nn.parallel.DistributedDataParallel),
+                "steps_per_epoch": run.steps_per_epoch,
+                "calls": calls,
+            }
+            Path(out_dir, f"{precision}_rank{env.rank}.json").write_text(json.dumps(record))
     finally:
         cleanup_distributed()
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    _worker(sys.argv[1], sys.argv[2:])

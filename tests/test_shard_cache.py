@@ -24,7 +24,19 @@ from stat import S_ISREG
 
 import pytest
 import torch
-from helpers import FAST, REPO, TRAIN, assert_ok, clean_env, in_process, read_metrics, run, serving, torchrun, two_nodes
+from helpers import (
+    EVAL_TINY,
+    REPO,
+    TINY_TRAIN,
+    assert_ok,
+    clean_env,
+    in_process,
+    read_metrics,
+    run,
+    serving,
+    torchrun,
+    two_nodes,
+)
 from test_sampler_resume import window_stretches
 
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
@@ -301,19 +313,31 @@ def two_node_runs(packed, tmp_path_factory):
     # The least the cache accepts: (2 workers x prefetch 1 + 2) x 16 x 4 ranks = 256 positions in
     # flight touch at most 1 + ceil(256 / 112) = 4 windows of 2 shards (the last shard holds 56).
     limit = sum(sorted(sizes)[-8:])
-    common = [*FAST, "TEST.DATASET", str(packed), "DATA.SHUFFLE_WINDOW", str(WINDOW), "TRAIN.WORKERS", "2"]
+    common = [
+        *EVAL_TINY,
+        "OPTIM.MAX_EPOCH",
+        "2",
+        "TRAIN.PRINT_FREQ",
+        "10",
+        "TEST.DATASET",
+        str(packed),
+        "DATA.SHUFFLE_WINDOW",
+        str(WINDOW),
+        "TRAIN.WORKERS",
+        "2",
+    ]
     common += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PREFETCH_FACTOR", "1", "DATA.SHARD_PREFETCH", "1"]
     disk = ["OUT_DIR", str(tmp_path / "disk"), "TRAIN.DATASET", str(packed), *common]
     # Launches: the reference is the same 4 ranks' metrics (their sampler order) read from disk, and
     # two torchrun agents sharing one node's cache and its downloads is the property.
-    disk_run = run(torchrun(4, TRAIN, *disk), timeout=300, env=clean_env())
+    disk_run = run(torchrun(4, TINY_TRAIN, *disk), timeout=300, env=clean_env())
     with counting_server(packed, flaky=True) as server, PeakSize(tmp_path / "cache0", tmp_path / "cache1") as peak:
         nodes = [
             ["OUT_DIR", str(tmp_path / "http"), "TRAIN.DATASET", server.url(k), *common]
             + ["DATA.SHARD_CACHE", str(tmp_path / f"cache{k}"), "DATA.SHARD_CACHE_LIMIT", str(limit)]
             for k in (0, 1)
         ]
-        results = two_nodes(2, TRAIN, nodes, timeout=300)
+        results = two_nodes(2, TINY_TRAIN, nodes, timeout=300)  # the tiny CNN: any model will do
     return packed, limit, disk_run, results, server, peak, tmp_path
 
 
