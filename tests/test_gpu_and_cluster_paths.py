@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import models
 import pytest
@@ -214,27 +216,30 @@ def test_a_slurm_task_bound_to_one_gpu_gets_it_whatever_its_localid(monkeypatch)
 # ------------------------------------------------------------------------------------------------
 # Finding 6: a rank that never starts fails the job within DIST.INIT_CHECK_TIMEOUT_S
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.slow  # launches, or trains, for 10-20 s: out of the quick tier
-@pytest.mark.parametrize(
-    "rank, message",
-    [(0, "rank 0: not every rank reached rendezvous"), (1, "rank 1: could not reach rank 0's rendezvous")],
-)
-def test_a_rank_alone_fails_fast_naming_the_rendezvous_and_the_key(tmp_path, rank, message):
-    port = find_free_port()
-    env = clean_env(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    args = ["OUT_DIR", str(tmp_path), *FAST, "DIST.INIT_CHECK_TIMEOUT_S", "3", "DIST.TIMEOUT_S", "600"]
-    tic = time.monotonic()
-    # A launch: the property is a bounded wait; a regression that waits DIST.TIMEOUT_S (or forever)
-    # is killed after 90 s here, not left to stall the suite's process.
-    result = run(python(TRAIN, *args), timeout=90, env=env)
-    elapsed = time.monotonic() - tic
-    assert result.returncode == 2, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
-    assert len(errors) == 1 and message in errors[0] and "DIST.INIT_CHECK_TIMEOUT_S" in errors[0], errors
-    assert f"127.0.0.1:{port}" in errors[0]
-    assert elapsed < 60, f"took {elapsed:.0f}s: waited for DIST.TIMEOUT_S, not the start-up check"
+@pytest.mark.slow  # launches for 10-20 s: out of the quick tier
+def test_a_rank_alone_fails_fast_naming_the_rendezvous_and_the_key(tmp_path):
+    """Rank 0 alone and rank 1 alone, each of a 2-rank job on its own port, both at once."""
+    messages = {0: "rank 0: not every rank reached rendezvous", 1: "rank 1: could not reach rank 0's rendezvous"}
+
+    def alone(rank: int) -> tuple[int, subprocess.CompletedProcess, float]:
+        port = find_free_port()
+        env = clean_env(
+            RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        )
+        args = ["OUT_DIR", str(tmp_path / str(rank)), *FAST, "DIST.INIT_CHECK_TIMEOUT_S", "3", "DIST.TIMEOUT_S", "600"]
+        tic = time.monotonic()
+        # A launch: the property is a bounded wait; a regression that waits DIST.TIMEOUT_S (or
+        # forever) is killed after 90 s here, not left to stall the suite's process.
+        return port, run(python(TRAIN, *args), timeout=90, env=env), time.monotonic() - tic
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(messages, pool.map(alone, messages)))
+    for rank, (port, result, elapsed) in results.items():
+        assert result.returncode == 2, result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("distribuuuu: error:")]
+        assert len(errors) == 1 and messages[rank] in errors[0] and "DIST.INIT_CHECK_TIMEOUT_S" in errors[0], errors
+        assert f"127.0.0.1:{port}" in errors[0]
+        assert elapsed < 60, f"rank {rank} took {elapsed:.0f}s: waited for DIST.TIMEOUT_S, not the start-up check"
 
 
 def test_check_in_names_the_ranks_that_never_joined():

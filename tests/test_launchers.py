@@ -126,11 +126,16 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow  # launches, or trains, for 10-20 s: out of the quick tier
-@pytest.mark.parametrize("error", ["DataError", "RankLaunchError"])  # printed by rank 0 / by every rank
-def test_a_spawned_worker_that_fails_first_has_its_error_printed_once(tmp_path, error):
-    script = tmp_path / "first_fails.py"
-    script.write_text(FIRST_FAILS.format(error=error))
-    result = run(python(str(script)), timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.count("distribuuuu: error: rank 1 fails first") == 1, result.stderr
+@pytest.mark.slow  # launches for 10-20 s: out of the quick tier
+def test_a_spawned_worker_that_fails_first_has_its_error_printed_once(tmp_path):
+    """A DataError (printed by rank 0) and a RankLaunchError (printed by every rank): two jobs at once."""
+
+    def job(error: str) -> subprocess.CompletedProcess:
+        script = tmp_path / f"first_fails_{error}.py"
+        script.write_text(FIRST_FAILS.format(error=error))
+        return run(python(str(script)), timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:
+        for result in pool.map(job, ["DataError", "RankLaunchError"]):
+            assert result.returncode == 2, result.stderr
+            assert result.stderr.count("distribuuuu: error: rank 1 fails first") == 1, result.stderr
