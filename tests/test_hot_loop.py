@@ -180,15 +180,15 @@ def test_the_checks_catch_a_per_step_all_reduce_and_item(digits_batches, monkeyp
     assert sorted({step for _, name, step in calls if name == "item"}) == list(range(STEPS - 6, STEPS))
 
 
+PRECISIONS = ("fp32", "fp16")
+
+
 @pytest.fixture(scope="module")
 def two_process_records(tmp_path_factory) -> Path:
     """One 2-rank launch records an epoch in each precision: ``{precision}_rank{r}.json``."""
     out = tmp_path_factory.mktemp("two_process_loop")
     assert_ok(run(torchrun(2, __file__, str(out), *PRECISIONS), timeout=300, env=clean_env()))
     return out
-
-
-PRECISIONS = ("fp32", "fp16")
 
 
 @pytest.mark.slow
