@@ -113,7 +113,7 @@ def test_two_fsdp_ranks_count_each_skipped_non_finite_step_once(tmp_path):
     faults are the fp16 test's below (every rank's all-reduced gradients are non-finite alike),
     and one process counts them in tests/test_faults.py."""
     opts = [*TWO_ACCUM, "TRAIN.NAN_POLICY", "skip", "DIST.STRATEGY", "fsdp"]
-    # A launch: the count across two ranks' real DDP/FSDP gradient sync is the property.
+    # A launch: the count across two ranks' real FSDP gradient sync is the property.
     assert_ok(run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *opts), timeout=300, env=clean_env(**FAULTS)))
     [record] = _train_records(tmp_path)
     assert record["nonfinite_steps"] == 2 and record["scaler_skips"] == 0
