@@ -88,6 +88,8 @@ def in_process(script: str, *args: str, env: dict | None = None, cwd: Path = REP
     """Run ``python script *args`` in this process, as ``run`` would in a new one (and ~5 s of imports
     sooner): the tool's own ``__main__``, its stdout/stderr (file descriptors included) and exit code,
     with the environment, working directory, thread count, signal handlers, RNGs and loggers put back."""
+    # One at a time, from the main thread: the environment, working directory and descriptors are the process's.
+    assert threading.current_thread() is threading.main_thread(), "in_process runs on the main thread only"
     with contextlib.ExitStack() as stack:
         stack.enter_context(_restored_process_state(env or clean_env(), cwd))
         out, err = stack.enter_context(_captured_fds())
@@ -115,7 +117,8 @@ def _restored_process_state(env: dict, cwd: Path) -> Iterator[None]:
         torch.get_num_threads(),
         (random.getstate(), np.random.get_state(), torch.get_rng_state()),
     )
-    saved_signals = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
+    saved_signals = {sig: signal.getsignal(sig) for sig in signals}
     loggers = {name: logging.getLogger(name) for name in ("", "distribuuuu")}
     saved_loggers = {name: (log.handlers[:], log.level, log.propagate) for name, log in loggers.items()}
     os.environ.clear()
@@ -259,6 +262,28 @@ def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
         f"--master_port={find_free_port()}", *extra, script, *args,
     ]  # fmt: skip
+
+
+def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 300, env: dict | None = None, cwd: Path = REPO):
+    """``run(torchrun(nproc, script, *args))`` with torchrun's agent (``torch.distributed.run``'s
+    ``__main__``) run in this process (``in_process``): the same agent code starts the same fresh
+    worker interpreters, ~3 s sooner (an agent interpreter spends them importing torch). The workers
+    carry a launch tag; past ``timeout`` they are killed, which ends the agent, and the test fails."""
+    import torch.distributed.run
+
+    tag, killed = processes.new_launch_tag(), []
+    timer = threading.Timer(timeout, lambda: killed.extend(processes.kill_tagged(processes.LAUNCH_VAR, tag)))
+    timer.start()
+    try:
+        cmd = torchrun(nproc, script, *args)[3:]  # the arguments after "python -m torch.distributed.run"
+        env = {**(env or clean_env()), processes.LAUNCH_VAR: tag}
+        result = in_process(torch.distributed.run.__file__, *cmd, env=env, cwd=cwd)
+    finally:
+        timer.cancel()
+    assert not killed, (
+        f"torchrun {cmd} did not finish in {timeout}s; killed {len(killed)} worker(s)\n{result.stderr[-3000:]}"
+    )
+    return result
 
 
 def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: float = 400) -> list:

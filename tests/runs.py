@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from helpers import REPO, TRAIN, assert_ok, python, run, serve_folder, torchrun
+from helpers import REPO, TRAIN, assert_ok, in_process, run_torchrun, serve_folder
 
 
 @pytest.fixture(scope="session")
@@ -25,9 +25,9 @@ def digits_run(tmp_path_factory):
     """
     root = tmp_path_factory.mktemp("digits_recipe_packed")
     packed, out = root / "packed", root / "out"
-    assert_ok(run(python(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed))))
+    assert_ok(in_process(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed)))
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(serve_folder(packed))
         data = ["TRAIN.DATASET", url, "TEST.DATASET", url, "DATA.SHARD_CACHE", str(root / "cache")]
         recipe = ["--cfg", str(REPO / "config" / "digits_recipe.yaml")]
-        yield out, run(torchrun(2, TRAIN, *recipe, "OUT_DIR", str(out), *data), timeout=1200), data
+        yield out, run_torchrun(2, TRAIN, *recipe, "OUT_DIR", str(out), *data, timeout=1200), data

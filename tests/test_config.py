@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import TRAIN, assert_ok, in_process, read_metrics, run, torchrun
+from helpers import TRAIN, assert_ok, in_process, read_metrics, run_torchrun
 
 from distribuuuu.cli import parse_args
 from distribuuuu.config import (
@@ -241,7 +241,7 @@ def test_bad_input_to_the_train_net_command_exits_2_with_one_line(tmp_path):
 def test_bad_input_under_torchrun_is_printed_once_and_named_by_torchruns_failure_summary(tmp_path):
     # A launch: what torchrun (the launcher) reports of its ranks' failure is the property.
     missing = "/nonexistent/imagenet"
-    result = run(torchrun(2, TRAIN, "OUT_DIR", str(tmp_path), "TRAIN.DATASET", missing), timeout=300)
+    result = run_torchrun(2, TRAIN, "OUT_DIR", str(tmp_path), "TRAIN.DATASET", missing, timeout=300)
     assert result.returncode != 0
     combined = result.stdout + result.stderr
     printed = [line for line in combined.splitlines() if line.startswith(ERROR_PREFIX)]

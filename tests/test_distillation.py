@@ -22,9 +22,8 @@ from helpers import (
     assert_ok,
     clean_env,
     in_process,
-    torchrun,
+    run_torchrun,
 )
-from helpers import run as run_cmd
 from torch import nn
 
 from distribuuuu import trainer
@@ -218,7 +217,7 @@ def test_resume_refuses_another_teacher_and_takes_the_same_weights_at_another_pa
 @pytest.mark.slow
 def test_distilled_runs_train_under_ddp_and_fsdp_on_2_ranks_with_the_teacher_replicated_or_sharded(tmp_path, teachers):
     report = tmp_path / "report.json"
-    result = run_cmd(torchrun(2, JOB, str(report), str(tmp_path), str(teachers["a"])), timeout=400, env=clean_env())
+    result = run_torchrun(2, JOB, str(report), str(tmp_path), str(teachers["a"]), timeout=400, env=clean_env())
     assert_ok(result)
     runs = json.loads(report.read_text())
     for name, r in runs.items():

@@ -7,7 +7,7 @@ import re
 import sys
 
 import pytest
-from helpers import REPO, assert_ok, run, torchrun
+from helpers import REPO, assert_ok, run_torchrun
 
 from distribuuuu import utils
 from distribuuuu.checkpointing.checkpoint import load_checkpoint
@@ -95,7 +95,7 @@ def test_the_docs_utils_example_runs_under_torchrun_with_two_processes(tmp_path)
     [example] = examples
     script = tmp_path / "example.py"
     script.write_text(example)
-    result = run(torchrun(2, str(script)), timeout=300, cwd=tmp_path)
+    result = run_torchrun(2, str(script), timeout=300, cwd=tmp_path)
     assert_ok(result)
     assert re.search(r"^2 ranks, mean loss \d+\.\d{4}$", result.stdout, flags=re.M), result.stdout
     assert "model" in load_checkpoint(str(tmp_path / "out" / "model.pth.tar"))

@@ -13,7 +13,18 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FAST, FAST_ARCH, REPO, TEST, TRAIN, assert_ok, in_process, lone_env, read_metrics, run, torchrun
+from helpers import (
+    FAST,
+    FAST_ARCH,
+    REPO,
+    TEST,
+    TRAIN,
+    assert_ok,
+    in_process,
+    lone_env,
+    read_metrics,
+    run_torchrun,
+)
 from PIL import Image
 from yacs.config import CfgNode
 
@@ -85,7 +96,7 @@ def test_a_refused_resume_under_torchrun_exits_2_every_time_without_an_abort(one
     # two real jobs check the symptom end to end (a 25% abort shows with p=0.44; the deterministic
     # check is the in-process one).
     for attempt in range(2):
-        result = run(torchrun(2, TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34"))
+        result = run_torchrun(2, TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34")
         codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M)
         assert "Aborted" not in result.stderr and "terminate called" not in result.stderr, (
             attempt,

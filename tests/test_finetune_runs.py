@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchvision
-from helpers import FAST_ARCH, REPO, assert_ok, in_process, lone_env, read_metrics, run, torchrun
+from helpers import FAST_ARCH, REPO, assert_ok, in_process, lone_env, read_metrics, run_torchrun
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 
@@ -61,11 +61,10 @@ def test_a_2_process_run_records_its_extra_val_set_and_saves_an_exact_confusion_
     extra.mkdir()
     os.symlink(DIGITS / "val", extra / "val")
     out = tmp_path / "out"
-    result = run(
-        torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1",
-                 "TRAIN.SAMPLER", "repeated", "TEST.EXTRA_DATASETS", f"['{extra}']", "TEST.CONFUSION", "True",
-                 "TEST.SAVE_PREDICTIONS", "True", "MODEL.ARCH", FAST_ARCH, *SMALL),
-        timeout=600,
+    result = run_torchrun(
+        2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(out), "OPTIM.MAX_EPOCH", "1",
+        "TRAIN.SAMPLER", "repeated", "TEST.EXTRA_DATASETS", f"['{extra}']", "TEST.CONFUSION", "True",
+        "TEST.SAVE_PREDICTIONS", "True", "MODEL.ARCH", FAST_ARCH, *SMALL, timeout=600,
     )  # fmt: skip
     assert_ok(result)
     records = {r["split"]: r for r in read_metrics(out) if r["split"] != "train"}

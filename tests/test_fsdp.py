@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torchvision
-from helpers import REPO, assert_ok, clean_env, run, torchrun
+from helpers import REPO, assert_ok, clean_env, run_torchrun
 from torch import nn
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint
@@ -103,7 +103,7 @@ def test_hsdp_refuses_uneven_nodes():
 
 def _job(tmp_path, nproc: int, strategy: str) -> dict:
     out = tmp_path / f"{strategy}.json"
-    assert_ok(run(torchrun(nproc, JOB, str(out), strategy), timeout=240, env=clean_env()))
+    assert_ok(run_torchrun(nproc, JOB, str(out), strategy, timeout=240, env=clean_env()))
     return json.loads(out.read_text())
 
 
@@ -183,9 +183,7 @@ def compiled_fsdp_run(tmp_path_factory):
     # One eval batch per rank: under fsdp the blocks compile with static shapes, so each batch size
     # compiles every block again (77 s -> 61 s here, cold Inductor cache).
     opts += ["TEST.BATCH_SIZE", "256"]
-    return tmp_path, run(
-        torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(tmp_path), *opts), timeout=600
-    )
+    return tmp_path, run_torchrun(2, str(REPO / "tools" / "train_net.py"), "OUT_DIR", str(tmp_path), *opts, timeout=600)
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ from helpers import (
     python,
     read_metrics,
     run,
-    torchrun,
+    run_torchrun,
 )
 from torch import nn
 
@@ -114,7 +114,7 @@ def test_two_fsdp_ranks_count_each_skipped_non_finite_step_once(tmp_path):
     and one process counts them in tests/test_faults.py."""
     opts = [*TWO_ACCUM, "TRAIN.NAN_POLICY", "skip", "DIST.STRATEGY", "fsdp"]
     # A launch: the count across two ranks' real FSDP gradient sync is the property.
-    assert_ok(run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *opts), timeout=300, env=clean_env(**FAULTS)))
+    assert_ok(run_torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *opts, timeout=300, env=clean_env(**FAULTS)))
     [record] = _train_records(tmp_path)
     assert record["nonfinite_steps"] == 2 and record["scaler_skips"] == 0
     final = ckpt.load_checkpoint(str(tmp_path / "checkpoints" / ckpt.checkpoint_name(1).replace(".pth.tar", ".dcp")))
@@ -128,10 +128,8 @@ def test_fp16_on_the_cpu_counts_each_overflow_skip_once_in_two_processes(tmp_pat
     init_scale = 2.0**24  # fp16 gradients overflow at first: the scaler backs off step by step
     env = clean_env(**FAULTS, FAULT_FP16_INIT_SCALE=str(init_scale))
     # A launch: two ranks' GradScalers must agree on each skip (DDP's all-reduce of inf gradients).
-    cmd = torchrun(
-        2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *TWO_ACCUM, "TRAIN.PRECISION", "fp16", "TRAIN.NAN_POLICY", "skip"
-    )
-    result = run(cmd, timeout=600, env=env)
+    opts = [*TWO_ACCUM, "TRAIN.PRECISION", "fp16", "TRAIN.NAN_POLICY", "skip"]
+    result = run_torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *opts, timeout=600, env=env)
     assert_ok(result)
     assert "fp16 on the CPU is slow" in result.stdout + result.stderr
     [record] = _train_records(tmp_path)

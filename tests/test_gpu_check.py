@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, assert_ok, clean_env, in_process, run, torchrun, two_nodes
+from helpers import REPO, assert_ok, in_process, run_torchrun, two_nodes
 
 from distribuuuu.runtime.launcher import DistEnv, LaunchError, find_free_port
 from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed, setup_distributed
@@ -98,8 +98,7 @@ def test_the_resume_check_trains_in_the_tools_process_group_and_leaves_stdout_to
 
 @pytest.mark.slow
 def test_two_gloo_ranks_pass_the_cpu_checks_and_skip_the_cuda_ones(tmp_path):
-    cmd = torchrun(2, GPU_CHECK, "--device", "cpu", "--work-dir", str(tmp_path))
-    result = run(cmd, timeout=300, env=clean_env())
+    result = run_torchrun(2, GPU_CHECK, "--device", "cpu", "--work-dir", str(tmp_path), timeout=300)
     assert_ok(result)
     names = [name for name, _ in _tool().CHECKS]
     rows = _rows(result.stdout, names)

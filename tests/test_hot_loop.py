@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, assert_ok, clean_env, run, torchrun
+from helpers import REPO, assert_ok, clean_env, run_torchrun
 from torch import nn
 
 from distribuuuu import trainer
@@ -187,7 +187,7 @@ PRECISIONS = ("fp32", "fp16")
 def two_process_records(tmp_path_factory) -> Path:
     """One 2-rank launch records an epoch in each precision: ``{precision}_rank{r}.json``."""
     out = tmp_path_factory.mktemp("two_process_loop")
-    assert_ok(run(torchrun(2, __file__, str(out), *PRECISIONS), timeout=300, env=clean_env()))
+    assert_ok(run_torchrun(2, __file__, str(out), *PRECISIONS, timeout=300, env=clean_env()))
     return out
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import REPO, TRAIN, assert_ok, read_metrics, run, torchrun
+from helpers import REPO, TRAIN, assert_ok, read_metrics, run_torchrun
 
 from distribuuuu import cli, trainer
 from distribuuuu.config import load_cfg
@@ -41,7 +41,7 @@ def test_the_resnet18_config_under_torchrun_trains_on_the_digits_when_the_data_k
     digits = str(REPO / "data" / "digits")
     data = ["TRAIN.DATASET", digits, "TEST.DATASET", digits, "MODEL.NUM_CLASSES", "10"]
     small = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.STOP_AFTER_EPOCHS", "1"]  # 1 of its 100 epochs
-    result = run(torchrun(2, TRAIN, "--cfg", RESNET18, *data, *small, "OUT_DIR", str(tmp_path)), timeout=400)
+    result = run_torchrun(2, TRAIN, "--cfg", RESNET18, *data, *small, "OUT_DIR", str(tmp_path), timeout=400)
     assert_ok(result)
     [train] = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
     [val] = [r for r in read_metrics(tmp_path) if r["split"] == "val"]

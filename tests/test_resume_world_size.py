@@ -22,7 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import DDP_FSDP_REL, REPO, TINY_TRAIN, assert_ok, clean_env, read_metrics, run, torchrun, two_nodes
+from helpers import (
+    DDP_FSDP_REL,
+    REPO,
+    TINY_TRAIN,
+    assert_ok,
+    clean_env,
+    read_metrics,
+    run_torchrun,
+    two_nodes,
+)
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -57,8 +66,8 @@ def _chain(root: Path, strategy: str) -> Path:
     record.mkdir(parents=True)
     for ranks, signal_at in SEGMENTS[strategy]:
         env = clean_env(FAULT_RECORD=str(record), FAULT_SIGNAL_AT_STEP=str(signal_at))
-        cmd = torchrun(ranks, TINY_TRAIN, "OUT_DIR", str(out), *CHAIN, "DIST.STRATEGY", strategy)
-        result = run(cmd, timeout=300, env=env)
+        args = ("OUT_DIR", str(out), *CHAIN, "DIST.STRATEGY", strategy)
+        result = run_torchrun(ranks, TINY_TRAIN, *args, timeout=300, env=env)
         preempted = signal_at and "exiting with 75" in result.stderr
         assert result.returncode == 0 or preempted, f"{ranks} ranks:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return root

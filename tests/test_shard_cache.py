@@ -32,9 +32,8 @@ from helpers import (
     clean_env,
     in_process,
     read_metrics,
-    run,
+    run_torchrun,
     serving,
-    torchrun,
     two_nodes,
 )
 from test_sampler_resume import window_stretches
@@ -330,7 +329,7 @@ def two_node_runs(packed, tmp_path_factory):
     disk = ["OUT_DIR", str(tmp_path / "disk"), "TRAIN.DATASET", str(packed), *common]
     # Launches: the reference is the same 4 ranks' metrics (their sampler order) read from disk, and
     # two torchrun agents sharing one node's cache and its downloads is the property.
-    disk_run = run(torchrun(4, TINY_TRAIN, *disk), timeout=300, env=clean_env())
+    disk_run = run_torchrun(4, TINY_TRAIN, *disk, timeout=300, env=clean_env())
     with counting_server(packed, flaky=True) as server, PeakSize(tmp_path / "cache0", tmp_path / "cache1") as peak:
         nodes = [
             ["OUT_DIR", str(tmp_path / "http"), "TRAIN.DATASET", server.url(k), *common]

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from helpers import REPO, assert_ok, clean_env, run, torchrun
+from helpers import REPO, assert_ok, clean_env, run_torchrun
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from distribuuuu.checkpointing.checkpoint import (
@@ -143,8 +143,8 @@ def test_conversion_to_a_single_file_and_back_round_trips(tmp_path):
 @pytest.mark.slow
 def test_saved_by_2_fsdp_ranks_loads_into_3_and_into_1_identically(tmp_path):
     env = clean_env()
-    assert_ok(run(torchrun(2, JOB, str(tmp_path), "save"), timeout=240, env=env))
-    assert_ok(run(torchrun(3, JOB, str(tmp_path), "load"), timeout=240, env=env))
+    assert_ok(run_torchrun(2, JOB, str(tmp_path), "save", timeout=240, env=env))
+    assert_ok(run_torchrun(3, JOB, str(tmp_path), "load", timeout=240, env=env))
     saved = torch.load(tmp_path / "save_2.pt", weights_only=True)
     loaded = torch.load(tmp_path / "load_3.pt", weights_only=True)
     for key in ("model", "optimizer", "ema", "ema_updates"):

@@ -27,10 +27,9 @@ from helpers import (
     assert_ok,
     in_process,
     read_metrics,
-    run,
+    run_torchrun,
     serve_folder,
 )
-from helpers import torchrun as torchrun_cmd
 
 pytest.importorskip("wids")
 datasets = pytest.importorskip("datasets")
@@ -99,10 +98,8 @@ def data(root: str) -> list[str]:
 def runs(forms, tmp_path_factory) -> dict[str, Path]:
     """One 2-rank fsdp run (sharded checkpoints) and one single-process ddp run (files), with EMA."""
     out = tmp_path_factory.mktemp("runs")
-    cmd = torchrun_cmd(
-        2, TINY_TRAIN, *RUN_OPTS, *data(forms["folder"]), "DIST.STRATEGY", "fsdp", "OUT_DIR", str(out / "fsdp")
-    )
-    assert_ok(run(cmd, timeout=300))
+    fsdp = [*RUN_OPTS, *data(forms["folder"]), "DIST.STRATEGY", "fsdp", "OUT_DIR", str(out / "fsdp")]
+    assert_ok(run_torchrun(2, TINY_TRAIN, *fsdp, timeout=300))
     assert_ok(in_process(TRAIN, *RUN_OPTS, *data(forms["folder"]), "OUT_DIR", str(out / "ddp")))
     return {"fsdp": out / "fsdp", "ddp": out / "ddp"}
 
