@@ -265,48 +265,49 @@ def torchrun(nproc: int, script: str, *args: str, extra: list[str] = ()) -> list
 
 
 def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 300, env: dict | None = None, cwd: Path = REPO):
-    """``run(torchrun(nproc, script, *args))`` with torchrun's agent (``torch.distributed.run``'s
-    ``__main__``) run in this process (``in_process``): the same agent code starts the same fresh
-    worker interpreters, ~3 s sooner (an agent interpreter spends them importing torch). The workers
-    carry a launch tag; past ``timeout`` they are killed, which ends the agent, and the test fails."""
+    """``run(torchrun(nproc, script, *args))`` with torchrun's agent run in this process (``hosted``)."""
+    return hosted(torchrun(nproc, script, *args)[3:], timeout, env, cwd)
+
+
+def hosted(torchrun_args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO):
+    """torchrun with ``torchrun_args``, its agent (``torch.distributed.run``'s ``__main__``) run in
+    this process by ``in_process``: the same agent code starts the same fresh worker interpreters,
+    ~4 s sooner than an agent interpreter of its own (which spends them importing torch and
+    exiting). The workers carry a launch tag; past ``timeout`` they are killed, which ends the
+    agent, and the test fails."""
     import torch.distributed.run
 
     tag, killed = processes.new_launch_tag(), []
     timer = threading.Timer(timeout, lambda: killed.extend(processes.kill_tagged(processes.LAUNCH_VAR, tag)))
     timer.start()
     try:
-        cmd = torchrun(nproc, script, *args)[3:]  # the arguments after "python -m torch.distributed.run"
         env = {**(env or clean_env()), processes.LAUNCH_VAR: tag}
-        result = in_process(torch.distributed.run.__file__, *cmd, env=env, cwd=cwd)
+        result = in_process(torch.distributed.run.__file__, *torchrun_args, env=env, cwd=cwd)
     finally:
         timer.cancel()
     assert not killed, (
-        f"torchrun {cmd} did not finish in {timeout}s; killed {len(killed)} worker(s)\n{result.stderr[-3000:]}"
+        f"torchrun {torchrun_args} ran past {timeout}s; killed {len(killed)} worker(s)\n{result.stderr[-3000:]}"
     )
     return result
 
 
 def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: float = 400) -> list:
     """Two torchrun agents acting as two nodes on this host (c10d rendezvous on 127.0.0.1), each
-    with ``nproc`` processes and its own arguments; both run at once: their finished processes.
-    c10d hands out node ranks in order of arrival, so either agent may hold global rank 0."""
+    with ``nproc`` processes and its own arguments, at once: node 1's agent a process of its own,
+    node 0's hosted here (its rendezvous waits ``timeout`` at most). Their finished processes. c10d
+    hands out node ranks in order of arrival, so either agent may hold global rank 0."""
     endpoint, env = f"127.0.0.1:{find_free_port()}", clean_env()
-    results: dict = {}
 
-    def node(rank: int) -> None:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={nproc}",
-            f"--node_rank={rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes",
+    def node(rank: int) -> list[str]:
+        return [
+            "--nnodes=2", f"--nproc_per_node={nproc}", f"--node_rank={rank}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", "--rdzv-id=two-nodes", f"--rdzv-conf=join_timeout={int(timeout)}",
             script, *node_args[rank],
         ]  # fmt: skip
-        results[rank] = run(cmd, timeout=timeout, env=env)
 
-    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 30)
-    return [results[0], results[1]]
+    with Started([sys.executable, "-m", "torch.distributed.run", *node(1)], env) as other:
+        here = hosted(node(0), timeout, env)
+        return [here, other.result(timeout)]
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -214,16 +214,20 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Build OPTIM.OPTIMIZER over the model's parameter groups; ZeRO-1 shards its state.
 
-    ``fused`` (asked for with fp16) picks PyTorch's fused AdamW and SGD kernels: they take
-    GradScaler's overflow flag on the device and skip the update there, where any other optimizer
-    makes GradScaler copy the flag to the host every step. LARS, ZeRO-1 and SGD with dampening
-    keep that per-step sync.
+    AdamW (outside ZeRO-1) always takes PyTorch's fused kernel, sharded (DTensor) parameters
+    included: on the CPU its step is ~8x faster than the default per-tensor loop (resnet18, one
+    thread: 0.011 s against 0.085 s; docs/performance.md). ``fused`` (asked for with fp16) picks
+    the fused SGD kernel too: fused kernels take GradScaler's overflow flag on the device and skip
+    the update there, where any other optimizer makes GradScaler copy the flag to the host every
+    step. LARS, ZeRO-1 and SGD with dampening keep that per-step sync. (Fused SGD only with fp16:
+    it has no DTensor rule, and a checkpoint's optimizer groups carry the flag to a resumed run.)
     """
     groups = optimizer_groups(model, optim_cfg)
     cls, kwargs = _optimizer_class_and_kwargs(optim_cfg)
     if not zero:
         fused_sgd = cls is torch.optim.SGD and optim_cfg.DAMPENING == 0
-        if fused and (cls is torch.optim.AdamW or fused_sgd):
+        on_fused_devices = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
+        if on_fused_devices and (cls is torch.optim.AdamW or (fused and fused_sgd)):
             kwargs["fused"] = True
         optimizer = cls(groups, **kwargs)
         if kwargs.get("fused") and fused_sgd and optim_cfg.MOMENTUM > 0:
