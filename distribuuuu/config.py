@@ -431,6 +431,9 @@ _C.LOG.MLFLOW_URI = ""
 _C.LOG.PROGRESS = True
 # Rank 0 logs to stdout as well as OUT_DIR/log.txt (False: log.txt only, for a tool that prints its own report)
 _C.LOG.CONSOLE = True
+# Draw OUT_DIR/metrics.png at the end of training (~1 s of one core, with matplotlib); False: summary.md
+# without it, for sweeps of short runs (tools/plot_metrics.py OUT_DIR draws it at any time)
+_C.LOG.PLOT = True
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")

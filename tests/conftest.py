@@ -13,15 +13,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # A process the tests start that dies of a fatal signal (a C++ abort in a collective library, say)
 # prints every thread's Python stack: what a rare failure in CI leaves to read.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-# A suite started in the background (`pytest &` in a script, `nohup`) inherits SIGINT ignored, and so
-# would every process it launches: the trainer rightly keeps an ignored SIGINT ignored, and the Ctrl-C
-# tests fail. Handled here, it is the default again in each process the tests start (exec resets it).
+# A suite started in the background (`pytest &`, `nohup`) inherits SIGINT ignored, as would each process
+# it launches (the trainer keeps an ignored SIGINT ignored: the Ctrl-C tests fail). Handled, exec resets it.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import models  # noqa: E402, F401  (registers the suite's tiny models for in-process tool runs)
-import processes  # noqa: E402
-from processes import pytest_configure  # noqa: E402, F401  (a hook: tags the session's processes)
+from processes import pytest_configure, pytest_sessionfinish  # noqa: E402, F401  (hooks: tag, then reap)
 
 pytest_plugins = ["runs"]  # the shared training runs (tests/runs.py)
 
@@ -49,11 +47,6 @@ def _below_floor() -> str:
     return ""
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """No process outlives the tests: anything the tests started and left fails the session (tests/processes.py)."""
-    processes.pytest_sessionfinish(session, exitstatus)
-
-
 @pytest.fixture
 def own_signal_handlers() -> Iterator[None]:
     """Put back this process's SIGINT/SIGTERM/SIGUSR1 handlers, which a stopped PreemptionHandler keeps."""
@@ -66,8 +59,7 @@ def own_signal_handlers() -> Iterator[None]:
 
 @pytest.fixture
 def plain_logging():
-    """In-process runs (cli.run_tool) point the distribuuuu logger at pytest's captured streams and
-    stop its propagation: give a test a plain logger, and restore the previous one afterwards."""
+    """A plain distribuuuu logger for the test (in-process runs point it at captured streams), put back after."""
     log = logging.getLogger("distribuuuu")
     saved = (log.handlers[:], log.level, log.propagate)
     log.handlers, log.level, log.propagate = [], logging.NOTSET, True

@@ -35,7 +35,7 @@ TEST = str(REPO / "tools" / "test_net.py")
 # (one training step at 16 px, batch 32, one thread: 61 ms against resnet18's 240 ms here).
 FAST_ARCH = "shufflenet_v2_x0_5"
 EVAL_FAST = ["MODEL.ARCH", FAST_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]  # evaluate a FAST run's model
-FAST = [*EVAL_FAST, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
+FAST = [*EVAL_FAST, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10", "LOG.PLOT", "False"]  # no end-of-run plot: ~1 s
 # Smaller still, for runs whose property holds for any model (a tool reading any checkpoint form):
 # tests/models.py's tiny CNN, registered in this process by conftest and in a launched one by
 # tests/scripts/tiny_train.py (train_net.py with fault hooks). Its ONNX export takes 2 s against
@@ -44,15 +44,12 @@ TINY_TRAIN = str(REPO / "tests" / "scripts" / "tiny_train.py")
 EVAL_TINY = ["MODEL.ARCH", TINY_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
 # Synthetic images: no decoding, for the tests that only need the loop to run.
 DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "64",
-              "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "1"]  # fmt: skip
+              "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "1", "LOG.PLOT", "False"]  # fmt: skip
 
-# fp32: FSDP2 reduce-scatters where DDP all-reduces, and HSDP sums within a node, then across
-# nodes: the same gradients summed in another order, a few units in the last place (2**-23
-# relative) apart at each step. Over ~22 steps of SGD with momentum (which sums ~10 steps' worth
-# of gradients), clipping and mixup, that stays far below 2**-14 of each tensor's largest value
-# (hsdp against ddp on one AMD EPYC: 2**-22.2 for the momentum, 2**-23.6 for the weights; above an
-# absolute 1e-6 on another). A real difference is no rounding: HSDP without its all-reduce across
-# nodes (``set_requires_all_reduce(False)``) puts weights and momentum a whole scale (1.0) apart.
+# fp32: FSDP2 reduce-scatters where DDP all-reduces (HSDP sums within, then across nodes): the same
+# gradients summed in another order, a few ulps (2**-23 relative) apart a step; over ~22 steps of SGD
+# with momentum, clipping and mixup, far below 2**-14 of each tensor's largest value (hsdp against
+# ddp: 2**-22.2 here). HSDP without its all-reduce across nodes is a whole scale (1.0) apart.
 DDP_FSDP_REL = 2**-14
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
@@ -87,8 +84,8 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None, cwd: Path
 def in_process(script: str, *args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run ``python script *args`` in this process, as ``run`` would in a new one (and ~5 s of imports
     sooner): the tool's own ``__main__``, its stdout/stderr (file descriptors included) and exit code,
-    with the environment, working directory, thread count, signal handlers, RNGs and loggers put back."""
-    # One at a time, from the main thread: the environment, working directory and descriptors are the process's.
+    with the environment, working directory, thread count, signal handlers, RNGs and loggers put back.
+    From the main thread, one at a time: the environment, directory and descriptors are the process's."""
     assert threading.current_thread() is threading.main_thread(), "in_process runs on the main thread only"
     with contextlib.ExitStack() as stack:
         stack.enter_context(_restored_process_state(env or clean_env(), cwd))
@@ -177,14 +174,11 @@ def _captured_fds() -> Iterator[tuple[_Captured, _Captured]]:
             c.file.close()
 
 
-class Started:
-    """``cmd`` started in a session of its own, watched while it runs: ``out``/``err`` are the files
-    its output goes to (``stdout``: a file descriptor to write to instead, a terminal say), readable
-    at any time; ``workers`` finds the processes it started by rank, ``wait_until`` polls for what a
-    test waits for, ``result`` waits for its end, ``close`` kills what still runs.
-
-    Every process it starts, in whatever session (torchrun's workers lead their own), carries its
-    tag (tests/processes.py) and dies with it, stopped (SIGSTOP) or not."""
+class Started(contextlib.AbstractContextManager):
+    """``cmd`` started in a session of its own: ``out``/``err`` are its output files (``stdout``: a
+    descriptor instead, a terminal say), ``workers`` its processes by rank, ``wait_until`` polls,
+    ``result`` waits for its end, ``close`` kills what still runs: every process it starts, in any
+    session (torchrun's workers lead their own), carries its tag (tests/processes.py), stopped or not."""
 
     def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, stdout=None):
         self.cmd, self.tag, self._dir = cmd, processes.new_launch_tag(), tempfile.TemporaryDirectory()
@@ -196,9 +190,6 @@ class Started:
                 start_new_session=True,
             )  # fmt: skip
         self.pid = self._proc.pid
-
-    def __enter__(self) -> Started:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -270,11 +261,9 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: float = 300, env:
 
 
 def hosted(torchrun_args: list[str], timeout: float = 300, env: dict | None = None, cwd: Path = REPO):
-    """torchrun with ``torchrun_args``, its agent (``torch.distributed.run``'s ``__main__``) run in
-    this process by ``in_process``: the same agent code starts the same fresh worker interpreters,
-    ~4 s sooner than an agent interpreter of its own (which spends them importing torch and
-    exiting). The workers carry a launch tag; past ``timeout`` they are killed, which ends the
-    agent, and the test fails."""
+    """torchrun's agent (``torch.distributed.run``'s ``__main__``) run by ``in_process``: the same fresh
+    workers, ~4 s sooner than an agent interpreter (its torch import and exit). Past ``timeout`` its
+    workers (tagged) are killed, which ends the agent, and the test fails."""
     import torch.distributed.run
 
     tag, killed = processes.new_launch_tag(), []
@@ -362,13 +351,10 @@ def truncated_jpeg(path: Path) -> Path:
 
 
 def on_ranks(world_size: int, fn, timeout: float = 120) -> list:
-    """``fn(rank)`` on every rank of a ``world_size`` process group made of threads of this process
-    (torch's own test backend, "threaded": every collective of the real API, run across the threads;
-    ``dist.get_rank()`` answers each thread its rank): the ranks' results, in rank order, or the
-    first rank's error. For collective bookkeeping; launches are for what only processes show.
-    The ranks share what a process has once: torch's global RNG (a rank that draws augmentations
-    must load its batches under a lock, or the ranks draw from each other's seeds), the thread
-    count, ``os.environ``."""
+    """``fn(rank)`` on every rank of a ``world_size`` process group of threads of this process (torch's
+    test backend "threaded": the real collectives across the threads): the results in rank order, or
+    the first rank's error. For collective bookkeeping. The ranks share what a process has once:
+    torch's global RNG (a rank drawing augmentations loads under a lock), threads, ``os.environ``."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as threaded

@@ -1,16 +1,14 @@
 """Nothing a test starts outlives it: every process the test session starts is tagged, and found by its tag.
 
-A process inherits its parent's environment, so a variable set in the session's environment marks
-every process the tests start and every process those start in turn, whatever session or process
-group they move to (torchrun's workers lead sessions of their own, so killing a launch's process
-group misses them). Each launch (``helpers.Started``) adds a tag of its own, which kills it whole on
-a timeout; the session's tag finds what is left when the session ends, and fails the run.
-
-Used as a pytest plugin (``tests/conftest.py`` imports its hooks; ``pytest -p processes`` elsewhere).
+An environment variable marks every process the tests start and every process those start, whatever
+session they move to (torchrun's workers lead their own, which a process-group kill misses). Each
+launch adds a tag of its own, killed whole on a timeout; the session's tag finds what is left at its
+end, and fails the run. A pytest plugin (``tests/conftest.py`` imports its hooks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -66,18 +64,14 @@ def kill_tagged(var: str, value: str, wait_s: float = 10) -> list[Process]:
     found, deadline = first, time.monotonic() + wait_s
     while found and time.monotonic() < deadline:
         for process in found:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.05)
         found = tagged(var, value)
     return first
 
 
-# ------------------------------------------------------------------------------------------------
-# The pytest hooks
-# ------------------------------------------------------------------------------------------------
+# The pytest hooks ---------------------------------------------------------------------------------
 def pytest_configure(config) -> None:
     # A session started by another session's test tags its own processes, not the outer one's.
     os.environ[SESSION_VAR] = uuid.uuid4().hex
@@ -92,6 +86,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    """No process outlives the tests: anything the tests started and left fails the session."""
     left = kill_tagged(SESSION_VAR, os.environ[SESSION_VAR])
     if left:
         lines = [f"{len(left)} process(es) started by the tests outlived them (killed now):", *map(str, left)]

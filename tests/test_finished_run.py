@@ -60,3 +60,10 @@ def test_a_finished_runs_best_holds_only_what_evaluation_needs(finished_run):
     assert all(best["model"][k].equal(v) for k, v in ckpt.load_checkpoint(str(best_epoch_file))["model"].items())
     assert last["epoch"] == 2 and "optimizer" in last and "optimizer" not in best
     assert (finished_run / ckpt.BEST_NAME).stat().st_size < 0.6 * best_epoch_file.stat().st_size
+
+
+def test_a_run_with_log_plot_false_draws_no_plot_and_its_summary_says_how_to(finished_run):
+    # tiny_train.py runs with LOG.PLOT False unless told otherwise (tests/test_export_and_tracking.py: a plot drawn).
+    text = (finished_run / "summary.md").read_text()
+    assert f"- plot: none (LOG.PLOT False; python tools/plot_metrics.py {finished_run} draws it)" in text
+    assert not (finished_run / "metrics.png").exists()

@@ -9,7 +9,6 @@ import contextlib
 import os
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,8 +27,7 @@ from helpers import (
     on_ranks,
     python,
     read_metrics,
-    run,
-    torchrun,
+    run_torchrun,
 )
 
 from distribuuuu import utils
@@ -103,12 +101,11 @@ def test_test_net_gives_the_training_runs_val_numbers_for_world_size_1_2_3(slurm
     def evaluate(world: int) -> dict:
         out_dir = tmp_path / f"ws{world}"
         args = ("OUT_DIR", str(out_dir), "MODEL.WEIGHTS", weights, *EVAL_FAST)
-        assert_ok(run(python(TEST, *args) if world == 1 else torchrun(world, TEST, *args), timeout=400))
+        assert_ok(in_process(TEST, *args) if world == 1 else run_torchrun(world, TEST, *args, timeout=400))
         [record] = _split(read_metrics(out_dir), "test")
         return record
 
-    with ThreadPoolExecutor(3) as pool:  # mostly start-up time: overlap the three jobs
-        results = dict(zip((1, 2, 3), pool.map(evaluate, (1, 2, 3))))
+    results = {world: evaluate(world) for world in (1, 2, 3)}
     for world in (2, 3):
         for key in ("top1", "topk", "samples"):
             assert results[world][key] == results[1][key], (key, world, results)
@@ -137,7 +134,7 @@ def utils_and_teardown_job(tmp_path_factory) -> tuple[subprocess.CompletedProces
     utils_out, run_out = tmp_path / "utils", tmp_path / "run"
     utils_out.mkdir()
     args = [str(utils_out), *EVAL_FAST, *DUMMY_OPTS, "OUT_DIR", str(run_out)]  # the loop, not the data
-    return run(torchrun(2, TEARDOWN_JOB, *args), timeout=300, env=clean_env()), utils_out, run_out
+    return run_torchrun(2, TEARDOWN_JOB, *args, timeout=300, env=clean_env()), utils_out, run_out
 
 
 @pytest.mark.slow

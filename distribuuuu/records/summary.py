@@ -33,6 +33,7 @@ class Summary:
     images_per_s: float = 0.0  # training images over training time, all epochs
     config_changes: list = field(default_factory=list)  # (key, default, value)
     plot: str = ""
+    no_plot: str = PLOT_INSTALL  # why there is none: what the summary says instead
 
 
 def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
@@ -89,20 +90,23 @@ def format_summary(s: Summary) -> str:
         lines.append(f"- last val top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']})")
     lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
     lines.append(f"- training throughput: {s.images_per_s:.0f} images/s")
-    lines.append(f"- plot: {s.plot}" if s.plot else f"- plot: none ({PLOT_INSTALL})")
+    lines.append(f"- plot: {s.plot}" if s.plot else f"- plot: none ({s.no_plot})")
     lines += ["", "## Config changes from the defaults", ""]
     lines += [f"- `{k}`: {v!r} (default {d!r})" for k, d, v in s.config_changes] or ["- none"]
     return "\n".join(lines) + "\n"
 
 
-def write_summary(out_dir: str) -> str:
-    """Draw OUT_DIR/metrics.png (if matplotlib is installed), write OUT_DIR/summary.md; return its text."""
+def write_summary(out_dir: str, plot: bool = True) -> str:
+    """Draw OUT_DIR/metrics.png (if ``plot`` and matplotlib is installed), write OUT_DIR/summary.md; return its text."""
     records = read_records(os.path.join(out_dir, METRICS_FILE))  # read once: a skipped line is one warning
     s = summarize(out_dir, records)
-    try:
-        s.plot = save_plot([load_run(out_dir, None, records)], os.path.join(out_dir, PLOT_FILE))
-    except ImportError:
-        s.plot = ""  # matplotlib is the optional "plot" extra: the summary says how to get it
+    if not plot:
+        s.no_plot = f"LOG.PLOT False; python tools/plot_metrics.py {out_dir} draws it"
+    else:
+        try:
+            s.plot = save_plot([load_run(out_dir, None, records)], os.path.join(out_dir, PLOT_FILE))
+        except ImportError:
+            pass  # matplotlib is the optional "plot" extra: the summary says how to get it
     text = format_summary(s)
     with open(os.path.join(out_dir, SUMMARY_FILE), "w") as f:
         f.write(text)

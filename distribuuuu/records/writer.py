@@ -138,6 +138,7 @@ class MetricsWriter:
 
     def __init__(self, out_dir: str, tensorboard: bool = True, cfg: CfgNode | None = None):
         self.path, self.out_dir = os.path.join(out_dir, METRICS_FILE), out_dir
+        self.plot = cfg is None or cfg.LOG.PLOT
         repair_torn_tail(self.path)  # a run that died mid-append: the next record must not join its half line
         self.tb = None
         if tensorboard:
@@ -175,7 +176,7 @@ class MetricsWriter:
 
         summary_log = get_logger("summary")
         try:
-            summary_log.info("run summary:\n%s", write_summary(self.out_dir))
+            summary_log.info("run summary:\n%s", write_summary(self.out_dir, self.plot))
         except (MetricsError, OSError) as e:  # the run itself is done and saved: a summary never fails it
             summary_log.warning("no run summary: %s", e)
 

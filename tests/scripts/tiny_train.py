@@ -30,6 +30,7 @@ sys.path[:0] = [os.path.dirname(_TESTS), _TESTS]
 import models  # noqa: E402, F401  (registers the suite's models)
 
 from distribuuuu import cli, trainer  # noqa: E402
+from distribuuuu.config import load_cfg  # noqa: E402
 
 
 def _signal_hook() -> None:
@@ -145,4 +146,9 @@ if __name__ == "__main__":
     _scaler_hook()
     _stalled_checkpoint_hook()
     _record_hooks()
-    sys.exit(cli.run_tool(trainer.train_model, description=__doc__))
+    # No end-of-run plot unless a test asks for it (LOG.PLOT True after it): ~1 s of every run.
+    sys.exit(
+        cli.run_tool(
+            trainer.train_model, description=__doc__, build_cfg=lambda f, o: load_cfg(f, ["LOG.PLOT", "False", *o])
+        )
+    )
