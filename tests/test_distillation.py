@@ -39,7 +39,7 @@ from distribuuuu.training.losses import DistillationLoss
 # The tiny CNN for one epoch of 4 steps on synthetic 16 px images, with mixup and cutmix: their
 # draws take part, so a teacher that moved the global RNG would show.
 TINY_RUN = [*EVAL_TINY, "MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "128", "TRAIN.BATCH_SIZE", "32",
-            "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "2", "LOG.PROGRESS", "False", "DATA.MIXUP_ALPHA", "0.2",
+            "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "2", "LOG.PROGRESS", "False", "LOG.PLOT", "False", "DATA.MIXUP_ALPHA", "0.2",
             "DATA.CUTMIX_ALPHA", "1.0", "OPTIM.BASE_LR", "0.1"]  # fmt: skip
 JOB = str(REPO / "tests" / "scripts" / "distill_job.py")
 BENCH = str(REPO / "tools" / "benchmark.py")

@@ -17,7 +17,7 @@ from helpers import FAST_ARCH, REPO, assert_ok, in_process, lone_env, read_metri
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 
 DIGITS = REPO / "data" / "digits"
-QUIET = ["TRAIN.PRINT_FREQ", "100"]
+QUIET = ["TRAIN.PRINT_FREQ", "100", "LOG.PLOT", "False"]
 SMALL = ["TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", *QUIET]
 
 

@@ -45,7 +45,18 @@ DIGITS = REPO / "data" / "digits"
 
 # Filled by the worker's hooks, written out when the worker exits.
 STATS: dict = {"steps": 0, "allreduces": 0, "state_elements": [], "param_dtypes": [], "logits_dtypes": [], "ema": []}
-TINY = ["MODEL.ARCH", "recipe_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.BASE_LR", "0.1"]
+TINY = [
+    "MODEL.ARCH",
+    "recipe_cnn",
+    "TRAIN.IM_SIZE",
+    "16",
+    "TEST.IM_SIZE",
+    "16",
+    "OPTIM.BASE_LR",
+    "0.1",
+    "LOG.PLOT",
+    "False",
+]
 
 
 class RecipeCNN(nn.Module):

@@ -47,7 +47,7 @@ PER_CLASS = {"train": 6, "val": 4}  # 60 training and 40 val images: a few steps
 # weights that differ from the raw ones, so that a wrong checkpoint or kind shows in the numbers.
 RUN_OPTS = [
     *EVAL_TINY, "OPTIM.MAX_EPOCH", "1", "OPTIM.BASE_LR", "0.4", "OPTIM.EMA_DECAY", "0.5", "TRAIN.BATCH_SIZE", "8",
-    "TEST.BATCH_SIZE", "8", "TRAIN.WORKERS", "0", "TRAIN.PRINT_FREQ", "2",
+    "TEST.BATCH_SIZE", "8", "TRAIN.WORKERS", "0", "TRAIN.PRINT_FREQ", "2", "LOG.PLOT", "False",
 ]  # fmt: skip
 FORMS = ("folder", "packed", "http", "hf")
 KINDS = ("model", "ema")
