@@ -7,18 +7,19 @@ batch k times larger; ZeRO-1 vs unsharded).
 This file is also the worker of its multi-process tests: ``python tests/test_recipe.py train|test
 KEY VALUE ...`` runs train_net.py's / test_net.py's entry point unchanged, with the tiny model below
 registered and counters (optimizer steps, DDP gradient all-reduces, optimizer-state elements on
-this rank, logits dtypes) written to ``$RECIPE_STATS.rank<R>.json``.
+this rank, logits dtypes) written to ``OUT_DIR/stats_<mode>.rank<R>.json``. Training argument lists
+separated by ``--then`` train one after another in one process group: several runs, one launch.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import re
 import shutil
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from torch import nn
 if __name__ == "__main__":  # run as the worker script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from helpers import REPO, assert_ok, clean_env, in_process, python, read_metrics, run, torchrun  # noqa: E402
+from helpers import REPO, assert_ok, in_process, python, read_metrics, run, run_torchrun  # noqa: E402
 
 from distribuuuu import cli, trainer  # noqa: E402
 from distribuuuu.checkpointing import checkpoint  # noqa: E402
@@ -38,6 +39,7 @@ from distribuuuu.ema import ModelEMA  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.records.writer import NullWriter  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
+from distribuuuu.runtime.process_group import cleanup_distributed  # noqa: E402
 from distribuuuu.training import run as run_setup  # noqa: E402
 from distribuuuu.training.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
 
@@ -131,11 +133,26 @@ def _install_counters() -> None:
 def worker(mode: str, argv: list[str]) -> int:
     """Run train_net.py's (``train``) or test_net.py's (``test``) entry point with counters."""
     _install_counters()
-    code = cli.run_tool(trainer.train_model if mode == "train" else trainer.test_model, argv)
-    if os.environ.get("RECIPE_STATS"):
-        with open(f"{os.environ['RECIPE_STATS']}.rank{os.environ.get('RANK', '0')}.json", "w") as f:
-            json.dump(STATS, f)
-    return code
+    if "--then" not in argv:
+        code = cli.run_tool(trainer.train_model if mode == "train" else trainer.test_model, argv)
+        _write_stats(argv, mode)
+        return code
+    try:  # several runs in the process group the first one starts (train_model's cleanup=False)
+        for is_separator, group in itertools.groupby(argv, lambda arg: arg == "--then"):
+            if not is_separator:
+                args = list(group)
+                STATS.update(steps=0, allreduces=0, state_elements=[], param_dtypes=[], logits_dtypes=[], ema=[])
+                trainer.train_model(load_cfg(None, args), cleanup=False)
+                _write_stats(args, mode)
+    finally:
+        cleanup_distributed()
+    return 0
+
+
+def _write_stats(argv: list[str], mode: str) -> None:
+    out_dir = argv[argv.index("OUT_DIR") + 1]
+    with open(os.path.join(out_dir, f"stats_{mode}.rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump(STATS, f)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,23 +507,21 @@ WORKER = str(Path(__file__).resolve())
 ONE_EPOCH = [*TINY, "OPTIM.MAX_EPOCH", "1", "OPTIM.EMA_DECAY", "0.9", "OPTIM.EMA_WARMUP", "False"]
 
 
-def worker_run(out_dir: Path, nproc: int, *opts: str, mode: str = "train", launch: bool = False, timeout: float = 300):
-    """Run the worker: a ``nproc``-process torchrun job, or with one rank in this process unless
-    ``launch`` (a process of its own); return (result, per-rank stats)."""
+def worker_run(out_dir: Path, *opts: str, mode: str = "train", launch: bool = False, timeout: float = 300):
+    """Run the worker with one rank, in this process unless ``launch`` (a process of its own);
+    return (result, its stats)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stats_prefix = out_dir / f"stats_{mode}"
-    args, env = (mode, "OUT_DIR", str(out_dir), *opts), clean_env(RECIPE_STATS=str(stats_prefix))
-    if nproc > 1 or launch:
-        result = run(torchrun(nproc, WORKER, *args) if nproc > 1 else python(WORKER, *args), timeout=timeout, env=env)
+    args = (mode, "OUT_DIR", str(out_dir), *opts)
+    if launch:
+        result = run(python(WORKER, *args), timeout=timeout)
     else:
         counted = run_setup.wrap_model, trainer.optimizer_step  # the worker's counters wrap them: put back after
         try:
-            result = in_process(WORKER, *args, env=env)
+            result = in_process(WORKER, *args)
         finally:
             run_setup.wrap_model, trainer.optimizer_step = counted
     assert_ok(result)
-    stats = [json.loads(Path(f"{stats_prefix}.rank{r}.json").read_text()) for r in range(nproc)]
-    return result, stats
+    return result, json.loads((out_dir / f"stats_{mode}.rank0.json").read_text())
 
 
 def final_checkpoint(out_dir: Path) -> dict:
@@ -531,12 +546,16 @@ def two_process_runs(tmp_path_factory) -> dict:
         "zero": ["TRAIN.BATCH_SIZE", "32", "OPTIM.ZERO", "True"],
     }
 
-    def one(name: str) -> dict:
-        result, stats = worker_run(root / name, 2, *common, *variants[name])
-        return {"dir": root / name, "stdout": result.stdout, "stats": stats}
-
-    with ThreadPoolExecutor(3) as pool:  # single-threaded, seeded processes: overlap their start-up
-        return dict(zip(variants, pool.map(one, variants)))
+    args = [arg for name, opts in variants.items() for arg in ("--then", "OUT_DIR", str(root / name), *common, *opts)]
+    assert_ok(run_torchrun(2, WORKER, "train", *args[1:], timeout=400))  # the three runs, one after another
+    return {
+        name: {
+            "dir": root / name,
+            "log": (root / name / "log.txt").read_text(),
+            "stats": [json.loads((root / name / f"stats_train.rank{r}.json").read_text()) for r in (0, 1)],
+        }
+        for name in variants
+    }
 
 
 @pytest.mark.slow
@@ -551,7 +570,7 @@ def test_accumulation_matches_the_large_batch_and_all_reduces_once_per_optimizer
         assert accum["stats"][r]["allreduces"] == steps * buckets
     # The run did train: the mean loss of its last PRINT_FREQ window is well below the first's
     # (no accuracy floor: after one epoch of 22 steps it would depend on the CPU).
-    windows = _loss_windows(plain["stdout"])
+    windows = _loss_windows(plain["log"])
     assert len(windows) == 3 and windows[-1] < 0.75 * windows[0], windows
     a, b = final_checkpoint(plain["dir"])["model"], final_checkpoint(accum["dir"])["model"]
     for k in a:
@@ -566,8 +585,8 @@ def _loss_windows(stdout: str) -> list[float]:
 @pytest.mark.slow
 def test_the_linear_scaling_rule_is_logged_and_drives_the_schedule(two_process_runs):
     plain = two_process_runs["plain"]
-    assert "global batch 64 (32 x 2 ranks x 1 accumulation)" in plain["stdout"]
-    assert "base LR 0.1 (OPTIM.BASE_LR x 64/128)" in plain["stdout"]
+    assert "global batch 64 (32 x 2 ranks x 1 accumulation)" in plain["log"]
+    assert "base LR 0.1 (OPTIM.BASE_LR x 64/128)" in plain["log"]
     record = next(r for r in read_metrics(plain["dir"]) if r["split"] == "train")
     optim = load_cfg(None, ["OPTIM.MAX_EPOCH", "1"]).OPTIM
     steps = record["step"]
@@ -608,7 +627,7 @@ def test_a_zero_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
     out = tmp_path / "resumed"
     shutil.copytree(two_process_runs["zero"]["dir"], out)
     common = [*ONE_EPOCH, "OPTIM.REFERENCE_BATCH", "128", "OPTIM.BASE_LR", "0.2", "TRAIN.BATCH_SIZE", "32"]
-    result, (stats,) = worker_run(out, 1, *common, "OPTIM.ZERO", "True", "OPTIM.MAX_EPOCH", "2")
+    result, stats = worker_run(out, *common, "OPTIM.ZERO", "True", "OPTIM.MAX_EPOCH", "2")
     assert "resumed from" in result.stdout and "ckpt_ep_001.pth.tar at epoch 2" in result.stdout
     assert stats["state_elements_at_start"] == weight_count()  # both shards' momentum, loaded
     state = final_checkpoint(out)
@@ -619,8 +638,8 @@ def test_a_zero_checkpoint_resumes_in_one_process(two_process_runs, tmp_path):
 @pytest.mark.slow
 def test_a_bf16_run_trains_with_float32_weights(tmp_path):
     out = tmp_path / "bf16"
-    result, (stats,) = worker_run(
-        out, 1, *TINY, "TRAIN.PRECISION", "bf16", "TRAIN.CHANNELS_LAST", "True", "OPTIM.MAX_EPOCH", "1"
+    result, stats = worker_run(
+        out, *TINY, "TRAIN.PRECISION", "bf16", "TRAIN.CHANNELS_LAST", "True", "OPTIM.MAX_EPOCH", "1"
     )
     assert stats["logits_dtypes"] == ["torch.bfloat16"]  # autocast was on in every training forward
     assert stats["param_dtypes"] == ["torch.float32"]  # and the weights stayed float32 after every step
@@ -634,11 +653,11 @@ def test_a_bf16_run_trains_with_float32_weights(tmp_path):
 def test_a_compiled_models_checkpoint_loads_into_the_plain_model(tmp_path):
     out = tmp_path / "compiled"
     # A process of its own: Inductor's compile workers live as long as the process that compiled.
-    worker_run(out, 1, *TINY, "TRAIN.COMPILE", "True", "OPTIM.MAX_EPOCH", "1", launch=True, timeout=400)
+    worker_run(out, *TINY, "TRAIN.COMPILE", "True", "OPTIM.MAX_EPOCH", "1", launch=True, timeout=400)
     state = final_checkpoint(out)
     assert list(state["model"]) == list(RecipeCNN(10).state_dict())  # no _orig_mod. prefixes
     path = out / checkpoint.CKPT_DIR / "ckpt_ep_001.pth.tar"
-    result, _ = worker_run(out, 1, *TINY, "MODEL.WEIGHTS", str(path), mode="test")
+    result, _ = worker_run(out, *TINY, "MODEL.WEIGHTS", str(path), mode="test")
     test = [r for r in read_metrics(out) if r["split"] == "test"][-1]
     [val] = [r for r in read_metrics(out) if r["split"] == "val"]
     # Eager and compiled kernels may round differently: allow one of 361 images to flip. The loss,
