@@ -37,6 +37,7 @@ from helpers import (
     python,
     read_metrics,
     run,
+    run_torchrun,
     torchrun,
 )
 
@@ -134,7 +135,7 @@ def stopped_after_epoch_1(tmp_path_factory) -> Path:
 def reference_two(tmp_path_factory) -> dict:
     """Final state of an uninterrupted 2-process torchrun run."""
     out = tmp_path_factory.mktemp("reference_two")
-    assert_ok(run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), timeout=400))
+    assert_ok(run_torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO, timeout=400))
     return _final_state(out, epochs=1)
 
 
@@ -225,7 +226,7 @@ def test_sigterm_checkpoints_at_the_agreed_step_exits_75_is_requeued_once_and_re
     [requeue] = calls.read_text().splitlines()
     assert requeue.split()[:2] == ["requeue", "4242"] and path.name in requeue.split()[2:], requeue
 
-    resumed = run(torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO), timeout=400)
+    resumed = run_torchrun(2, TINY_TRAIN, "OUT_DIR", str(out), *TWO, timeout=400)
     assert_ok(resumed)
     assert RESUMED.search(resumed.stdout)[1] == str(path)
     assert _train_epochs(out) == [1]

@@ -19,7 +19,7 @@ EPOCHS = 2
 # Non-default input keys: predict.py must take them from the checkpoint, or its accuracy collapses.
 TRAIN_OPTS = [
     "MODEL.ARCH", FAST_ARCH, "OPTIM.MAX_EPOCH", str(EPOCHS), "TRAIN.IM_SIZE", "24", "TEST.IM_SIZE", "28", "DATA.MEAN", "[0.5, 0.5, 0.5]",
-    "DATA.STD", "[0.5, 0.5, 0.5]", "OPTIM.EMA_DECAY", "0.9",
+    "DATA.STD", "[0.5, 0.5, 0.5]", "OPTIM.EMA_DECAY", "0.9", "LOG.PLOT", "False",
 ]  # fmt: skip
 
 
