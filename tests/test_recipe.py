@@ -13,6 +13,7 @@ separated by ``--then`` train one after another in one process group: several ru
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -41,7 +42,7 @@ from distribuuuu.records.writer import NullWriter  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.runtime.process_group import cleanup_distributed  # noqa: E402
 from distribuuuu.training import run as run_setup  # noqa: E402
-from distribuuuu.training.optim import LARS, build_optimizer, lr_at, scaled_base_lr  # noqa: E402
+from distribuuuu.training.optim import LARS, build_optimizer, lr_at, optimizer_groups, scaled_base_lr  # noqa: E402
 
 DIGITS = REPO / "data" / "digits"
 
@@ -441,6 +442,27 @@ def test_one_lars_step_matches_a_hand_computation():
         b_buf = gb if b_buf is None else 0.9 * b_buf + gb
         b = b - 0.1 * b_buf
         assert torch.allclose(model.weight, w, atol=1e-7) and torch.allclose(model.bias, b, atol=1e-7)
+
+
+def test_adamw_takes_the_fused_kernel_and_steps_as_the_per_tensor_loop():
+    o = get_cfg_defaults().OPTIM
+    o.OPTIMIZER, o.WEIGHT_DECAY = "adamw", 0.05
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+    fused, loop_model = build_optimizer(model, o), copy.deepcopy(model)
+    loop = torch.optim.AdamW(optimizer_groups(loop_model, o), lr=o.BASE_LR, betas=tuple(o.BETAS), foreach=False)
+    assert fused.defaults["fused"] and not loop.defaults["fused"]
+    x = torch.randn(4, 8)
+    for m, opt in ((model, fused), (loop_model, loop)):
+        m(x).square().mean().backward()
+        opt.step()
+    # One step from the same weights and gradients: the same fp32 update, a few units in the last
+    # place apart at most (after it, Adam's g / sqrt(v) would magnify them on near-zero gradients).
+    for a, b in zip(model.parameters(), loop_model.parameters()):
+        torch.testing.assert_close(a, b)
+    # SGD keeps its loop unless fp16 asks (fused SGD has no DTensor rule); ZeRO-1 shards a plain optimizer.
+    o.OPTIMIZER = "sgd"
+    assert not build_optimizer(model, o).defaults.get("fused")
 
 
 def test_adamw_builds_with_the_configured_betas_and_decay_groups():
