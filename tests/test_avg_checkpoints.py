@@ -1,5 +1,6 @@
 """tools/avg_checkpoints.py: the last or best N checkpoints of an OUT_DIR averaged into one that the
-tools take like any other."""
+tools take like any other. The checkpoints are the shared EMA run's (tests/runs.py): 3 epochs of the
+tiny CNN at a high LR, whose weights differ from epoch to epoch."""
 
 from __future__ import annotations
 
@@ -21,15 +22,6 @@ DIGITS = str(REPO / "data" / "digits")
 DATA = ["TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """Three epochs of the tiny CNN with EMA at a high LR: checkpoints whose weights differ."""
-    out = tmp_path_factory.mktemp("avg") / "run"
-    opts = [*EVAL_TINY, "OPTIM.MAX_EPOCH", "3", "OPTIM.BASE_LR", "0.4", "OPTIM.EMA_DECAY", "0.5"]
-    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(out), *DATA, *opts, "TRAIN.BATCH_SIZE", "64"))
-    return out
-
-
 def _ckpt(out: Path, epoch: int) -> str:
     return str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(epoch))
 
@@ -38,17 +30,17 @@ def _weights(path: str, kind: str = "model") -> dict:
     return ckpt.model_state_from(ckpt.load_checkpoint(path), kind)
 
 
-def test_a_checkpoint_averaged_with_itself_is_itself(run_dir):
-    path = _ckpt(run_dir, 2)
+def test_a_checkpoint_averaged_with_itself_is_itself(ema_run):
+    path = _ckpt(ema_run, 2)
     averaged, original = averaged_checkpoint([path, path])["model"], _weights(path)
     assert averaged.keys() == original.keys()
     assert all(torch.equal(averaged[k], original[k]) and averaged[k].dtype == original[k].dtype for k in original)
 
 
 @pytest.mark.parametrize("kind", ["model", "ema"])
-def test_two_checkpoints_average_to_the_element_wise_mean(run_dir, kind):
-    a, b = _weights(_ckpt(run_dir, 1), kind), _weights(_ckpt(run_dir, 2), kind)
-    averaged = averaged_checkpoint([_ckpt(run_dir, 1), _ckpt(run_dir, 2)], kind)["model"]
+def test_two_checkpoints_average_to_the_element_wise_mean(ema_run, kind):
+    a, b = _weights(_ckpt(ema_run, 1), kind), _weights(_ckpt(ema_run, 2), kind)
+    averaged = averaged_checkpoint([_ckpt(ema_run, 1), _ckpt(ema_run, 2)], kind)["model"]
     assert any(not torch.equal(a[k], b[k]) for k in a if a[k].is_floating_point())  # the test means something
     for k in a:
         if a[k].is_floating_point():  # the float64 mean rounded once: the exact mean, correctly rounded
@@ -57,21 +49,21 @@ def test_two_checkpoints_average_to_the_element_wise_mean(run_dir, kind):
             assert torch.equal(averaged[k], b[k]), k
 
 
-def test_last_n_takes_dcp_folders_like_files_and_every_tool_takes_the_average(run_dir, tmp_path):
+def test_last_n_takes_dcp_folders_like_files_and_every_tool_takes_the_average(ema_run, tmp_path):
     # A copy of the run whose epoch 2 is a .dcp folder: the same average as from the files.
     mixed = tmp_path / "mixed"
-    shutil.copytree(run_dir, mixed)
+    shutil.copytree(ema_run, mixed)
     assert_ok(in_process(CONVERT, _ckpt(mixed, 2), str(mixed / ckpt.CKPT_DIR / ckpt.checkpoint_name(2, sharded=True))))
     Path(_ckpt(mixed, 2)).unlink()
     out_files, out_mixed = str(tmp_path / "files.pth.tar"), str(tmp_path / "mixed.pth.tar")
-    assert_ok(in_process(AVG, str(run_dir), "--last", "2", "-o", out_files))
+    assert_ok(in_process(AVG, str(ema_run), "--last", "2", "-o", out_files))
     result = in_process(AVG, str(mixed), "--last", "2", "-o", out_mixed)
     assert_ok(result)
     assert "ckpt_ep_002.dcp, ckpt_ep_003.pth.tar" in result.stdout
     files, from_mixed = _weights(out_files), _weights(out_mixed)
     assert all(torch.equal(files[k], from_mixed[k]) for k in files)
     saved = ckpt.load_checkpoint(out_files)
-    newest = ckpt.load_checkpoint(_ckpt(run_dir, 3))
+    newest = ckpt.load_checkpoint(_ckpt(ema_run, 3))
     assert (saved["classes"], saved["cfg"], saved["arch"]) == (newest["classes"], newest["cfg"], newest["arch"])
     assert saved["averaged"]["checkpoints"] == ["ckpt_ep_002.pth.tar", "ckpt_ep_003.pth.tar"]
     # test_net.py evaluates it like any checkpoint (its config from the checkpoint).
@@ -87,21 +79,21 @@ def test_last_n_takes_dcp_folders_like_files_and_every_tool_takes_the_average(ru
     assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(tuned), *DATA, *opts))
 
 
-def test_best_n_ranks_by_the_named_metric_and_precise_bn_recomputes_the_statistics(run_dir, tmp_path):
-    vals = {r["epoch"]: r for r in read_metrics(run_dir) if r["split"] == "val" and r["weights"] == "ema"}
+def test_best_n_ranks_by_the_named_metric_and_precise_bn_recomputes_the_statistics(ema_run, tmp_path):
+    vals = {r["epoch"]: r for r in read_metrics(ema_run) if r["split"] == "val" and r["weights"] == "ema"}
     best_loss = min(vals, key=lambda e: (vals[e]["loss"], -e))
     out = str(tmp_path / "best.pth.tar")
-    result = in_process(AVG, str(run_dir), "--best", "1", "--metric", "loss", "--weights", "ema", "-o", out)
+    result = in_process(AVG, str(ema_run), "--best", "1", "--metric", "loss", "--weights", "ema", "-o", out)
     assert_ok(result)
     assert f"ckpt_ep_{best_loss:03d}.pth.tar" in result.stdout.splitlines()[0]
     assert all(
-        torch.equal(a, b) for a, b in zip(_weights(out).values(), _weights(_ckpt(run_dir, best_loss), "ema").values())
+        torch.equal(a, b) for a, b in zip(_weights(out).values(), _weights(_ckpt(ema_run, best_loss), "ema").values())
     )
     # --precise-bn: the statistics are precise BN's for the averaged weights, not the average's.
     precise = str(tmp_path / "precise.pth.tar")
-    args = [str(run_dir), "--last", "2", "--precise-bn", "100", "-o", precise]
+    args = [str(ema_run), "--last", "2", "--precise-bn", "100", "-o", precise]
     assert_ok(in_process(AVG, *args, "TRAIN.WORKERS", "0"))
-    plain = averaged_checkpoint([_ckpt(run_dir, 2), _ckpt(run_dir, 3)])["model"]
+    plain = averaged_checkpoint([_ckpt(ema_run, 2), _ckpt(ema_run, 3)])["model"]
     recomputed = _weights(precise)
     for k in plain:
         same = torch.equal(plain[k], recomputed[k])
@@ -118,8 +110,8 @@ def test_best_n_ranks_by_the_named_metric_and_precise_bn_recomputes_the_statisti
         (["--best", "9"], "--best 9: only 3 epoch-end checkpoint(s)"),
     ],
 )
-def test_bad_input_is_one_line_naming_it_and_exit_2(run_dir, tmp_path, args, names):
-    out_dir = tmp_path / "empty" if names == "no checkpoints in" else run_dir
+def test_bad_input_is_one_line_naming_it_and_exit_2(ema_run, tmp_path, args, names):
+    out_dir = tmp_path / "empty" if names == "no checkpoints in" else ema_run
     out_dir.mkdir(exist_ok=True)
     result = in_process(AVG, str(out_dir), *args, "-o", str(tmp_path / "avg.pth.tar"))
     assert result.returncode == 2, result.stderr
@@ -128,7 +120,7 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(run_dir, tmp_path, args, nam
     assert not (tmp_path / "avg.pth.tar").exists()
 
 
-def test_a_checkpoint_name_or_an_existing_output_is_refused(run_dir, tmp_path):
-    for output in (_ckpt(run_dir, 1), str(tmp_path / "ckpt_ep_009.pth.tar")):
-        result = in_process(AVG, str(run_dir), "--last", "1", "-o", output)
+def test_a_checkpoint_name_or_an_existing_output_is_refused(ema_run, tmp_path):
+    for output in (_ckpt(ema_run, 1), str(tmp_path / "ckpt_ep_009.pth.tar")):
+        result = in_process(AVG, str(ema_run), "--last", "1", "-o", output)
         assert result.returncode == 2 and output in result.stderr, result.stderr

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 from helpers import (
     FAST,
-    FAST_ARCH,
     REPO,
     TEST,
+    TINY_ARCH,
+    TINY_TRAIN,
     TRAIN,
     assert_ok,
     in_process,
@@ -26,6 +27,7 @@ from helpers import (
     run_torchrun,
 )
 from PIL import Image
+from runs import EMA_EPOCHS, EMA_RUN_OPTS
 from yacs.config import CfgNode
 
 from distribuuuu import trainer
@@ -38,7 +40,6 @@ from distribuuuu.training.resume import find_checkpoint_to_resume
 
 DIGITS = REPO / "data" / "digits"
 PREDICT = str(REPO / "tools" / "predict.py")
-ONE_EPOCH = [*FAST, "OPTIM.MAX_EPOCH", "1"]
 
 
 def _errors(result: subprocess.CompletedProcess) -> list[str]:
@@ -51,34 +52,27 @@ def _fingerprint(folder: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def one_epoch_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("first") / "out"
-    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *ONE_EPOCH))
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
 # One OUT_DIR, one experiment
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_another_architecture_in_the_same_out_dir_stops_naming_the_keys_and_touches_nothing(one_epoch_run):
-    before = _fingerprint(one_epoch_run)
-    result = in_process(TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34")
+def test_another_architecture_in_the_same_out_dir_stops_naming_the_keys_and_touches_nothing(ema_run):
+    before = _fingerprint(ema_run)
+    result = in_process(TRAIN, "OUT_DIR", str(ema_run), *EMA_RUN_OPTS, "MODEL.ARCH", "resnet34")
     assert result.returncode == 2, result.stderr[-2000:]
     [error] = _errors(result)
-    assert "holds another experiment" in error and f"MODEL.ARCH: '{FAST_ARCH}' -> 'resnet34'" in error
+    assert "holds another experiment" in error and f"MODEL.ARCH: '{TINY_ARCH}' -> 'resnet34'" in error
     assert "own OUT_DIR" in error and "TRAIN.RESUME_ANYWAY True" in error
-    assert _fingerprint(one_epoch_run) == before, "the first run's files must be untouched"
+    assert _fingerprint(ema_run) == before, "the first run's files must be untouched"
 
 
-def test_a_refused_resume_ends_the_process_group_it_started(one_epoch_run, monkeypatch):
+def test_a_refused_resume_ends_the_process_group_it_started(ema_run, monkeypatch):
     """The group outliving the run to the interpreter's exit is what aborted a refused rank 0
     ("terminate called without an active exception", 3 of 12 tries under torchrun)."""
     launch = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
     for name, value in launch.items():
         monkeypatch.setenv(name, value)
-    cfg = load_cfg(None, ["OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34"])
+    cfg = load_cfg(None, ["OUT_DIR", str(ema_run), *EMA_RUN_OPTS, "MODEL.ARCH", "resnet34"])
     threads = torch.get_num_threads()
     try:
         with pytest.raises(ConfigError, match="holds another experiment"):
@@ -90,13 +84,13 @@ def test_a_refused_resume_ends_the_process_group_it_started(one_epoch_run, monke
 
 
 @pytest.mark.slow
-def test_a_refused_resume_under_torchrun_exits_2_every_time_without_an_abort(one_epoch_run):
+def test_a_refused_resume_under_torchrun_exits_2_every_time_without_an_abort(ema_run):
     # The cause (a tool that returned with its process group alive, so a gloo thread could abort the
     # exiting interpreter: 3 of 12 tries before the fix) is pinned in one process by the test above;
     # two real jobs check the symptom end to end (a 25% abort shows with p=0.44; the deterministic
     # check is the in-process one).
     for attempt in range(2):
-        result = run_torchrun(2, TRAIN, "OUT_DIR", str(one_epoch_run), *ONE_EPOCH, "MODEL.ARCH", "resnet34")
+        result = run_torchrun(2, TRAIN, "OUT_DIR", str(ema_run), *EMA_RUN_OPTS, "MODEL.ARCH", "resnet34")
         codes = re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", result.stderr, re.M)
         assert "Aborted" not in result.stderr and "terminate called" not in result.stderr, (
             attempt,
@@ -110,15 +104,15 @@ def test_a_refused_resume_under_torchrun_exits_2_every_time_without_an_abort(one
 @pytest.mark.parametrize(
     "keys,message",
     [
-        (["MODEL.ARCH", "resnet18"], f"holds {FAST_ARCH} weights but MODEL.ARCH is resnet18: set MODEL.ARCH {FAST_ARCH}"),
-        (["MODEL.NUM_CLASSES", "12"], f"does not fit MODEL.ARCH {FAST_ARCH}: 0 tensor(s) missing [], 0 unexpected [], "
+        (["MODEL.ARCH", "resnet18"], f"holds {TINY_ARCH} weights but MODEL.ARCH is resnet18: set MODEL.ARCH {TINY_ARCH}"),
+        (["MODEL.NUM_CLASSES", "12"], f"does not fit MODEL.ARCH {TINY_ARCH}: 0 tensor(s) missing [], 0 unexpected [], "
                                       "2 of another shape"),
     ],
     ids=["another-arch", "another-head"],
 )  # fmt: skip
-def test_weights_that_do_not_fit_the_model_stop_test_net_in_one_line(one_epoch_run, tmp_path, keys, message):
-    weights = str(one_epoch_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
-    result = in_process(TEST, "OUT_DIR", str(tmp_path), *FAST, "MODEL.WEIGHTS", weights, *keys)
+def test_weights_that_do_not_fit_the_model_stop_test_net_in_one_line(ema_run, tmp_path, keys, message):
+    weights = str(ema_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
+    result = in_process(TEST, "OUT_DIR", str(tmp_path), *EMA_RUN_OPTS, "MODEL.WEIGHTS", weights, *keys)
     assert result.returncode != 0, result.stderr[-2000:]
     [error] = _errors(result)
     assert weights in error and message in error, error
@@ -126,20 +120,21 @@ def test_weights_that_do_not_fit_the_model_stop_test_net_in_one_line(one_epoch_r
 
 
 @pytest.mark.slow
-def test_more_epochs_continue_the_run_log_the_change_and_keep_every_starts_config(one_epoch_run, tmp_path):
+def test_more_epochs_continue_the_run_log_the_change_and_keep_every_starts_config(ema_run, tmp_path):
     out = tmp_path / "out"
-    shutil.copytree(one_epoch_run, out)
-    result = in_process(TRAIN, "OUT_DIR", str(out), *FAST, "OPTIM.MAX_EPOCH", "2")
+    shutil.copytree(ema_run, out)
+    more = EMA_EPOCHS + 1
+    result = in_process(TINY_TRAIN, "OUT_DIR", str(out), *EMA_RUN_OPTS, "OPTIM.MAX_EPOCH", str(more))
     assert_ok(result)
-    assert "changed runtime keys: OPTIM.MAX_EPOCH: 1 -> 2" in result.stdout
+    assert f"changed runtime keys: OPTIM.MAX_EPOCH: {EMA_EPOCHS} -> {more}" in result.stdout
     assert "OUT_DIR:" in result.stdout  # the copy's OUT_DIR differs from the checkpoint's: a runtime key
-    assert [r["epoch"] for r in read_metrics(out) if r["split"] == "train"] == [1, 2]
+    assert [r["epoch"] for r in read_metrics(out) if r["split"] == "train"] == list(range(1, more + 1))
     starts = sorted((out / "starts").iterdir())
     assert len(starts) == 2
     epochs = [CfgNode.load_cfg((s / "config.yaml").read_text()).OPTIM.MAX_EPOCH for s in starts]
-    assert epochs == [1, 2]
+    assert epochs == [EMA_EPOCHS, more]
     first, second = (json.loads((s / "manifest.json").read_text()) for s in starts)
-    assert first["resumed_from"] is None and second["resumed_from"].endswith(ckpt.checkpoint_name(1))
+    assert first["resumed_from"] is None and second["resumed_from"].endswith(ckpt.checkpoint_name(EMA_EPOCHS))
     assert (second["torch"], second["world_size"], second["launcher"]) == (torch.__version__, 1, "none")
     assert second["device"] and second["python"] and second["hosts"]
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -228,13 +223,21 @@ def test_numeric_val_folders_evaluate_like_the_training_names_and_predict_names_
 
 
 @pytest.mark.slow
-def test_a_val_folder_with_a_class_the_model_does_not_know_stops_or_evaluates_the_overlap(one_epoch_run, tmp_path):
+def test_a_val_folder_with_a_class_the_model_does_not_know_stops_or_evaluates_the_overlap(ema_run, tmp_path):
     val = tmp_path / "odd" / "val"
     for name in ["0", "1", "2"]:
         shutil.copytree(DIGITS / "val" / name, val / name)
     shutil.copytree(DIGITS / "val" / "3", val / "x")
-    weights = str(one_epoch_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
-    args = ["OUT_DIR", str(tmp_path / "eval"), *FAST, "TEST.DATASET", str(tmp_path / "odd"), "MODEL.WEIGHTS", weights]
+    weights = str(ema_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
+    args = [
+        "OUT_DIR",
+        str(tmp_path / "eval"),
+        *EMA_RUN_OPTS,
+        "TEST.DATASET",
+        str(tmp_path / "odd"),
+        "MODEL.WEIGHTS",
+        weights,
+    ]
     refused = in_process(TEST, *args)
     assert refused.returncode == 2
     [error] = _errors(refused)

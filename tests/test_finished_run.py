@@ -6,12 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import EVAL_TINY, TINY_TRAIN, assert_ok, in_process
+from runs import EMA_EPOCHS, EMA_RUN_OPTS
 
 from distribuuuu import cli, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
-
-TWO_EPOCHS = [*EVAL_TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10"]
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -20,11 +18,9 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """A run of 2 epochs of the tiny CNN (tools/train_net.py's entry point in this process)."""
-    out = tmp_path_factory.mktemp("finished")
-    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(out), *TWO_EPOCHS))
-    return out
+def finished_run(ema_run) -> Path:
+    """The shared run (tests/runs.py): 3 epochs of the tiny CNN, finished."""
+    return ema_run
 
 
 @pytest.mark.usefixtures("plain_logging")
@@ -37,20 +33,20 @@ def test_running_again_into_a_finished_run_changes_no_byte_of_its_out_dir(finish
     before = _files(finished_run)
     assert {"config.yaml", "summary.md", "log.txt", "metrics.jsonl"} <= set(before)
     assert any(name.startswith("starts/") for name in before) and any(name.startswith("tb/") for name in before)
-    assert cli.run_tool(trainer.train_model, ["OUT_DIR", str(finished_run), *TWO_EPOCHS, *changes]) == 0
+    assert cli.run_tool(trainer.train_model, ["OUT_DIR", str(finished_run), *EMA_RUN_OPTS, *changes]) == 0
     after = _files(finished_run)
     assert sorted(after) == sorted(before), "no file may be added or removed"
     assert [name for name in before if after[name] != before[name]] == [], "no file may be rewritten"
     out = capsys.readouterr()
     said = [line for line in out.out.splitlines() if "already holds a finished run" in line]
-    assert len(said) == 1 and "2 epochs trained" in said[0], out.out
+    assert len(said) == 1 and f"{EMA_EPOCHS} epochs trained" in said[0], out.out
     assert "another OUT_DIR" in said[0] and "OPTIM.MAX_EPOCH" in said[0], said[0]
     assert "global batch changed" not in out.out + out.err, "nothing is resumed, so nothing is re-seeded"
 
 
 def test_a_finished_runs_best_holds_only_what_evaluation_needs(finished_run):
     best = ckpt.load_checkpoint(str(finished_run / ckpt.BEST_NAME))
-    last = ckpt.load_checkpoint(str(finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(2)))
+    last = ckpt.load_checkpoint(str(finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(EMA_EPOCHS)))
     assert set(best) == {
         "model", "ema", "epoch", "best_acc1", "best_weights", "best_metric", "best_value", "classes", "arch", "cfg",
         "preprocessing", "checksum",
@@ -58,7 +54,7 @@ def test_a_finished_runs_best_holds_only_what_evaluation_needs(finished_run):
     assert (best["best_metric"], best["best_value"]) == ("top1", best["best_acc1"])  # TRAIN.BEST_METRIC's default
     best_epoch_file = finished_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(best["epoch"])
     assert all(best["model"][k].equal(v) for k, v in ckpt.load_checkpoint(str(best_epoch_file))["model"].items())
-    assert last["epoch"] == 2 and "optimizer" in last and "optimizer" not in best
+    assert last["epoch"] == EMA_EPOCHS and "optimizer" in last and "optimizer" not in best
     assert (finished_run / ckpt.BEST_NAME).stat().st_size < 0.6 * best_epoch_file.stat().st_size
 
 

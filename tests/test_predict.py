@@ -9,30 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST_ARCH, REPO, TRAIN, assert_ok, in_process, lone_env, read_metrics
+from helpers import REPO, assert_ok, in_process, read_metrics
+from runs import EMA_EPOCHS
 
-pytestmark = pytest.mark.slow  # every test uses the checkpoint of a 2-epoch training run
+pytestmark = pytest.mark.slow  # every test reads the checkpoint of the shared 3-epoch run (tests/runs.py)
 
 PREDICT = str(REPO / "tools" / "predict.py")
 VAL = REPO / "data" / "digits" / "val"
-EPOCHS = 2
-# Non-default input keys: predict.py must take them from the checkpoint, or its accuracy collapses.
-TRAIN_OPTS = [
-    "MODEL.ARCH", FAST_ARCH, "OPTIM.MAX_EPOCH", str(EPOCHS), "TRAIN.IM_SIZE", "24", "TEST.IM_SIZE", "28", "DATA.MEAN", "[0.5, 0.5, 0.5]",
-    "DATA.STD", "[0.5, 0.5, 0.5]", "OPTIM.EMA_DECAY", "0.9", "LOG.PLOT", "False",
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, dict[str, float]]:
-    """One run on data/digits, in this process (both cores): its last checkpoint and val top-1 per weights kind."""
-    out = tmp_path_factory.mktemp("predict_run")
-    assert_ok(in_process(TRAIN, "OUT_DIR", str(out), *TRAIN_OPTS, env=lone_env()))
-    val = {r["weights"]: r["top1"] for r in read_metrics(out) if r["split"] == "val" and r["epoch"] == EPOCHS}
+def trained(ema_run) -> tuple[Path, dict[str, float]]:
+    """The shared EMA run's last checkpoint and its val top-1 per weights kind. Its input keys are
+    not the defaults: predict.py must take them from the checkpoint, or its accuracy collapses."""
+    val = {r["weights"]: r["top1"] for r in read_metrics(ema_run) if r["split"] == "val" and r["epoch"] == EMA_EPOCHS}
     # Far above the 10% of chance, so that preprocessing not taken from the checkpoint would show;
-    # not a higher floor: after 2 epochs the accuracy depends on the CPU (80.9% here, 27% after epoch 1).
-    assert val["model"] >= 50.0, f"the checkpoint should be good enough to make the comparison meaningful: {val}"
-    return out / "checkpoints" / f"ckpt_ep_{EPOCHS:03d}.pth.tar", val
+    # not a higher floor: the accuracy after 3 epochs at a high LR depends on the CPU (74.8% here).
+    assert min(val.values()) >= 40.0, f"the checkpoint should be good enough to make the comparison meaningful: {val}"
+    return ema_run / "checkpoints" / f"ckpt_ep_{EMA_EPOCHS:03d}.pth.tar", val
 
 
 def predict(weights: Path, *args: str):
