@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -893,10 +894,6 @@ STRATEGY_OPTS = {"ddp": [], "ddp+zero1": ["OPTIM.ZERO", "True"], "fsdp": ["DIST.
 
 def memory_table(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> str:
     """Run --what memory for every world size x arch x strategy (one torchrun job each); a markdown table."""
-    import subprocess
-
-    from distribuuuu.runtime.launcher import find_free_port
-
     own = ["--steps", str(bench.steps), "--warmup", str(bench.warmup), "--repeats", str(bench.repeats)]
     own += [*(["--cfg", cfg_args.cfg_file] if cfg_args.cfg_file else []), *cfg_args.opts]
     rows = []
@@ -907,13 +904,10 @@ def memory_table(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> str
             results = {}
             for strategy, opts in STRATEGY_OPTS.items():
                 with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
-                    cmd = [
-                        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
-                        f"--master_port={find_free_port()}", os.path.abspath(__file__), "--what", "memory", "--json", out.name,
-                        *own, *arch_opts, *opts,
-                    ]  # fmt: skip
-                    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-                    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+                    _torchrun(
+                        world,
+                        [os.path.abspath(__file__), "--what", "memory", "--json", out.name, *own, *arch_opts, *opts],
+                    )
                     results[strategy] = json.loads(out.read().splitlines()[-1])
             for strategy, r in results.items():
                 ratio = r["images_per_s_median"] / results["ddp"]["images_per_s_median"]
@@ -933,10 +927,45 @@ def memory_table(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> str
     return "\n".join(lines)
 
 
+def _torchrun(world: int, script_args: list[str]) -> None:
+    """``torchrun --nproc_per_node=world script_args`` with torchrun's agent in this process (as
+    Accelerate launches it): one interpreter's start-up less a job. The workers' stdout goes to a
+    temporary log folder (the table is this process's output); OMP_NUM_THREADS defaults to 1."""
+    from torch.distributed import run as torchrun
+
+    from distribuuuu.runtime.launcher import find_free_port
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    added_threads = "OMP_NUM_THREADS" not in os.environ
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        with tempfile.TemporaryDirectory(prefix="benchmark-memory-") as logs:
+            torchrun.run(
+                torchrun.parse_args(
+                    [f"--nproc_per_node={world}", "--master_addr=127.0.0.1", f"--master_port={find_free_port()}",
+                     "--redirects=1", f"--log-dir={logs}", *script_args]
+                )
+            )  # fmt: skip
+    finally:
+        if added_threads:
+            del os.environ["OMP_NUM_THREADS"]
+        for sig, handler in saved.items():  # the agent installs its own
+            signal.signal(sig, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     bench, cfg_args = parse_bench_args(argv)
     if bench.memory_table:
-        print(memory_table(bench, cfg_args))
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        try:
+            print(memory_table(bench, cfg_args))
+        except ChildFailedError as e:  # the failing rank's own error is on stderr above
+            rank, failure = min(e.failures.items())
+            print(
+                f"benchmark: error: a --what memory job failed: rank {rank} exited {failure.exitcode}", file=sys.stderr
+            )
+            return 1
         return 0
     try:
         benchmark(bench, cfg_args)
