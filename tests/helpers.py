@@ -105,10 +105,12 @@ def in_process(script: str, *args: str, env: dict | None = None, cwd: Path = REP
 @contextlib.contextmanager
 def _restored_process_state(env: dict, cwd: Path) -> Iterator[None]:
     import random
+    from multiprocessing import resource_tracker
 
     import torch
     import torch.distributed as dist
 
+    tracker_running = resource_tracker._resource_tracker._fd is not None  # a spawn start would start it
     saved_env, saved_cwd, saved_argv, saved_path = dict(os.environ), os.getcwd(), sys.argv[:], sys.path[:]
     saved_threads, saved_rng = (
         torch.get_num_threads(),
@@ -128,6 +130,8 @@ def _restored_process_state(env: dict, cwd: Path) -> Iterator[None]:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if not tracker_running:  # started by a tool that spawned workers (--nproc): it would outlive the test
+            resource_tracker._resource_tracker._stop()
         for name, log in loggers.items():
             for handler in set(log.handlers) - set(saved_loggers[name][0]):
                 handler.close()
