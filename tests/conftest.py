@@ -39,11 +39,9 @@ def _below_floor() -> str:
     from packaging.version import Version
 
     for line in (Path(__file__).resolve().parents[1] / "requirements.txt").read_text().splitlines():
-        if line.startswith(("torch", "torchvision")):
-            req = Requirement(line)
-            installed = version(req.name)
-            if Version(installed).release and not req.specifier.contains(Version(installed).base_version):
-                return f"{req.name} {installed} is below the floor requirements.txt sets ({req})"
+        req = Requirement(line) if line.startswith(("torch", "torchvision")) else None
+        if req and not req.specifier.contains(Version(version(req.name)).base_version):
+            return f"{req.name} {version(req.name)} is below the floor requirements.txt sets ({req})"
     return ""
 
 

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,24 +33,21 @@ TRAIN = str(REPO / "tools" / "train_net.py")
 TEST = str(REPO / "tools" / "test_net.py")
 
 # Small, fast settings for runs that test behaviour rather than accuracy: a light torchvision model
-# (one training step at 16 px, batch 32, one thread: 61 ms against resnet18's 240 ms here).
+# (one training step at 16 px, batch 32, one thread: 61 ms against resnet18's 240 ms here); no plot (~1 s).
 FAST_ARCH = "shufflenet_v2_x0_5"
-EVAL_FAST = ["MODEL.ARCH", FAST_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]  # evaluate a FAST run's model
-FAST = [*EVAL_FAST, "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10", "LOG.PLOT", "False"]  # no end-of-run plot: ~1 s
-# Smaller still, for runs whose property holds for any model (a tool reading any checkpoint form):
-# tests/models.py's tiny CNN, registered in this process by conftest and in a launched one by
-# tests/scripts/tiny_train.py (train_net.py with fault hooks). Its ONNX export takes 2 s against
-# the light torchvision model's 12 s here.
+FAST = ["MODEL.ARCH", FAST_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2", "TRAIN.PRINT_FREQ", "10",
+        "LOG.PLOT", "False"]  # fmt: skip
+# Smaller still, for runs whose property holds for any model: tests/models.py's tiny CNN (registered
+# here by conftest, in a launch by tiny_train.py: train_net.py with fault hooks; ONNX export 2 s, not 12).
 TINY_TRAIN = str(REPO / "tests" / "scripts" / "tiny_train.py")
 EVAL_TINY = ["MODEL.ARCH", TINY_ARCH, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
 # Synthetic images: no decoding, for the tests that only need the loop to run.
 DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH_SIZE", "16", "TEST.BATCH_SIZE", "64",
               "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1", "TRAIN.PRINT_FREQ", "1", "LOG.PLOT", "False"]  # fmt: skip
 
-# fp32: FSDP2 reduce-scatters where DDP all-reduces (HSDP sums within, then across nodes): the same
-# gradients summed in another order, a few ulps (2**-23 relative) apart a step; over ~22 steps of SGD
-# with momentum, clipping and mixup, far below 2**-14 of each tensor's largest value (hsdp against
-# ddp: 2**-22.2 here). HSDP without its all-reduce across nodes is a whole scale (1.0) apart.
+# fp32: FSDP2 reduce-scatters where DDP all-reduces (HSDP: within, then across nodes): the same gradients
+# summed in another order, a few ulps (2**-23) apart a step; over ~22 steps of SGD with momentum, clipping,
+# mixup, far below 2**-14 of each tensor's largest value (2**-22.2 here); HSDP without its all-reduce: 1.0.
 DDP_FSDP_REL = 2**-14
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
@@ -148,15 +146,11 @@ def _restored_process_state(env: dict, cwd: Path) -> Iterator[None]:
         sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-class _Captured:
-    def __init__(self) -> None:
-        self.file, self.text = tempfile.TemporaryFile(), ""
-
-
 @contextlib.contextmanager
-def _captured_fds() -> Iterator[tuple[_Captured, _Captured]]:
-    """stdout and stderr, at the file descriptors (DataLoader workers write there too), into files."""
-    captured, streams = (_Captured(), _Captured()), (sys.stdout, sys.stderr)
+def _captured_fds() -> Iterator[tuple[types.SimpleNamespace, types.SimpleNamespace]]:
+    """stdout and stderr, at the file descriptors (DataLoader workers write there too), into files: ``.text`` after."""
+    captured = tuple(types.SimpleNamespace(file=tempfile.TemporaryFile(), text="") for _ in range(2))
+    streams = (sys.stdout, sys.stderr)
     for stream in streams:
         stream.flush()
     saved_fds = [os.dup(1), os.dup(2)]
@@ -179,10 +173,9 @@ def _captured_fds() -> Iterator[tuple[_Captured, _Captured]]:
 
 
 class Started(contextlib.AbstractContextManager):
-    """``cmd`` started in a session of its own: ``out``/``err`` are its output files (``stdout``: a
-    descriptor instead, a terminal say), ``workers`` its processes by rank, ``wait_until`` polls,
-    ``result`` waits for its end, ``close`` kills what still runs: every process it starts, in any
-    session (torchrun's workers lead their own), carries its tag (tests/processes.py), stopped or not."""
+    """``cmd`` started in a session of its own: ``out``/``err`` its output files (``stdout``: a descriptor
+    instead), ``result`` waits for its end, ``close`` kills every process it started, in any session:
+    each carries its tag (tests/processes.py; torchrun's workers lead sessions of their own)."""
 
     def __init__(self, cmd: list[str], env: dict | None = None, cwd: Path = REPO, stdout=None):
         self.cmd, self.tag, self._dir = cmd, processes.new_launch_tag(), tempfile.TemporaryDirectory()
@@ -202,11 +195,9 @@ class Started(contextlib.AbstractContextManager):
         return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
 
     def tail(self) -> str:
-        out, err = self.output()
-        return f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+        return "stdout:\n{}\nstderr:\n{}".format(*(text[-3000:] for text in self.output()))
 
-    def poll(self) -> int | None:
-        """Its exit code if it has ended, else None (at once)."""
+    def poll(self) -> int | None:  # its exit code if it has ended, else None (at once)
         return self._proc.poll()
 
     def result(self, timeout: float) -> subprocess.CompletedProcess:
@@ -285,10 +276,8 @@ def hosted(torchrun_args: list[str], timeout: float = 300, env: dict | None = No
 
 
 def two_nodes(nproc: int, script: str, node_args: list[list[str]], timeout: float = 400) -> list:
-    """Two torchrun agents acting as two nodes on this host (c10d rendezvous on 127.0.0.1), each
-    with ``nproc`` processes and its own arguments, at once: node 1's agent a process of its own,
-    node 0's hosted here (its rendezvous waits ``timeout`` at most). Their finished processes. c10d
-    hands out node ranks in order of arrival, so either agent may hold global rank 0."""
+    """Two torchrun agents as two nodes of ``nproc`` processes on 127.0.0.1 (c10d rendezvous), each with its
+    arguments: node 1's agent a process, node 0's hosted here. Either may arrive first, and hold rank 0."""
     endpoint, env = f"127.0.0.1:{find_free_port()}", clean_env()
 
     def node(rank: int) -> list[str]:

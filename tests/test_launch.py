@@ -15,7 +15,6 @@ import pytest
 import torch
 from helpers import (
     DUMMY_OPTS,
-    EVAL_FAST,
     FAST,
     REPO,
     TEST,
@@ -100,7 +99,7 @@ def test_test_net_gives_the_training_runs_val_numbers_for_world_size_1_2_3(slurm
 
     def evaluate(world: int) -> dict:
         out_dir = tmp_path / f"ws{world}"
-        args = ("OUT_DIR", str(out_dir), "MODEL.WEIGHTS", weights, *EVAL_FAST)
+        args = ("OUT_DIR", str(out_dir), "MODEL.WEIGHTS", weights, *FAST)
         assert_ok(in_process(TEST, *args) if world == 1 else run_torchrun(world, TEST, *args, timeout=400))
         [record] = _split(read_metrics(out_dir), "test")
         return record
@@ -133,7 +132,7 @@ def utils_and_teardown_job(tmp_path_factory) -> tuple[subprocess.CompletedProces
     tmp_path = tmp_path_factory.mktemp("utils_teardown")
     utils_out, run_out = tmp_path / "utils", tmp_path / "run"
     utils_out.mkdir()
-    args = [str(utils_out), *EVAL_FAST, *DUMMY_OPTS, "OUT_DIR", str(run_out)]  # the loop, not the data
+    args = [str(utils_out), *FAST, *DUMMY_OPTS, "OUT_DIR", str(run_out)]  # the loop, not the data
     return run_torchrun(2, TEARDOWN_JOB, *args, timeout=300, env=clean_env()), utils_out, run_out
 
 
