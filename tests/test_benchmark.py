@@ -143,6 +143,17 @@ def test_memory_table_shows_fsdp_holding_half_of_ddps_state_per_rank_on_2_ranks(
     assert mib["ddp+zero1"][:2] == mib["ddp"][:2] and mib["ddp+zero1"][2] == pytest.approx(mib["ddp"][2] / 2, rel=0.02)
 
 
+@pytest.mark.slow
+def test_a_memory_table_job_that_fails_is_one_error_line_naming_its_rank_and_exit_1():
+    args = ["--memory-table", "1", "--steps", "1", "--repeats", "1", "--warmup", "1", "--archs", "no_such_arch", *TINY]
+    result = in_process(BENCH, *args)
+    assert result.returncode == 1, result.stderr[-3000:]
+    failed = [line for line in result.stderr.splitlines() if line.startswith("benchmark: error: a --what memory job")]
+    assert failed == ["benchmark: error: a --what memory job failed: rank 0 exited 2"], result.stderr[-3000:]
+    assert "unknown model 'no_such_arch'" in result.stderr and "Traceback" not in result.stderr
+    assert "| model |" not in result.stdout, "no table from a failed job"
+
+
 class _SlowSamples(torch.utils.data.Dataset):
     """Each sample takes ``seconds`` of a worker's time (asleep, so the machine's load hardly matters)."""
 
