@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -704,6 +705,19 @@ def test_a_checkpoint_into_a_full_file_system_fails_in_one_line_and_keeps_the_la
     )
     assert sorted(p.name for p in small_disk.iterdir()) == sorted([first.name, "filler"]), "nothing half-written"
     assert torch.equal(load_checkpoint(str(first))["model"]["w"], state["model"]["w"])
+
+
+def test_a_sharded_checkpoint_is_read_whole_with_no_room_in_tmpdir(small_disk, tmp_path, monkeypatch):
+    """Evaluation, MODEL.WEIGHTS and the converter read a .dcp whole into memory: a full TMPDIR
+    (a cluster node's small /tmp) does not stop them, and nothing is written there."""
+    state = {"model": {"w": torch.arange(64 << 10, dtype=torch.float32)}, "epoch": 3}  # 256 KiB
+    save_states_of(state, str(tmp_path / "ckpt.dcp"))
+    _fill(small_disk, leave=0)
+    monkeypatch.setenv("TMPDIR", str(small_disk))
+    monkeypatch.setattr(tempfile, "tempdir", str(small_disk))
+    read = load_checkpoint(str(tmp_path / "ckpt.dcp"))
+    assert torch.equal(read["model"]["w"], state["model"]["w"]) and read["epoch"] == 3
+    assert [p.name for p in small_disk.iterdir()] == ["filler"]
 
 
 def save_states_of(state: dict, path: str) -> None:

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 
 import torch
@@ -297,27 +296,36 @@ def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
     and the conversion tool read either format through it. The whole state is read into memory:
     for tools and weights, not for resuming a sharded run (``load_states`` does that shard by shard).
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     if verify:
         verify_sharded(dcp_dir)
-    # DCP reads into a torch.save file (its own converter); written under TMPDIR, not beside the
-    # checkpoint, which may sit in a read-only folder of pretrained weights.
-    with tempfile.TemporaryDirectory(prefix="distribuuuu-dcp-") as tmp_dir:
-        tmp = os.path.join(tmp_dir, "state.pt")
-        try:
-            dcp_to_torch_save(dcp_dir, tmp)
-            tensors = torch.load(tmp, map_location="cpu", weights_only=True)
-        except CheckpointError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"could not read sharded checkpoint {dcp_dir}: {type(e).__name__}: {e}") from None
+    try:
+        tensors = _read_whole(dcp_dir)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not read sharded checkpoint {dcp_dir}: {type(e).__name__}: {first_line(e)}"
+        ) from None
     extra = read_extra(dcp_dir)
     state = dict(extra, model=tensors["model"], ema=None)
     state["optimizer"] = _optimizer_by_index(tensors["optimizer"]) if "optimizer" in tensors else None
     if "ema" in tensors:
         state["ema"] = {"module": tensors["ema"], "updates": extra.get("ema_updates", 0)}
     state.pop("ema_updates", None)
+    return state
+
+
+def _read_whole(dcp_dir: str) -> dict:
+    """Every entry of a DCP checkpoint as a nested dict of plain tensors, read into this process.
+
+    The body of torch's public ``format_utils.dcp_to_torch_save`` without its ``torch.save``: that
+    converter only writes to a file, and reading its file back would need the checkpoint's size free
+    in TMPDIR (often a small file system on cluster nodes) and the bytes read twice. The two names
+    are private to torch; tests/test_sharded_checkpoint.py reads a checkpoint through them.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict = {}
+    _load_state_dict(state, dcp.FileSystemReader(dcp_dir), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
 
 
