@@ -32,7 +32,7 @@ setup(
         # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
         # ruff is pinned: CI checks the formatting, and another ruff version formats differently.
         "test": [
-            "pytest",
+            "pytest>=7.3",  # tmp_path_retention_policy (pyproject.toml)
             "matplotlib",
             "timm",
             *EXPORT,
@@ -56,7 +56,7 @@ setup(
         "codec": ["torchcodec"],
         "wandb": ["wandb"],
         "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
-        "dev": ["pytest", "matplotlib", RUFF],
+        "dev": ["pytest>=7.3", "matplotlib", RUFF],
     },
     license="MIT",
 )

@@ -187,7 +187,7 @@ def test_pack_tool_packs_an_annotation_file_with_its_targets(small_digits, tmp_p
     assert result.returncode == 0, result.stderr
     for split, file in zip(("train", "val"), files):
         listed, classes = read_annotations(str(root), AnnotationSpec(str(file), True, str(names)))
-        packed = PackedDataset(str(tmp_path / "packed"), split)
+        packed = PackedDataset(str(tmp_path / "packed"), split, cache_dir=str(tmp_path / "cache"))
         assert packed.classes == classes == [str(i) for i in range(9, -1, -1)]
         by_name = dict(packed.samples)
         assert len(by_name) == len(listed)
