@@ -239,7 +239,8 @@ _C.DATA.DECODER = "auto"
 # run the per-sample transforms there one image at a time, as before the batched resample (False:
 # the same pixels as "auto", for comparison)
 _C.DATA.BATCHED_AUGMENT = True
-# Folder for shards of a packed dataset read from a URL ("": <temp dir>/distribuuuu-shards/<hash>)
+# Folder for shards of a packed dataset read from a URL, and for links to a local one's shards, which
+# the reader opens through it ("": <temp dir>/distribuuuu-shards/<hash>)
 _C.DATA.SHARD_CACHE = ""
 # Shuffle a packed TRAIN.DATASET by windows of this many shards (0: one global permutation): the
 # shards are shuffled, then the samples within each window of consecutive shards, so the ranks

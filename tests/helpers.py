@@ -266,7 +266,8 @@ def hosted(torchrun_args: list[str], timeout: float = 300, env: dict | None = No
     timer.start()
     try:
         env = {**(env or clean_env()), processes.LAUNCH_VAR: tag}
-        result = in_process(torch.distributed.run.__file__, *torchrun_args, env=env, cwd=cwd)
+        with tempfile.TemporaryDirectory(prefix="torchelastic-") as logs:  # its default folder is never removed
+            result = in_process(torch.distributed.run.__file__, f"--log-dir={logs}", *torchrun_args, env=env, cwd=cwd)
     finally:
         timer.cancel()
     assert not killed, (
@@ -324,8 +325,7 @@ def python(script: str, *args: str) -> list[str]:
 
 def read_metrics(out_dir: Path | str) -> list[dict]:
     """The records of OUT_DIR/metrics.jsonl."""
-    path = Path(out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:

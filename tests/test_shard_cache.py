@@ -327,6 +327,7 @@ def two_node_runs(packed, tmp_path_factory):
     ]
     common += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PREFETCH_FACTOR", "1", "DATA.SHARD_PREFETCH", "1"]
     disk = ["OUT_DIR", str(tmp_path / "disk"), "TRAIN.DATASET", str(packed), *common]
+    disk += ["DATA.SHARD_CACHE", str(tmp_path / "disk_links")]  # a local shard's link, not under /tmp
     # Launches: the reference is the same 4 ranks' metrics (their sampler order) read from disk, and
     # two torchrun agents sharing one node's cache and its downloads is the property.
     disk_run = run_torchrun(4, TINY_TRAIN, *disk, timeout=300, env=clean_env())

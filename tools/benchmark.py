@@ -757,6 +757,7 @@ def measure_packed(cfg_args, env: DistEnv, bench, report: Report) -> None:
                     cfg = bench_cfg(
                         cfg_args, "TRAIN.DATASET", data, "TEST.DATASET", data, "DATA.DECODER", decoder,
                         "TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "256", "TRAIN.WORKERS", str(workers),
+                        "DATA.SHARD_CACHE", os.path.join(root, "shard-links"),  # removed with root
                     )  # fmt: skip
                     barrier()
                     rates[label, workers].append(loader_rate(cfg, env, bench.data_batches)[0])
