@@ -45,7 +45,7 @@ from helpers import (
 from distribuuuu import cli, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
-from distribuuuu.checkpointing.sharded import save_states
+from distribuuuu.checkpointing.sharded import load_states, save_states
 from distribuuuu.files import write_failure
 from distribuuuu.runtime import preemption
 from distribuuuu.runtime.launcher import find_free_port
@@ -544,6 +544,20 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, kind):
     torch.save({"model": {"w": torch.zeros(2)}, "extra": payload}, path)
     with pytest.raises(CheckpointError, match=f"refusing to load {re.escape(str(path))}"):
         load_checkpoint(str(path))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("read", ["whole", "resume"])
+def test_a_sharded_checkpoint_that_would_run_code_is_refused(tmp_path, read):
+    """DCP itself unpickles a checkpoint's non-tensor entries with weights_only=False: read whole
+    (evaluation, MODEL.WEIGHTS, the converter) or resumed, a .dcp is refused as a file is."""
+    marker, path = tmp_path / "pwned", tmp_path / "evil.dcp"
+    save_states(str(path), {"model": _Plain({"w": torch.zeros(2), "note": _Payload(open, (str(marker), "w"))})}, {})
+    with pytest.raises(CheckpointError, match=f"^refusing to load {re.escape(str(path))}: .*weights_only=True"):
+        if read == "whole":
+            load_checkpoint(str(path))
+        else:
+            load_states(str(path), {"model": _Plain({"w": torch.ones(2), "note": None})})
     assert not marker.exists()
 
 

@@ -15,9 +15,11 @@ DCP reshards on load: a checkpoint saved by W ranks loads into any number of ran
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 
@@ -25,6 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -269,10 +272,38 @@ def load_states(path: str, states: dict[str, Stateful]) -> dict:
     rank 0 when the checkpoint to resume is chosen): DCP itself does not notice a damaged shard.
     """
     try:
-        dcp.load(states, checkpoint_id=path)
-    except Exception as e:
-        raise CheckpointError(f"could not load sharded checkpoint {path}: {type(e).__name__}: {e}") from None
+        dcp.load(states, checkpoint_id=path, planner=_WeightsOnlyLoadPlanner())
+    except (Exception, CheckpointException) as e:  # DCP gathers the ranks' errors in a BaseException
+        raise _read_failure(e, path, "load") from None
     return read_extra(path)
+
+
+class _WeightsOnlyBytes:
+    """DCP unpickles a checkpoint's non-tensor entries with ``weights_only=False``, which runs any
+    code a crafted file holds. These planners unpickle each one with ``weights_only=True`` first, as
+    every checkpoint file is loaded, and hand DCP a copy pickled again from the result (small:
+    optimizer hyper-parameters and the like). A refused entry fails the load (``_read_failure``)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        checked, safe = torch.load(value, map_location="cpu", weights_only=True), io.BytesIO()
+        torch.save(checked, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+class _WeightsOnlyLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    """DCP's default load planner with its non-tensor entries unpickled by ``weights_only=True``."""
+
+
+def _read_failure(e: BaseException, path: str, verb: str) -> CheckpointError:
+    """One line for a failed DCP read of ``path``; an entry that would run code is refused as a file's is."""
+    if isinstance(e, CheckpointException) and e.failures:  # every rank's error, gathered by DCP
+        e = next(iter(e.failures.values()))[0]
+    if isinstance(e, pickle.UnpicklingError):
+        return CheckpointError(
+            f"refusing to load {path}: it holds objects that weights_only=True does not allow ({first_line(e)[:200]})"
+        )
+    return CheckpointError(f"could not {verb} sharded checkpoint {path}: {type(e).__name__}: {first_line(e)}")
 
 
 def _optimizer_by_index(optim_state: dict) -> dict:
@@ -300,10 +331,8 @@ def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
         verify_sharded(dcp_dir)
     try:
         tensors = _read_whole(dcp_dir)
-    except Exception as e:
-        raise CheckpointError(
-            f"could not read sharded checkpoint {dcp_dir}: {type(e).__name__}: {first_line(e)}"
-        ) from None
+    except (Exception, CheckpointException) as e:
+        raise _read_failure(e, dcp_dir, "read") from None
     extra = read_extra(dcp_dir)
     state = dict(extra, model=tensors["model"], ema=None)
     state["optimizer"] = _optimizer_by_index(tensors["optimizer"]) if "optimizer" in tensors else None
@@ -324,8 +353,11 @@ def _read_whole(dcp_dir: str) -> dict:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    class WholeStatePlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+        """The planner of torch's converter, with the non-tensor entries unpickled by ``weights_only=True``."""
+
     state: dict = {}
-    _load_state_dict(state, dcp.FileSystemReader(dcp_dir), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    _load_state_dict(state, dcp.FileSystemReader(dcp_dir), planner=WholeStatePlanner(), no_dist=True)
     return state
 
 
