@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from distribuuuu.checkpointing.single_file import load_file, model_state_from, save_checkpoint
+from distribuuuu.checkpointing.single_file import load_file, model_state_from, refusal, save_checkpoint
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.files import atomic_write, replace_dir, temporary_name, write_failure
@@ -300,9 +300,7 @@ def _read_failure(e: BaseException, path: str, verb: str) -> CheckpointError:
     if isinstance(e, CheckpointException) and e.failures:  # every rank's error, gathered by DCP
         e = next(iter(e.failures.values()))[0]
     if isinstance(e, pickle.UnpicklingError):
-        return CheckpointError(
-            f"refusing to load {path}: it holds objects that weights_only=True does not allow ({first_line(e)[:200]})"
-        )
+        return CheckpointError(refusal(path, e))
     return CheckpointError(f"could not {verb} sharded checkpoint {path}: {type(e).__name__}: {first_line(e)}")
 
 

@@ -68,6 +68,11 @@ def _raise_write_failure(e: Exception, path: str, folder: str) -> None:
     raise CheckpointError(f"could not write checkpoint {path}: {cause}; earlier checkpoints are intact") from None
 
 
+def refusal(path: str, e: pickle.UnpicklingError) -> str:
+    """Why ``path`` is not loaded: ``weights_only=True`` refused an object (a file's or a DCP entry's)."""
+    return f"refusing to load {path}: it holds objects that weights_only=True does not allow ({first_line(e)[:200]})"
+
+
 def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:
     """Load a checkpoint file with ``weights_only=True`` (no code from the file runs) and verify its checksum."""
     try:
@@ -76,9 +81,7 @@ def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool 
         raise CheckpointError(f"checkpoint not found: {path}") from None
     except pickle.UnpicklingError as e:
         raise CheckpointError(
-            f"refusing to load {path}: it holds objects that weights_only=True does not allow "
-            f"({first_line(e)[:200]}); if you trust its source, convert it once as the "
-            "README ('Safe loading') shows"
+            f"{refusal(path, e)}; if you trust its source, convert it once as the README ('Safe loading') shows"
         ) from None
     except Exception as e:
         raise CheckpointError(
