@@ -266,6 +266,39 @@ def test_exact_eval_is_the_imagefolders_for_world_size_1_2_3(packed):
         assert _eval_predictions(cfg, world) == reference, f"world size {world}"
 
 
+def test_a_global_random_order_opens_each_shard_once(packed):
+    """The default order reads any shard at any step: each reader keeps every shard open (5 here),
+    where wids' 4 open shards reopened one, re-scanning its tar, at most reads (docs/gpu.md)."""
+    dataset = PackedDataset(str(packed), "train")
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    for i in order:
+        name = dataset.samples[i][0]
+        dataset.read_row(dataset.rows[name], name)
+    assert dataset.shards.get_stats() == (len(dataset), 5)  # (accesses, misses): one open a shard
+
+
+@pytest.mark.parametrize(
+    "shards,soft,hard,raised,kept",
+    [
+        (5000, 1024, 4096, 4096, 4096 - 256),  # as many as the hard limit lets the process open
+        (2000, 1024, -1, 2256, 2000),  # no hard limit (RLIM_INFINITY): room for every shard
+        (100, 1 << 20, 1 << 20, None, 100),  # enough already: the limit is left alone
+        (100, 260, 260, None, 4),  # no room at all: the few of a windowed order still
+    ],
+)
+def test_open_shards_raise_the_file_limit_up_to_the_hard_one(monkeypatch, shards, soft, hard, raised, kept):
+    import resource
+
+    from distribuuuu.data.packed import open_shards_limit
+
+    hard = resource.RLIM_INFINITY if hard == -1 else hard
+    calls = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, hard))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: calls.append((which, limits)))
+    assert open_shards_limit(shards) == kept
+    assert calls == ([(resource.RLIMIT_NOFILE, (raised, hard))] if raised else [])
+
+
 def _truncated_copy(packed: Path, tmp_path: Path, shard: str) -> Path:
     copy = tmp_path / "digits"
     shutil.copytree(packed, copy)
