@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, assert_ok, in_process, run_torchrun, two_nodes
+from helpers import REPO, assert_ok, in_process, on_ranks, run_torchrun, two_nodes
 
 from distribuuuu.runtime.launcher import DistEnv, LaunchError, find_free_port
-from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed, setup_distributed
+from distribuuuu.runtime.process_group import (
+    all_gather_object,
+    all_reduce_sum,
+    cleanup_distributed,
+    setup_distributed,
+)
 
 GPU_CHECK = str(REPO / "tools" / "gpu_check.py")
 CPU_CHECKS = {
@@ -155,3 +161,42 @@ def test_the_fsdp_checkpoint_check_runs_on_a_single_rank_as_on_a_one_gpu_machine
     dcp, scaler = rows["fsdp + sharded checkpoint"], rows["fsdp fp16 ShardedGradScaler"]
     assert dcp.status == "PASS" and "plain model (1 rank" in dcp.detail, dcp
     assert scaler.status == "SKIP" and "GradScaler (the fp16 row)" in scaler.detail, scaler
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_ranks_may_share_a_gpu_over_gloo_only(monkeypatch, backend):
+    """--backend gloo: two ranks on the one GPU of a machine pass the rank table (NCCL refuses that
+    launch; were ranks ever to share a GPU under it, the row fails). Two ranks of a threaded group,
+    both reporting the same GPU (the threaded group has no timed wait: the table without it)."""
+    tool = _tool()
+    monkeypatch.setattr(tool, "physical_device", lambda env: "GPU-the-one")
+    table = {"host": "node0", "device": "cpu"}
+    monkeypatch.setattr(tool, "check_group", lambda env, timeout_s: all_gather_object({"rank": env.rank, **table}))
+
+    def rank_job(rank: int) -> tuple[str, str]:
+        ctx = tool.Context(DistEnv(rank=rank, world_size=2, launcher="torchrun"), "", backend)
+        r = tool.run_check("all-reduce + rank table", tool.check_all_reduce, ctx)
+        return r.status, r.detail
+
+    for status, detail in on_ranks(2, rank_job):
+        if backend == "gloo":
+            assert status == "PASS" and detail.endswith("ranks share a GPU (gloo)"), detail
+        else:
+            assert status == "FAIL" and "ranks share a device" in detail, detail
+
+
+@pytest.mark.parametrize("world", [2, 8])
+def test_every_ranks_share_of_the_jpeg_digits_holds_jpegs_and_pngs(tmp_path, world):
+    """The nvJPEG rows decode each rank's share of the mixed tree (every W-th image): were it all
+    PNG, nvJPEG would decode nothing there and the row fail (rank 0 of 2 on one H200, every other
+    image a JPEG)."""
+    from torchvision.datasets import ImageFolder
+
+    from distribuuuu.data.samplers import ExactEvalSampler
+
+    root = _tool().jpeg_tree(str(tmp_path / "tree"), per_class=4 * world + 4)  # as jpeg_dataset sizes it
+    files = [path for path, _ in ImageFolder(str(tmp_path / "tree" / "val")).samples]
+    assert root == str(tmp_path / "tree")
+    for rank in range(world):
+        kinds = {os.path.splitext(files[i])[1] for i in ExactEvalSampler(len(files), world, rank)}
+        assert kinds == {".jpg", ".png"}, f"rank {rank} of {world} reads only {kinds}"

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=8 tools/gpu_check.py     # every check, SyncBatchNorm across 8 GPUs
     torchrun --nproc_per_node=1 tools/gpu_check.py     # or: python tools/gpu_check.py
     torchrun --nproc_per_node=2 tools/gpu_check.py --device cpu   # developers: gloo on the CPU
+    torchrun --nproc_per_node=2 tools/gpu_check.py --backend gloo # two ranks sharing one GPU (gloo)
 
 It takes well under 5 minutes on one node: each check trains a few steps or two short epochs on
 the embedded data/digits at 16x16 pixels. Rank 0 prints one row per check (name, PASS / FAIL /
@@ -17,6 +18,11 @@ before skipping, so their code runs. The test suite runs it that way. Trainer ru
 temporary folder, removed at the end; ``--work-dir DIR`` keeps them, and ranks on several nodes
 need it, on a filesystem every node shares (without it the tool refuses in one line). A check that
 fails on some ranks only, inside a collective, may hold the others until the 300 s timeout.
+
+``--backend gloo`` runs the CUDA checks over gloo, which (unlike NCCL) lets several ranks share one
+GPU: on a machine with one GPU that is the only way to run the checks that need two ranks
+(SyncBatchNorm's statistics, fsdp's shards). A collective gloo refuses on CUDA tensors is that
+check's FAIL row, with gloo's message.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -83,6 +90,7 @@ class CheckFailed(Exception):
 class Context:
     env: DistEnv
     work_dir: str  # the same folder on every rank
+    backend: str = ""  # the process group's ("gloo" lets ranks share a GPU); "" without one
 
 
 @dataclass
@@ -299,9 +307,11 @@ def check_all_reduce(ctx: Context) -> str:
     expect([r["rank"] for r in rows] == list(range(w)), f"rank table lists ranks {[r['rank'] for r in rows]}")
     expect(all(d.startswith(env.device.type) for d in devices), f"rank table devices {devices}")
     owners = all_gather_object((rows[env.rank]["host"], physical_device(env)))
-    expect(len(set(owners)) == w, f"ranks share a device: {owners}")
+    shared = len(set(owners)) < w
+    expect(not shared or ctx.backend == "gloo", f"ranks share a device: {owners}")
     hosts = len({r["host"] for r in rows})
-    return f"{w} rank(s) on {hosts} host(s), sum exact; " + " ".join(f"{r['rank']}:{d}" for r, d in zip(rows, devices))
+    table = " ".join(f"{r['rank']}:{d}" for r, d in zip(rows, devices))
+    return f"{w} rank(s) on {hosts} host(s), sum exact; {table}" + ("; ranks share a GPU (gloo)" if shared else "")
 
 
 def check_syncbn_conversion(ctx: Context) -> str:
@@ -399,13 +409,17 @@ def check_pinned_copy(ctx: Context) -> str:
 
 
 def jpeg_tree(root: str, per_class: int = 12) -> str:
-    """A digits subset in which every other image is re-saved as a JPEG (batches mix both kinds)."""
+    """A digits subset in which about half the images, drawn with a fixed seed, are re-saved as JPEGs.
+
+    Batches mix both kinds on every rank: each takes every W-th sample (ExactEvalSampler), and with
+    every other image a JPEG and an even number per class, rank 0 of 2 (or of 8) got PNGs alone."""
+    draw = random.Random(0)
     for split in ("train", "val"):
         for cls in sorted(os.listdir(os.path.join(DIGITS, split))):
             os.makedirs(os.path.join(root, split, cls), exist_ok=True)
-            for i, name in enumerate(sorted(os.listdir(os.path.join(DIGITS, split, cls)))[:per_class]):
+            for name in sorted(os.listdir(os.path.join(DIGITS, split, cls)))[:per_class]:
                 src, stem = os.path.join(DIGITS, split, cls, name), os.path.splitext(name)[0]
-                if i % 2:
+                if draw.random() < 0.5:
                     Image.open(src).convert("RGB").save(os.path.join(root, split, cls, f"{stem}.jpg"), quality=90)
                 else:
                     shutil.copy(src, os.path.join(root, split, cls, name))
@@ -441,6 +455,9 @@ def check_no_host_sync(ctx: Context) -> str:
     bf16, fp16 (GradScaler); with the batched decoder's loader feeding it, at most once a batch
     (a decoder may sync the stream before nvJPEG writes into memory queued kernels still read)."""
     cuda = ctx.env.device.type == "cuda"
+    if cuda and ctx.backend == "gloo" and ctx.env.world_size > 1:
+        # A raising sync inside gloo's collective fails one rank there and leaves the other waiting.
+        raise Skip("gloo copies CUDA tensors through the host, so every gradient all-reduce syncs: run it over NCCL")
     precisions = ["fp32", "fp16"] + (["bf16"] if not cuda or torch.cuda.is_bf16_supported() else [])
     for precision in precisions:
         window_without_sync(ctx, f"sync_{precision}", "TRAIN.PRECISION", precision)
@@ -544,10 +561,12 @@ def check_resume(ctx: Context) -> str:
     """Two epochs straight equal one epoch, a stop, and a resume: every checkpointed tensor."""
     runs = ("straight", "resumed")
     # resnet18 for cuDNN's kernels on the GPU; the tiny model keeps the CPU variant to seconds.
-    # With several GPUs, SyncBatchNorm trains end to end here too.
+    # With several GPUs, SyncBatchNorm trains end to end here too (over NCCL: under gloo its own
+    # row says whether gloo carries SyncBatchNorm's CUDA all_gather).
     cuda = ctx.env.device.type == "cuda"
     arch = "resnet18" if cuda else TINY
-    opts = ["MODEL.ARCH", arch, "MODEL.SYNCBN", str(cuda), "OPTIM.MAX_EPOCH", "2"]
+    syncbn = cuda and ctx.backend != "gloo"
+    opts = ["MODEL.ARCH", arch, "MODEL.SYNCBN", str(syncbn), "OPTIM.MAX_EPOCH", "2"]
     opts += ["CUDNN.DETERMINISTIC", "True", "CUDNN.BENCHMARK", "False"]
     # In this job's process group, which train_model keeps for the next check.
     trainer.train_model(make_cfg(ctx, runs[0], *opts), cleanup=False)
@@ -559,7 +578,8 @@ def check_resume(ctx: Context) -> str:
     if ckpt.state_checksum(a) != ckpt.state_checksum(b):  # SHA-256 over every model and optimizer tensor
         differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
         raise CheckFailed(f"checkpoints differ: {len(differ)} of {len(a['model'])} model tensors, e.g. {differ[:2]}")
-    return f"{arch}, 2 epochs: the {len(a['model'])} model tensors and the optimizer state identical"
+    with_syncbn = ", SyncBatchNorm" if syncbn and ctx.env.world_size > 1 else ""
+    return f"{arch}{with_syncbn}, 2 epochs: the {len(a['model'])} model tensors and the optimizer state identical"
 
 
 CHECKS = [
@@ -581,8 +601,9 @@ CHECKS = [
 ]
 
 
-def describe(env: DistEnv) -> str:
-    where = f"{env.world_size} rank(s) on {env.device.type}, torch {torch.__version__}"
+def describe(env: DistEnv, backend: str) -> str:
+    where = f"{env.world_size} rank(s) on {env.device.type}" + (f" ({backend})" if backend else "")
+    where += f", torch {torch.__version__}"
     if env.device.type == "cuda":
         nccl = torch.cuda.nccl.version()  # a tuple on current PyTorch, an int on old ones
         where += f", CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, NCCL {nccl}"
@@ -607,6 +628,9 @@ def check_work_dir(work_dir: str, launch: DistEnv) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: gloo, CUDA checks skip")
+    parser.add_argument(
+        "--backend", choices=("nccl", "gloo"), default="nccl", help="gloo: ranks may share a GPU (with --device cuda)"
+    )
     parser.add_argument("--work-dir", default="", help="keep the trainer runs here (default: a temporary folder)")
     args = parser.parse_args(argv)
     if args.device == "cpu":
@@ -619,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_NOTHING_TO_CHECK
     try:
         check_work_dir(args.work_dir, detect_env())
-        env = setup_distributed("gloo" if args.device == "cpu" else "", timeout_s=300)
+        env = setup_distributed("gloo" if args.device == "cpu" else args.backend, timeout_s=300)
     except (LaunchError, ValueError) as e:
         if detect_env_rank() == 0:
             print(f"gpu_check: error: {first_line(e)}", file=sys.stderr)
@@ -628,9 +652,10 @@ def main(argv: list[str] | None = None) -> int:
         args.work_dir or (tempfile.mkdtemp(prefix="gpu_check_") if env.is_main_process else None)
     )
     say = (lambda line: print(line, flush=True)) if env.is_main_process else (lambda line: None)
-    say(f"gpu_check: {describe(env)}")
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else ""
+    say(f"gpu_check: {describe(env, backend)}")
     try:
-        results = run_checks(CHECKS, Context(env, work_dir), say)
+        results = run_checks(CHECKS, Context(env, work_dir, backend), say)
         failed, skipped = (sum(r.status == s for r in results) for s in ("FAIL", "SKIP"))
         say(f"gpu_check: {len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped")
         return exit_code(results)
