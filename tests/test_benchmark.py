@@ -68,6 +68,8 @@ def test_benchmark_prints_a_json_line_per_measurement(tmp_path):
         assert 0 < r["images_per_s_min"] <= r["images_per_s_median"] <= r["images_per_s_max"]
         # The process (here pytest's) holds torch and a resnet18 with its gradients and optimizer state: > 100 MiB.
         assert r["peak_mem_kind"] == "process_rss" and 100 < r["peak_mem_mib"] < 24 * 1024
+        # The untimed warm-up (where TRAIN.COMPILE compiles) is timed on its own: 1 step of resnet18.
+        assert r["warmup_steps"] == 1 and 0 < r["warmup_s"] < 60, r
     ratio = next(r for r in records if r["what"] == "ratio")
     assert ratio["framework_over_plain"] > 0
     variants = {(r["precision"], r["channels_last"]) for r in records if r["what"] == "variant"}

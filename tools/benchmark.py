@@ -321,11 +321,13 @@ def measure_training(run: run_setup.Run, bench, report: Report, with_framework: 
         impls["framework"] = lambda r, n=steps: framework_epoch(run, n, r)
     if plain is not None:
         impls["plain"] = lambda r, n=steps: plain.run_steps(n, r)
+    # The warm-up's seconds hold TRAIN.COMPILE's compile (and cuDNN's autotuning): reported, not in the rates.
+    warmup_s: dict[str, float] = {}
     if bench.warmup:
         if with_framework:
-            framework_epoch(run, min(bench.warmup, steps), 0)
+            warmup_s["framework"] = timed(lambda: framework_epoch(run, min(bench.warmup, steps), 0), env)
         if plain is not None:
-            plain.run_steps(min(bench.warmup, steps), 0)
+            warmup_s["plain"] = timed(lambda: plain.run_steps(min(bench.warmup, steps), 0), env)
     seconds: dict[str, list[float]] = {name: [] for name in impls}
     peak_mib = dict.fromkeys(impls, 0.0)
     for r in range(bench.repeats):
@@ -352,6 +354,8 @@ def measure_training(run: run_setup.Run, bench, report: Report, with_framework: 
                 # On the CPU both implementations share one process, so its peak RSS covers both.
                 "peak_mem_mib": peak_mib[name],
                 "peak_mem_kind": "cuda_allocated" if env.device.type == "cuda" else "process_rss",
+                "warmup_steps": min(bench.warmup, steps),
+                "warmup_s": warmup_s.get(name, 0.0),
             }
         )
     if "framework" in rates and "plain" in rates:
@@ -811,6 +815,7 @@ def format_table(records: list[dict]) -> str:
                 f"{r['images_per_s_median']:9.1f} img/s (min {r['images_per_s_min']:.1f}, max "
                 f"{r['images_per_s_max']:.1f})  {r['ms_per_step_median']:8.1f} ms/step"
                 + (f"  peak {r['peak_mem_mib']:.0f} MiB ({r['peak_mem_kind']})" if "peak_mem_mib" in r else "")
+                + (f"  warm-up {r['warmup_steps']} steps {r['warmup_s']:.1f} s" if r.get("warmup_s") else "")
             )
         elif w == "ratio":
             lines.append(
