@@ -14,7 +14,9 @@ set -u
 OUT=${OUT:-/tmp/gpu_session}
 EPOCHS=${GPU_SESSION_EPOCHS:-10}
 STAGES=${GPU_SESSION_STAGES:-check,digits,bench}  # also: compile (the benchmark compiled), data (data path),
-# gpudata (DATA.DECODER batched at batch 256 from JPEGs: loaders alone, ResNet-50 from JPEGs vs synthetic)
+# gpudata (DATA.DECODER batched at batch 256 from JPEGs: loaders alone, ResNet-50 from JPEGs vs synthetic),
+# gloo2 (two ranks sharing the GPU over gloo: gpu_check, DDP, a mid-epoch SIGTERM and its resume, fsdp;
+# gpu_check on one rank beside them), modes (compiled ResNet-50 with CUDA graphs, with max-autotune)
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 W=$(mktemp -d /tmp/gpu_session.XXXXXX)
 mkdir -p "$OUT"
@@ -25,6 +27,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 START=$SECONDS
 stamp() { echo "[$((SECONDS - START)) s] $*" | tee -a "$OUT/summary.txt"; }
+logged() { # LOG COMMAND...: run it, its output and exit status in LOG
+  local log=$1
+  shift
+  "$@" >"$log" 2>&1
+  echo "exit $?" >>"$log"
+}
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -112,14 +120,21 @@ has bench && bench r50 150 --what train,plain --steps 20 --warmup 20 --repeats 7
 has compile && bench r50_compile 170 --what train,plain --steps 20 --warmup 20 --repeats 5 $R50 TRAIN.COMPILE True
 has data && bench decode 150 --what decode --photos 2048 --data-batches 120 --workers 15
 
-# 5. DATA.DECODER batched, about 6 minutes: 500x375 JPEGs from an ImageFolder and from packed shards,
+# 5. DATA.DECODER batched, about 5 minutes: 500x375 JPEGs from an ImageFolder and from packed shards,
 # the loader alone (batched resample, the per-sample transforms after the batched decode, the CPU
 # path) at 2, 4 and 15 workers, then compiled ResNet-50 bf16 channels_last trained from the JPEGs
-# and from synthetic data, then gpu_check's sync check. GPU_SESSION_DATA_* shrink it for a dry run.
+# (4 workers) and from synthetic data. GPU_SESSION_DATA_* shrink it for a dry run; stage 6's
+# gpu_check holds the batched path's sync check.
+PHOTOS=${GPU_SESSION_DATA_PHOTOS:-1024} COPIES=${GPU_SESSION_DATA_COPIES:-12}
+BATCH=${GPU_SESSION_DATA_BATCH:-256} WORKERS=${GPU_SESSION_DATA_WORKERS:-2,4,15}
+STEPS=${GPU_SESSION_DATA_STEPS:-15} ARCH=${GPU_SESSION_DATA_ARCH:-resnet50}
+DATA="MODEL.NUM_CLASSES 1000 TRAIN.BATCH_SIZE $BATCH TRAIN.IM_SIZE 224 TEST.IM_SIZE 256"
+# End to end with 4 workers, the few-cores goal: the batched path's workers read bytes and headers.
+E2E="--what train --steps $STEPS --warmup 15 --repeats 3 MODEL.ARCH $ARCH TRAIN.PRECISION bf16"
+E2E="$E2E TRAIN.CHANNELS_LAST True TRAIN.COMPILE True TRAIN.WORKERS ${GPU_SESSION_DATA_E2E_WORKERS:-4} $DATA"
+SYNTHETIC="MODEL.DUMMY_INPUT True DATA.DUMMY_SIZE $((BATCH * (STEPS + 16)))"
+GPU_SESSION_MODES=${GPU_SESSION_MODES:-cudagraphs,max_autotune}
 if has gpudata; then
-  PHOTOS=${GPU_SESSION_DATA_PHOTOS:-1024} COPIES=${GPU_SESSION_DATA_COPIES:-12}
-  BATCH=${GPU_SESSION_DATA_BATCH:-256} WORKERS=${GPU_SESSION_DATA_WORKERS:-2,4,15}
-  STEPS=${GPU_SESSION_DATA_STEPS:-15} ARCH=${GPU_SESSION_DATA_ARCH:-resnet50}
   stamp "gpudata: $PHOTOS photos x $COPIES links, batch $BATCH"
   # Unique photos, hard-linked COPIES times: decoding costs the same, and 15 workers x 2 batches of
   # 256 in flight need 46 batches of 256 before the first timed one.
@@ -135,7 +150,6 @@ for d, _, files in os.walk(os.path.join(root, "train")):
             os.link(os.path.join(d, f), os.path.join(d, f"{k}_{f}"))
 EOF
   python3 tools/pack_dataset.py "$W/photos" "$W/photos_packed" >"$OUT/gpudata_pack.log" 2>&1 || tail -3 "$OUT/gpudata_pack.log"
-  DATA="MODEL.NUM_CLASSES 1000 TRAIN.BATCH_SIZE $BATCH TRAIN.IM_SIZE 224 TEST.IM_SIZE 256"
   for source in photos photos_packed; do
     for path in batched batched_per_sample auto; do
       case $path in
@@ -148,16 +162,65 @@ EOF
         TRAIN.DATASET "$W/$source" TEST.DATASET "$W/$source" $DATA $opts
     done
   done
-  E2E="--what train --steps $STEPS --warmup 15 --repeats 3 MODEL.ARCH $ARCH TRAIN.PRECISION bf16"
-  E2E="$E2E TRAIN.CHANNELS_LAST True TRAIN.COMPILE True TRAIN.WORKERS ${WORKERS##*,} $DATA"
   # shellcheck disable=SC2086
   bench r50_jpeg 150 $E2E TRAIN.DATASET "$W/photos" TEST.DATASET "$W/photos" DATA.DECODER batched
   # shellcheck disable=SC2086
-  bench r50_synthetic 120 $E2E MODEL.DUMMY_INPUT True DATA.DUMMY_SIZE $((BATCH * (STEPS + 16)))
-  stamp "gpu_check (the batched path's sync check among the rest)"
-  timeout 200 torchrun --standalone --nproc_per_node=1 tools/gpu_check.py >"$OUT/gpu_check_gpudata.log" 2>&1
-  echo "gpu_check exit $?" >>"$OUT/gpu_check_gpudata.log"
-  grep -E "batched|exit|FAIL" "$OUT/gpu_check_gpudata.log" | tee -a "$OUT/summary.txt"
+  bench r50_synthetic 120 $E2E $SYNTHETIC
+fi
+
+# 6. Two ranks sharing the one GPU over gloo (NCCL refuses that), about 2 minutes, correctness only:
+# gpu_check's rows with two ranks (SyncBatchNorm across them, fsdp's shards on CUDA); DDP on the
+# digits with deterministic kernels, uninterrupted and SIGTERMed mid-epoch on both ranks then
+# resumed, the last checkpoints compared; fsdp's best.dcp of 2 ranks read by 1 (test_net.py). And
+# gpu_check on one rank (NCCL) beside them: the check that nothing regressed.
+if has gloo2; then
+  stamp "gloo2: two ranks on one GPU over gloo; gpu_check on one rank beside them"
+  TWO="torchrun --standalone --nproc_per_node=2"
+  G="DIST.BACKEND gloo TRAIN.WORKERS 2 MODEL.ARCH resnet18 CUDNN.DETERMINISTIC True CUDNN.BENCHMARK False"
+  DDP="$G OPTIM.MAX_EPOCH 3 TRAIN.PRINT_FREQ 5"  # 22 steps an epoch: the SIGTERM after step 30 is in epoch 2
+  logged "$OUT/gpu_check.log" timeout 240 torchrun --standalone --nproc_per_node=1 tools/gpu_check.py &
+  # shellcheck disable=SC2086
+  logged "$OUT/gpu_check_gloo2.log" timeout 240 $TWO tools/gpu_check.py --backend gloo &
+  # shellcheck disable=SC2086
+  logged "$OUT/run_ddp_straight.log" timeout 240 $TWO tests/scripts/tiny_train.py $DDP OUT_DIR "$W/ddp_straight" &
+  # shellcheck disable=SC2086
+  logged "$OUT/run_ddp_stopped.log" env FAULT_SIGNAL_AT_STEP=30 FAULT_SIGNAL_RANK=all \
+    timeout 240 $TWO tests/scripts/tiny_train.py $DDP OUT_DIR "$W/ddp_resumed" &
+  # shellcheck disable=SC2086
+  logged "$OUT/run_fsdp2.log" timeout 240 $TWO tools/train_net.py $G DIST.STRATEGY fsdp OPTIM.MAX_EPOCH 2 \
+    OUT_DIR "$W/fsdp2" &
+  wait
+  # shellcheck disable=SC2086
+  logged "$OUT/run_ddp_resumed.log" timeout 200 $TWO tests/scripts/tiny_train.py $DDP OUT_DIR "$W/ddp_resumed" &
+  logged "$OUT/test_net_fsdp2.log" timeout 120 torchrun --standalone --nproc_per_node=1 tools/test_net.py \
+    OUT_DIR "$W/fsdp2" MODEL.WEIGHTS "$W/fsdp2/best.dcp" &
+  wait
+  for log in gpu_check gpu_check_gloo2; do
+    grep -E "^gpu_check|PASS|FAIL|SKIP|^exit" "$OUT/$log.log" | sed "s/^/$log: /" | tee -a "$OUT/summary.txt"
+  done
+  for run in ddp_straight ddp_stopped ddp_resumed fsdp2; do
+    said=$(grep -oE "exitcode *: *-?[0-9]+|preempted at epoch [0-9]+, step [0-9]+|resumed from .* at epoch [0-9]+, step [0-9]+|^exit [0-9]+" "$OUT/run_$run.log")
+    echo "run_$run: $(echo "$said" | sort -u | tr '\n' ';')" |
+      tee -a "$OUT/summary.txt"
+  done
+  python3 docs/scripts/gloo2_report.py "$W" 3 2>&1 | tee -a "$OUT/summary.txt"
+fi
+
+# 7. Compile modes, the GPU alone, about 3 minutes: stage 5's synthetic run with CUDA graphs
+# (inductor's triton.cudagraphs, what mode "reduce-overhead" turns on) and with max-autotune
+# (without CUDA graphs: mode "max-autotune-no-cudagraphs"); "default" is stage 5's baseline again.
+if has modes; then
+  for mode in ${GPU_SESSION_MODES//,/ }; do
+    case $mode in
+      cudagraphs) export TORCHINDUCTOR_CUDAGRAPHS=1 ;;
+      max_autotune) export TORCHINDUCTOR_MAX_AUTOTUNE=1 ;;
+    esac
+    # shellcheck disable=SC2086
+    bench "r50_compile_$mode" "${GPU_SESSION_MODE_LIMIT:-200}" $E2E $SYNTHETIC
+    unset TORCHINDUCTOR_CUDAGRAPHS TORCHINDUCTOR_MAX_AUTOTUNE
+    grep -iE "skipping cudagraphs|overwritten" "$OUT/benchmark_r50_compile_$mode.log" | sort | uniq -c | head -3 |
+      tee -a "$OUT/summary.txt"
+  done
 fi
 stamp "done"
 rm -rf "$W"

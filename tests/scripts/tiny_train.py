@@ -6,8 +6,8 @@ the hooks below are added, so a test can inject a fault at an exact, computable 
 - ``FAULT_NAN_CALLS``, ``FAULT_INF_GRAD_CALLS``: tests/models.py's ``tiny_cnn`` returns NaN logits or an
   infinite gradient at those forward calls.
 - ``FAULT_FP16_INIT_SCALE=16777216``: the GradScaler starts at this scale (never grows within the run).
-- ``FAULT_SIGNAL_AT_STEP=N`` (with ``FAULT_SIGNAL=SIGTERM|SIGUSR1``, ``FAULT_SIGNAL_RANK=0``): after
-  global optimizer step N (1-based) the process sends itself the signal, as a scheduler would
+- ``FAULT_SIGNAL_AT_STEP=N`` (with ``FAULT_SIGNAL=SIGTERM|SIGUSR1``, ``FAULT_SIGNAL_RANK=0``, or ``all``):
+  after global optimizer step N (1-based) the process sends itself the signal, as a scheduler would
   (``FAULT_SIGNAL_DELAY_S``: after that many seconds more, its other threads running meanwhile).
 - ``FAULT_RECORD=DIR``: each rank appends, per optimizer step, the sampler keys it trained on, the
   LR and the global sample position before the step to ``DIR/steps_w<W>_r<rank>.jsonl``; after a
@@ -35,8 +35,8 @@ from distribuuuu.config import load_cfg  # noqa: E402
 
 def _signal_hook() -> None:
     """Wrap trainer.train_step so that this rank signals itself after a given global step."""
-    at = int(os.environ.get("FAULT_SIGNAL_AT_STEP", "0"))
-    if not at or int(os.environ.get("RANK", "0")) != int(os.environ.get("FAULT_SIGNAL_RANK", "0")):
+    at, ranks = int(os.environ.get("FAULT_SIGNAL_AT_STEP", "0")), os.environ.get("FAULT_SIGNAL_RANK", "0")
+    if not at or ranks != "all" and int(os.environ.get("RANK", "0")) != int(ranks):
         return
     sig = getattr(signal, os.environ.get("FAULT_SIGNAL", "SIGTERM"))
     real_step = trainer.train_step
