@@ -90,3 +90,19 @@ def test_pretrained_weights_load_and_a_new_class_count_gets_a_new_head(monkeypat
     assert torch.equal(state["conv1.weight"], imagenet["conv1.weight"])
     assert torch.equal(state["layer4.1.bn2.running_var"], imagenet["layer4.1.bn2.running_var"])
     assert state["fc.weight"].shape == (10, 512)
+
+
+def test_synthetic_images_are_uint8_pixels_normalised_by_the_loader_as_decoded_ones():
+    """MODEL.DUMMY_INPUT hands the workers uint8 images (a quarter of float32's bytes to collate, pin
+    and copy) and the loader normalises them on the device with the data's mean and std."""
+    from distribuuuu.data.transforms import build_normalize
+
+    opts = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "32", "TRAIN.BATCH_SIZE", "8", "TRAIN.IM_SIZE", "16"]
+    cfg = load_cfg(None, [*opts, "TRAIN.WORKERS", "0", "DATA.MEAN", "[0.2, 0.4, 0.6]", "DATA.STD", "[0.5, 0.25, 0.1]"])
+    split = build_train_split(cfg, DistEnv())
+    pixels, targets, _ = next(iter(split.loader.loader))  # the DataLoader's own batch, before the device
+    assert pixels.dtype == torch.uint8 and pixels.shape == (8, 3, 16, 16) and int(pixels.max()) > 200
+    images, same_targets, _ = next(iter(split.loader))  # the same first batch: the sampler's epoch-0 order
+    mean, std = torch.tensor([0.2, 0.4, 0.6]).view(3, 1, 1), torch.tensor([0.5, 0.25, 0.1]).view(3, 1, 1)
+    assert torch.allclose(images, (pixels / 255 - mean) / std, atol=1e-6)
+    assert torch.equal(images, build_normalize(cfg)(pixels)) and torch.equal(same_targets, targets)

@@ -42,6 +42,7 @@ from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
 from distribuuuu.config import ConfigError, global_batch, load_cfg  # noqa: E402
 from distribuuuu.data import DataError, build_train_split, build_train_transform, jpeg, load_image  # noqa: E402
+from distribuuuu.data.transforms import build_normalize  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
@@ -241,6 +242,7 @@ class PlainLoop:
             pin_memory=t.PIN_MEMORY and env.device.type == "cuda", persistent_workers=workers > 0 and t.PERSISTENT_WORKERS,
         )  # fmt: skip
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.TRAIN.PRECISION)
+        self.normalize = build_normalize(cfg)  # synthetic uint8 images, normalised on the device as the trainer does
 
     @staticmethod
     def _optimizer(model: nn.Module, cfg: CfgNode, lr: float) -> torch.optim.Optimizer:
@@ -268,6 +270,8 @@ class PlainLoop:
             for i in range(t.ACCUM_STEPS):
                 images, targets = next(batches)
                 images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                if images.dtype == torch.uint8:
+                    images = self.normalize(images)
                 if t.CHANNELS_LAST:
                     images = images.contiguous(memory_format=torch.channels_last)
                 last = i == t.ACCUM_STEPS - 1
@@ -297,8 +301,9 @@ class _Transformed(torch.utils.data.Dataset):
 
 
 def plain_dataset(run: run_setup.Run) -> torch.utils.data.Dataset:
-    """The run's training images for the plain loop: synthetic tensors as they are, else the same
-    decoded images through the same training transforms, normalised (as a tutorial's loader does)."""
+    """The run's training images for the plain loop: the synthetic uint8 tensors as they are
+    (normalised on the device), else the same decoded images through the same training
+    transforms, normalised (as a tutorial's loader does)."""
     base = run.train.dataset.base
     if run.cfg.MODEL.DUMMY_INPUT:
         return torch.utils.data.TensorDataset(base.images, base.targets)  # the very tensors the trainer reads
