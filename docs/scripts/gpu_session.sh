@@ -150,7 +150,7 @@ for d, _, files in os.walk(os.path.join(root, "train")):
             os.link(os.path.join(d, f), os.path.join(d, f"{k}_{f}"))
 EOF
   python3 tools/pack_dataset.py "$W/photos" "$W/photos_packed" >"$OUT/gpudata_pack.log" 2>&1 || tail -3 "$OUT/gpudata_pack.log"
-  for source in photos photos_packed; do
+  for source in ${GPU_SESSION_DATA_SOURCES:-photos photos_packed}; do  # the ImageFolder, the packed shards
     for path in batched batched_per_sample auto; do
       case $path in
         batched) opts="DATA.DECODER batched" ;;
