@@ -561,12 +561,11 @@ def check_resume(ctx: Context) -> str:
     """Two epochs straight equal one epoch, a stop, and a resume: every checkpointed tensor."""
     runs = ("straight", "resumed")
     # resnet18 for cuDNN's kernels on the GPU; the tiny model keeps the CPU variant to seconds.
-    # With several GPUs, SyncBatchNorm trains end to end here too (over NCCL: under gloo its own
-    # row says whether gloo carries SyncBatchNorm's CUDA all_gather).
+    # With several ranks on CUDA, SyncBatchNorm trains end to end here too (over gloo as well:
+    # torch 2.11's gloo carries its CUDA all_gather and all_reduce, docs/gpu.md).
     cuda = ctx.env.device.type == "cuda"
     arch = "resnet18" if cuda else TINY
-    syncbn = cuda and ctx.backend != "gloo"
-    opts = ["MODEL.ARCH", arch, "MODEL.SYNCBN", str(syncbn), "OPTIM.MAX_EPOCH", "2"]
+    opts = ["MODEL.ARCH", arch, "MODEL.SYNCBN", str(cuda), "OPTIM.MAX_EPOCH", "2"]
     opts += ["CUDNN.DETERMINISTIC", "True", "CUDNN.BENCHMARK", "False"]
     # In this job's process group, which train_model keeps for the next check.
     trainer.train_model(make_cfg(ctx, runs[0], *opts), cleanup=False)
@@ -578,7 +577,7 @@ def check_resume(ctx: Context) -> str:
     if ckpt.state_checksum(a) != ckpt.state_checksum(b):  # SHA-256 over every model and optimizer tensor
         differ = [k for k in a["model"] if not torch.equal(a["model"][k], b["model"][k])]
         raise CheckFailed(f"checkpoints differ: {len(differ)} of {len(a['model'])} model tensors, e.g. {differ[:2]}")
-    with_syncbn = ", SyncBatchNorm" if syncbn and ctx.env.world_size > 1 else ""
+    with_syncbn = ", SyncBatchNorm" if cuda and ctx.env.world_size > 1 else ""
     return f"{arch}{with_syncbn}, 2 epochs: the {len(a['model'])} model tensors and the optimizer state identical"
 
 
