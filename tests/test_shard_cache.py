@@ -363,3 +363,27 @@ def test_two_nodes_download_one_copy_an_epoch_each_within_the_limit_and_train_as
     keep = ("epoch", "split", "loss", "top1", "top5", "samples", "skipped_images")
     metrics = {name: [{k: r.get(k) for k in keep} for r in read_metrics(tmp_path / name)] for name in ("disk", "http")}
     assert metrics["http"] == metrics["disk"] and len(metrics["disk"]) == 4
+
+
+def test_a_download_that_ends_while_its_reservation_is_looked_at_counts_its_shard(tmp_path, monkeypatch):
+    """A reader sees shard 1's reservation, and before it takes the shard's lock the downloader
+    finishes: the file in place, the reservation removed, the lock let go. The shard counts as on
+    disk; the reader did not fail removing a reservation already gone (a two-node CI run did:
+    "No such file or directory: ...shard-000006.tar.reserved")."""
+    from distribuuuu.data import shard_cache as sc
+
+    shards = [sc.ShardFile(f"http://x/shard-{i}.tar", str(tmp_path / f"shard-{i}.tar"), 100, "") for i in range(3)]
+    cache = sc.ShardCache(str(tmp_path), shards, download=None, limit=10**6, prefetch=0,
+                          order=sc.ShardOrder([10, 10, 10], seed=0, window=1), in_flight=1)  # fmt: skip
+    Path(shards[0].path).write_bytes(b"0" * 100)  # on disk
+    Path(shards[1].path + ".reserved").touch()  # being downloaded by another process
+    real_flocked = sc.flocked
+
+    def downloader_finishes_first(path, blocking=True):
+        if path.endswith(os.path.basename(shards[1].path)):  # shard 1's lock: the download ends first
+            Path(shards[1].path).write_bytes(b"1" * 100)
+            os.unlink(shards[1].path + ".reserved")
+        return real_flocked(path, blocking=blocking)
+
+    monkeypatch.setattr(sc, "flocked", downloader_finishes_first)
+    assert cache._counted() == [0, 1]

@@ -266,10 +266,11 @@ class ShardCache:
                 counted.append(s)
             elif os.path.exists(self._reservation(s)):
                 with flocked(self._lock_of(s), blocking=False) as free:
-                    if free:  # its downloader is gone (killed): nothing is being written
-                        os.unlink(self._reservation(s))
-                    else:
+                    if not free or os.path.exists(desc.path):  # downloading, or done since the look above
                         counted.append(s)
+                    else:  # its downloader is gone (killed): nothing is being written
+                        with contextlib.suppress(FileNotFoundError):  # another reader's look removed it
+                            os.unlink(self._reservation(s))
         return counted
 
     def _evictable(self, progress: list[Progress], later_than: int) -> list[int]:
