@@ -62,10 +62,10 @@ class DeviceLoader:
     """A DataLoader whose batches arrive on the training device as ``(images, targets, dropped)``
     with normalised float images: uint8 pixels (MODEL.DUMMY_INPUT's too) are copied
     (asynchronously from pinned memory) and normalised there; DATA.DECODER batched decodes and
-    augments each batch there first, on a thread one batch ahead when there are workers (prefetch.py: with none, the dataset's seeded
-    draws run in this process and must not race the training thread's). Float batches
-    (already normalised by the batched resample) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the
-    wrapped loader's. timm's PrefetchLoader idea without its side stream: the non-blocking copy
+    augments each batch there first, on a thread one batch ahead when there are workers
+    (prefetch.py: with none, the dataset's seeded draws run in this process and must not race the
+    training thread's). Float batches (already normalised by the batched resample) pass as they
+    are. ``len``, ``sampler``, ``batch_size`` ... are the wrapped loader's. timm's PrefetchLoader idea without its side stream: the non-blocking copy
     frees the host at once but queues behind the step's kernels on the default stream; a uint8
     batch is a quarter of float32's bytes, small against a training step. ``epoch_transforms``:
     the batched decoder's transform under progressive resizing, told the sampler's epoch as each

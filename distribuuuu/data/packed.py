@@ -180,8 +180,9 @@ def open_shards_limit(shards: int) -> int:
         return shards
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = shards + FD_HEADROOM
-    if soft != resource.RLIM_INFINITY and soft < wanted and (hard == resource.RLIM_INFINITY or soft < hard):
-        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    allowed = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < allowed:
+        soft = allowed
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     room = shards if soft == resource.RLIM_INFINITY else soft - FD_HEADROOM
     return max(LRU_SIZE, min(shards, room))
