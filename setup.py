@@ -19,33 +19,36 @@ DATA = ["webdataset>=1.0", "wids>=0.1.11"]
 # Packed datasets in object stores (s3://, gs://, az://): obstore, chosen by measurement (docs/design.md).
 CLOUD = ["obstore>=0.12"]
 
+# The export, tracker, timm, packed-data and object-store tests need those extras: "test" installs
+# them so that they run (CI installs it). ruff is pinned: CI checks the formatting, and another ruff
+# version formats differently.
+TEST = [
+    "pytest>=7.3",  # tmp_path_retention_policy (pyproject.toml)
+    "matplotlib",
+    "timm",
+    *EXPORT,
+    "wandb",
+    "mlflow-skinny",
+    *DATA,
+    *CLOUD,
+    "moto[server]",  # a local S3-compatible server for the object-store tests
+    "datasets",
+    "torchcodec",
+    "scikit-learn",  # the reference the multi-label metrics are checked against
+    RUFF,
+]
+
 setup(
     name="distribuuuu",
     version="0.1.0",
-    description="Distributed (DDP) image-classification training in pure PyTorch",
+    description="Distributed (DDP or FSDP2) image-classification training in pure PyTorch",
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["distribuuuu", "distribuuuu.*"]),
     python_requires=">=3.9",
     install_requires=REQUIREMENTS,
     extras_require={
-        # The export, tracker and timm tests need those extras: CI installs them with "test" so they run.
-        # ruff is pinned: CI checks the formatting, and another ruff version formats differently.
-        "test": [
-            "pytest>=7.3",  # tmp_path_retention_policy (pyproject.toml)
-            "matplotlib",
-            "timm",
-            *EXPORT,
-            "wandb",
-            "mlflow-skinny",
-            *DATA,
-            *CLOUD,
-            "moto[server]",  # a local S3-compatible server for the object-store tests
-            "datasets",
-            "torchcodec",
-            "scikit-learn",  # the reference the multi-label metrics are checked against
-            RUFF,
-        ],
+        "test": TEST,
         "plot": ["matplotlib"],
         "timm": ["timm"],
         "export": EXPORT,
@@ -56,7 +59,7 @@ setup(
         "codec": ["torchcodec"],
         "wandb": ["wandb"],
         "mlflow": ["mlflow-skinny"],  # the tracking client; the full "mlflow" adds the server and UI
-        "dev": ["pytest>=7.3", "matplotlib", RUFF],
+        "dev": TEST,  # a contributor runs the suite CI runs: no test skips for a missing extra
     },
     license="MIT",
 )

@@ -193,7 +193,7 @@ def test_a_multilabel_run_records_map_and_f1_and_keeps_the_best_by_map(pairs_run
     assert f"best val map (TRAIN.BEST_METRIC): {best['map']:.4g}" in (out / "summary.md").read_text()
 
 
-def test_test_net_predict_and_export_agree_on_a_multilabel_checkpoint(pairs_run, tmp_path):
+def test_test_net_and_predict_agree_with_the_training_run_on_a_multilabel_checkpoint(pairs_run, tmp_path):
     out, opts = pairs_run
     weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))
     assert_ok(in_process(TEST, "MODEL.WEIGHTS", weights, "OUT_DIR", str(tmp_path / "eval")))
@@ -216,6 +216,13 @@ def test_test_net_predict_and_export_agree_on_a_multilabel_checkpoint(pairs_run,
     for line, row in zip(lines, scores):
         expected = {state["classes"][c]: row[c].item() for c in range(10) if row[c] >= 0.5}
         assert {x["class"]: x["prob"] for x in line["labels"]} == pytest.approx(expected, abs=1e-6)
+
+
+def test_export_records_a_multilabel_checkpoints_task_and_threshold(pairs_run, tmp_path):
+    for module in ("onnx", "onnxruntime", "onnxscript"):  # the "export" extra
+        pytest.importorskip(module)
+    out, _ = pairs_run
+    weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))
     assert_ok(in_process(EXPORT, "--weights", weights, "--out", str(tmp_path / "m"), "--max-check", "8"))
     meta = json.loads((tmp_path / "m.json").read_text())
     assert (meta["task"], meta["threshold"]) == ("multilabel", 0.5)

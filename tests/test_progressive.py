@@ -145,6 +145,8 @@ def test_an_epoch_of_the_ramp_resumed_on_3_ranks_after_2_reads_the_images_of_one
 ):
     opts = []
     if data != "imagefolder":  # 5 shards of 300 read 2 at a time (DATA.SHUFFLE_WINDOW)
+        pytest.importorskip("webdataset")  # the "data" extra: webdataset writes the shards, wids reads them
+        pytest.importorskip("wids")
         monkeypatch.setattr("distribuuuu.data.packed.default_cache_dir", lambda root: str(tmp_path / "links"))
         pack_split(DIGITS, "train", str(tmp_path / "packed"), PackOptions(shard_size=300))
         opts = ["TRAIN.DATASET", str(tmp_path / "packed"), "DATA.SHUFFLE_WINDOW", "2"]
