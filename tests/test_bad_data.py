@@ -4,6 +4,7 @@ files are ignored, and an empty class folder, mismatched splits or too few class
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +123,32 @@ def test_auto_decoder_takes_torchvision_for_jpeg_and_pil_for_png_with_the_same_p
     # Grayscale becomes RGB either way, and both decoders read the same JPEG alike.
     via_pil = np.asarray(load_image(str(jpeg), "pil")).transpose(2, 0, 1).astype(int)
     assert np.abs(via_pil - from_jpeg.numpy().astype(int)).max() <= 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed data without the "data" extra: one line naming the module and the extra, exit 2
+# ------------------------------------------------------------------------------------------------
+def test_packing_without_webdataset_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "webdataset", None)  # what an install without the extra imports
+    result = in_process(str(REPO / "tools" / "pack_dataset.py"), str(DIGITS), str(tmp_path / "packed"))
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"pack_dataset: error: packing {DIGITS} needs webdataset: pip install 'distribuuuu[data]'"
+    )
+
+
+def test_training_from_packed_shards_without_wids_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    for split in ("train", "val"):  # what makes a folder a packed dataset: its splits' index.json
+        (tmp_path / split).mkdir()
+        (tmp_path / split / "index.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "wids", None)
+    result = in_process(
+        TRAIN, *SMALL, "TRAIN.DATASET", str(tmp_path), "TEST.DATASET", str(tmp_path), "OUT_DIR", str(tmp_path / "out")
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"distribuuuu: error: reading the packed dataset {tmp_path} needs wids: pip install 'distribuuuu[data]'"
+    ]
+    assert "Traceback" not in result.stderr

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 
 class DataError(ValueError):
     """A dataset is missing, empty or inconsistent; the message names the path."""
@@ -9,3 +12,11 @@ class DataError(ValueError):
 
 class BadImageError(RuntimeError):
     """An image file could not be decoded; the message names its path."""
+
+
+def import_extra(module: str, what: str, extra: str) -> ModuleType:
+    """``module``, or a DataError naming ``what`` needs it and the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"{what} needs {module}: pip install 'distribuuuu[{extra}]'") from None

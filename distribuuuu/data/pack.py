@@ -36,6 +36,7 @@ from PIL import Image
 
 from distribuuuu.data.annotations import AnnotationSpec, Target
 from distribuuuu.data.datasets import DataError, build_base_dataset
+from distribuuuu.data.errors import import_extra
 from distribuuuu.data.packed import INDEX, KIND, key_of, md5_of
 from distribuuuu.data.remote import join, read_bytes, upload
 from distribuuuu.files import PART, atomic_write
@@ -115,7 +116,7 @@ def pack_split(
 ) -> PackReport:
     """Pack ``root``/``split`` (an ImageFolder root or "cifar10:<root>"), or the images ``annotations``
     lists under ``root``, into ``out``/``split``; the index carries each sample's target(s)."""
-    import webdataset  # the data extra
+    webdataset = import_extra("webdataset", f"packing {root}", "data")
 
     base, classes = build_base_dataset(root, split, "pil", annotations=annotations)
     source_names, read = _source(base, root if annotations else os.path.join(root, split))

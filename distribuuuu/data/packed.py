@@ -38,7 +38,7 @@ import tempfile
 import numpy as np
 
 from distribuuuu.data.encoded import EncodedSamples
-from distribuuuu.data.errors import DataError
+from distribuuuu.data.errors import DataError, import_extra
 from distribuuuu.data.remote import BadShardError, download, is_remote, join, read_bytes
 from distribuuuu.data.shard_cache import ShardCache, ShardCacheError, ShardFile, fetch_once
 
@@ -202,7 +202,7 @@ class PackedDataset(EncodedSamples):
     """
 
     def __init__(self, root: str, split: str, decoder: str = "auto", cache_dir: str = ""):
-        import wids  # the data extra: only needed when a packed dataset is read
+        wids = import_extra("wids", f"reading the packed dataset {root}", "data")  # only when one is read
 
         self.location = index_location(root, split)
         index = load_index(self.location)
