@@ -166,7 +166,7 @@ def train_epoch(run: Run, epoch: int) -> dict:
         checkpoint_due = t.CKPT_PERIOD_ITERS and (step + 1) % t.CKPT_PERIOD_ITERS == 0
         checkpoint_due = checkpoint_due and step + 1 < end
         if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == end or checkpoint_due:
-            totals = sync_point(run, window, window_losses, epoch, step + 1, clock)
+            totals = sync_point(run, window, window_losses, epoch, (step + 1, end), clock)
             epoch_sums.add_totals(totals)
             if totals["stop"]:
                 position = f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"
@@ -203,8 +203,15 @@ def _with_context(e: RuntimeError, run: Run, epoch: int, step: int) -> RuntimeEr
     return collective_error(e, run.env.rank, run.env.world_size, what, run.cfg.DIST.TIMEOUT_S)
 
 
-def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, step: int, clock: dict) -> dict:
-    """Reduce the window's metrics over ranks (one all-reduce), check them, log them, reset."""
+def sync_point(
+    run: Run, window: MetricSums, window_losses: list, epoch: int, steps: tuple[int, int], clock: dict
+) -> dict:
+    """Reduce the window's metrics over ranks (one all-reduce), check them, log them, reset.
+
+    ``steps``: the step just taken and the epoch's last one, steps_per_epoch except in an epoch
+    resumed with another global batch, whose step numbers go on from the checkpoint's.
+    """
+    step, end = steps
     window.add_field("stop", float(run.preempt is not None and run.preempt.requested))
     window.add_field("interrupt", float(run.preempt is not None and run.preempt.interrupted))
     try:
@@ -214,9 +221,9 @@ def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, st
         raise collective_error(e, run.env.rank, run.env.world_size, what, run.cfg.DIST.TIMEOUT_S) from e
     check_finite(totals, window_losses, epoch, step, run.cfg.TRAIN.NAN_POLICY)
     elapsed = time.perf_counter() - clock["start"]
-    steps_left = run.steps_per_epoch - step + (run.cfg.OPTIM.MAX_EPOCH - epoch - 1) * run.steps_per_epoch
+    steps_left = end - step + (run.cfg.OPTIM.MAX_EPOCH - epoch - 1) * run.steps_per_epoch
     log_train_window(
-        run.writer, totals, epoch, step, run.cfg, run.steps_per_epoch, lr=scheduled_lr(run),
+        run.writer, totals, epoch, step, run.cfg, end, lr=scheduled_lr(run),
         elapsed_s=elapsed, data_s=clock["data"], steps=len(window_losses), steps_left=steps_left,
         fp16=run.scaler.is_enabled(), global_step=run.global_step,
     )  # fmt: skip

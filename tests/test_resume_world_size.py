@@ -35,6 +35,7 @@ from helpers import (
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
+from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
@@ -258,3 +259,19 @@ def test_a_single_file_checkpoint_is_refused_by_a_sharded_run_with_the_conversio
     message = str(refused.value)
     assert "DIST.STRATEGY fsdp shards the model" in message
     assert f"tools/convert_checkpoint.py {path} {path.replace('.pth.tar', '.dcp')}" in message
+
+
+def test_an_epoch_resumed_with_another_global_batch_counts_to_its_own_last_step(tmp_path, caplog):
+    """Saved by 2 ranks of 16 x 2 after 7 steps (sample 448), the epoch goes on at 16 a step: its
+    steps keep counting from 7 (checkpoint names stay ordered) to 7 + (1436 - 448) // 16 = 68, so
+    the windows read k/68 and the last, 68/68, has nothing left to wait for (not 68/89)."""
+    run = _edge_run(tmp_path, "TRAIN.PRINT_FREQ", "20", "OPTIM.MAX_EPOCH", "1")
+    saved = state.training_state(run)
+    saved.update(step_in_epoch=7, samples_in_epoch=7 * BATCH * ACCUM * 2, global_batch=BATCH * ACCUM * 2, world_size=2)
+    state.restore_progress(run, saved)
+    with caplog.at_level("INFO", logger="distribuuuu.trainer"):
+        trainer.train_epoch(run, 0)
+    windows = re.findall(r"step (\d+)/(\d+) .* eta (\S+)", caplog.text)
+    last = 7 + (1436 - 7 * BATCH * ACCUM * 2) // BATCH
+    assert [(int(s), int(n)) for s, n, _ in windows] == [(20, last), (40, last), (60, last), (last, last)]
+    assert windows[-1][2] == "0:00:00"

@@ -20,25 +20,26 @@ logger = get_logger("trainer")  # the training log's own name: its lines read as
 
 
 def log_train_window(
-    writer, totals: dict, epoch: int, step: int, cfg: CfgNode, steps_per_epoch: int, *, lr: float, elapsed_s: float,
+    writer, totals: dict, epoch: int, step: int, cfg: CfgNode, last_step: int, *, lr: float, elapsed_s: float,
     data_s: float, steps: int, steps_left: int, fp16: bool, global_step: int,
 ) -> None:  # fmt: skip
     """Log one PRINT_FREQ window of training (loss, accuracy, LR, speed, data wait, ETA) and plot it.
 
     Only host values of the sync point: the reduced ``totals`` and the host clock. The log record
-    carries the window's numbers for the terminal's progress bar (progress.py).
+    carries the window's numbers for the terminal's progress bar (progress.py). ``last_step``: the
+    step the epoch ends at (``step``/``last_step`` in the line).
     """
     eta_s = elapsed_s / max(steps, 1) * steps_left
     images_per_s = totals["samples"] / max(elapsed_s, 1e-9)
     skipped = int(totals["skipped_steps"])
     what = "fp16 overflow steps skipped" if fp16 else "non-finite steps skipped"
     bar = {
-        "epoch": epoch + 1, "max_epoch": cfg.OPTIM.MAX_EPOCH, "step": step, "steps_per_epoch": steps_per_epoch,
+        "epoch": epoch + 1, "max_epoch": cfg.OPTIM.MAX_EPOCH, "step": step, "steps_per_epoch": last_step,
         "loss": totals["loss"], "images_per_s": images_per_s, "eta": hms(eta_s),
     }  # fmt: skip
     logger.info(
         "epoch %d/%d  step %d/%d  loss %.4f  top1 %.2f%s  lr %.5g  %.0f img/s  data %.3fs/step  eta %s%s",
-        epoch + 1, cfg.OPTIM.MAX_EPOCH, step, steps_per_epoch, totals["loss"], totals["top1_acc"],
+        epoch + 1, cfg.OPTIM.MAX_EPOCH, step, last_step, totals["loss"], totals["top1_acc"],
         topk_text(reported_k(cfg), totals["topk_acc"]), lr, images_per_s,
         data_s / max(steps, 1), hms(eta_s), f"  {what} {skipped}" if skipped else "", extra={WINDOW: bar},
     )  # fmt: skip
