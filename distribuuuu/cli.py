@@ -18,10 +18,10 @@ from yacs.config import CfgNode
 from distribuuuu.checkpointing.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, DataError
-from distribuuuu.errors import first_line
+from distribuuuu.errors import EXIT_INTERRUPTED, first_line
 from distribuuuu.runtime.faults import CollectiveError, NonFiniteLossError
 from distribuuuu.runtime.launcher import LaunchError, RankLaunchError, detect_env_rank, find_free_port
-from distribuuuu.runtime.preemption import EXIT_INTERRUPTED, INTERRUPT, PREEMPT_SIGNALS, Preempted
+from distribuuuu.runtime.preemption import INTERRUPT, PREEMPT_SIGNALS, Preempted
 from distribuuuu.runtime.process_group import cleanup_distributed
 
 EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)

@@ -4,6 +4,9 @@ No dependencies: imported by all."""
 
 from __future__ import annotations
 
+# Exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it.
+EXIT_INTERRUPTED = 130
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, read, verified or trusted; the message names the file."""

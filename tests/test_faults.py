@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -301,6 +302,28 @@ def test_a_second_ctrl_c_stops_at_once_and_one_within_a_second_is_the_same_one(m
         handler._timer.cancel()
     assert "second Ctrl-C: stopped at once, without a checkpoint" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) == handler._handle, "after the stop, Ctrl-C still reaches the handler"
+
+
+class _LoadingTorch(types.ModuleType):
+    """A module still loading when Ctrl-C comes: the SIGINT arrives as its names are read."""
+
+    def __getattr__(self, name: str):
+        signal.raise_signal(signal.SIGINT)
+        return getattr(cli, name)
+
+
+@pytest.mark.usefixtures("own_signal_handlers")
+@pytest.mark.parametrize("tool", ["train_net.py", "test_net.py"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_ctrl_c_while_torch_loads_is_one_line_from_rank_0_and_exit_130(monkeypatch, tool, rank):
+    monkeypatch.setitem(sys.modules, "distribuuuu.cli", _LoadingTorch("distribuuuu.cli"))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's process (not nohup's)
+    env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_PORT="29500")
+    result = in_process(str(REPO / "tools" / tool), env=env)
+    assert (result.returncode, result.stdout) == (130, "")
+    said = ["distribuuuu: interrupted (Ctrl-C) while starting; nothing saved"] if rank == 0 else []
+    assert result.stderr.splitlines() == said
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Ctrl-C is the tool's again"
 
 
 _STOPPING_PROCESS = """

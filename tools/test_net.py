@@ -10,9 +10,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.checkpointing.stored_config import evaluation_cfg  # noqa: E402
-from distribuuuu.cli import run_tool  # noqa: E402
-from distribuuuu.training.evaluation import test_model  # noqa: E402
+from distribuuuu.startup import imported  # noqa: E402  (before torch: a Ctrl-C while it loads is one line)
 
 if __name__ == "__main__":
+    run_tool = imported("distribuuuu.cli", "run_tool")
+    test_model = imported("distribuuuu.training.evaluation", "test_model")
+    evaluation_cfg = imported("distribuuuu.checkpointing.stored_config", "evaluation_cfg")
     sys.exit(run_tool(test_model, description=__doc__, build_cfg=evaluation_cfg))

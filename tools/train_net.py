@@ -9,8 +9,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.cli import run_tool  # noqa: E402
-from distribuuuu.trainer import train_model  # noqa: E402
+from distribuuuu.startup import imported  # noqa: E402  (before torch: a Ctrl-C while it loads is one line)
 
 if __name__ == "__main__":
-    sys.exit(run_tool(train_model, description=__doc__))
+    run_tool = imported("distribuuuu.cli", "run_tool")
+    sys.exit(run_tool(imported("distribuuuu.trainer", "train_model"), description=__doc__))

@@ -1,6 +1,8 @@
 """Which launcher started this process (torchrun, MPI, Slurm or none) and where it sits: pure.
 
 Reading the environment needs no process group; ``process_group.py`` builds on this, never the reverse.
+Nor does it need torch, which is imported where a device is made: a tool reads its rank while torch
+is still loading (``startup.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_PORT = 29500
 
@@ -28,7 +32,7 @@ class DistEnv:
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
     launcher: str = "none"  # torchrun | mpi | slurm | none
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: _device("cpu"))
 
     @property
     def is_main_process(self) -> bool:
@@ -165,6 +169,12 @@ def detect_env_rank() -> int:
         return 0
 
 
+def _device(kind: str, index: int | None = None) -> torch.device:
+    import torch
+
+    return torch.device(kind, index)
+
+
 def select_device(local_rank: int, visible_gpus: int) -> torch.device:
     """The device of a process, from its LOCAL_RANK and the number of GPUs it sees (pure).
 
@@ -174,11 +184,11 @@ def select_device(local_rank: int, visible_gpus: int) -> torch.device:
     0..7. Several visible GPUs: the one at LOCAL_RANK.
     """
     if visible_gpus == 0:
-        return torch.device("cpu")
+        return _device("cpu")
     if visible_gpus == 1:
-        return torch.device("cuda", 0)
+        return _device("cuda", 0)
     if local_rank < visible_gpus:
-        return torch.device("cuda", local_rank)
+        return _device("cuda", local_rank)
     raise LaunchError(
         f"LOCAL_RANK {local_rank} but only {visible_gpus} GPUs visible on {socket.gethostname()}: "
         "start at most one process per GPU, or show each process one GPU"

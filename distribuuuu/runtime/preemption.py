@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
+from distribuuuu.errors import EXIT_INTERRUPTED
 from distribuuuu.logger import get_logger
 from distribuuuu.runtime.process_group import is_main_process
 
@@ -24,9 +25,6 @@ logger = get_logger("preemption")
 # Exit code of a run that stopped on a preemption signal after writing its checkpoint:
 # EX_TEMPFAIL from sysexits.h, "temporary failure, the user is invited to retry".
 EXIT_PREEMPTED = 75
-
-# Exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it.
-EXIT_INTERRUPTED = 130
 
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
 INTERRUPT = "SIGINT"
