@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import logging
 from collections import OrderedDict
@@ -44,14 +45,17 @@ def model_source(arch: str) -> str:
     """Return where ``arch`` comes from ("registry", "torchvision", "timm") or raise ConfigError."""
     if arch in _REGISTRY:
         return "registry"
-    if arch in torchvision.models.list_models(module=torchvision.models):
+    torchvision_names = torchvision.models.list_models(module=torchvision.models)
+    if arch in torchvision_names:
         return "torchvision"
     timm = _timm()
     if timm is not None and timm.is_model(arch):
         return "timm"
     hint = "" if timm is not None else "; timm is not installed (pip install timm) for its models"
+    close = difflib.get_close_matches(arch, [*_REGISTRY, *torchvision_names], n=1)
     raise ConfigError(
         f"MODEL.ARCH: unknown model {arch!r} (not registered, not a torchvision classification model{hint})"
+        + (f": did you mean {close[0]}?" if close else "")
     )
 
 
@@ -84,6 +88,17 @@ def pretrained_weights(model_cfg: CfgNode) -> str | None:
     if model_cfg.PRETRAINED_WEIGHTS:
         return model_cfg.PRETRAINED_WEIGHTS
     return "DEFAULT" if model_cfg.PRETRAINED else None
+
+
+def _pretrained_key(weights: str) -> str:
+    """The key that asked for ``weights`` (pretrained_weights' name): the one a load error names."""
+    return "MODEL.PRETRAINED" if weights == "DEFAULT" else "MODEL.PRETRAINED_WEIGHTS"
+
+
+_NO_PRETRAINED = {
+    "MODEL.PRETRAINED": "set MODEL.PRETRAINED False",
+    "MODEL.PRETRAINED_WEIGHTS": "set MODEL.PRETRAINED_WEIGHTS ''",
+}
 
 
 def timm_pretrained_cfg(model_cfg: CfgNode) -> dict | None:
@@ -119,8 +134,8 @@ def _create_timm(arch: str, weights: str | None, num_classes: int, kwargs: dict)
         return timm.create_model(name, pretrained=weights is not None, num_classes=num_classes, **kwargs)
     except (OSError, RuntimeError, ValueError) as e:  # offline hub, missing file
         raise ConfigError(
-            f"MODEL.PRETRAINED: could not load pretrained weights for {name!r} ({type(e).__name__}: "
-            f"{first_line(e)}); cache them with timm first or set MODEL.PRETRAINED False"
+            f"{_pretrained_key(weights)}: could not load pretrained weights for {name!r} ({type(e).__name__}: "
+            f"{first_line(e)}); cache them with timm first or {_NO_PRETRAINED[_pretrained_key(weights)]}"
         ) from None
 
 
@@ -141,9 +156,9 @@ def _load_torchvision_pretrained(model: nn.Module, arch: str, name: str = "DEFAU
         state = weights.get_state_dict(progress=False, check_hash=True)
     except Exception as e:
         raise ConfigError(
-            f"MODEL.PRETRAINED: could not load pretrained weights for {arch!r} ({type(e).__name__}: "
+            f"{_pretrained_key(name)}: could not load pretrained weights for {arch!r} ({type(e).__name__}: "
             f"{first_line(e)}); place the file under "
-            f"{torch.hub.get_dir()}/checkpoints or set MODEL.PRETRAINED False"
+            f"{torch.hub.get_dir()}/checkpoints or {_NO_PRETRAINED[_pretrained_key(name)]}"
         ) from None
     own = model.state_dict()
     kept = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}

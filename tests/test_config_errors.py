@@ -3,10 +3,13 @@ keeps its line and column, an unknown key suggests the key it resembles, ints wi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from helpers import REPO
 
 from distribuuuu.config import ConfigError, load_cfg
+from distribuuuu.models import model_source
 
 
 def test_a_config_file_not_found_lists_the_configs_that_exist(monkeypatch):
@@ -82,3 +85,11 @@ def test_a_string_for_a_list_key_in_yaml_shows_the_yaml_list(tmp_path):
         ConfigError, match=r"MODEL.FREEZE expects list.*write a list in YAML as FREEZE: \['conv1.\*'\]$"
     ):
         load_cfg(str(tmp_path / "freeze.yaml"))
+
+
+@pytest.mark.parametrize(
+    "arch, said", [("resnet1888", ": did you mean resnet18?"), ("vitb16", ": did you mean vit_b_16?"), ("qqqq", ")")]
+)
+def test_an_unknown_architecture_suggests_the_model_it_resembles(arch, said):
+    with pytest.raises(ConfigError, match=rf"^MODEL.ARCH: unknown model '{arch}' \(.*{re.escape(said)}$"):
+        model_source(arch)
