@@ -197,16 +197,20 @@ def test_the_weighted_sampler_draws_each_sample_in_inverse_proportion_to_its_cla
 
 @pytest.mark.usefixtures("plain_logging")
 @pytest.mark.parametrize("rank", [0, 1])
-def test_only_rank_0_says_which_head_tensors_the_weights_miss(tmp_path, capsys, rank):
+def test_only_rank_0_says_which_tensors_the_weights_miss_and_a_new_head_once(tmp_path, capsys, rank):
     def net(classes: int) -> nn.Module:
         return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, classes))
 
     path = str(tmp_path / "pretrained.pth.tar")
-    ckpt.save_checkpoint({"model": net(10).state_dict()}, path)
+    state = net(10).state_dict()
+    del state["0.bias"]  # a tensor the file lacks
+    ckpt.save_checkpoint({"model": state}, path)
     setup_logging(None, rank)  # as every rank of a run sets it up: rank 0 to stdout, the others' warnings to stderr
     load_weights(net(5), path, strict=False)  # fine-tuning: a new 5-class head, the 10-class one skipped
     out = capsys.readouterr()
-    said = [line for line in (out.out + out.err).splitlines() if "missing" in line]
+    lines = (out.out + out.err).splitlines()
+    said = [line for line in lines if "missing" in line]
     assert len(said) == (1 if rank == 0 else 0), out
     if rank == 0:
-        assert "2.weight" in said[0] and out.err == "", "rank 0 says it, on stdout"
+        assert "['0.bias']" in said[0] and out.err == "", "rank 0 says it, on stdout, without the new head"
+        assert [line for line in lines if "2.weight" in line] == [next(x for x in lines if "skipped 2 tensors" in x)]

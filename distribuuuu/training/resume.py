@@ -265,6 +265,7 @@ def load_weights(
     state = ckpt.load_checkpoint(path)
     weights = ckpt.model_state_from(state, kind)
     own = model.state_dict()  # under FSDP2 DTensors: their shape is the full one
+    skipped: list[str] = []
     if strict:
         check_weights_fit(own, weights, path, state.get("arch"), arch, fit_hint(state, cfg))
     else:
@@ -273,11 +274,12 @@ def load_weights(
         if skipped:
             logger.info("MODEL.WEIGHTS: skipped %d tensors of another shape (new head?): %s", len(skipped), skipped[:4])
     result = load_full_weights(model, weights, strict)
-    if not strict and (result.missing_keys or result.unexpected_keys):
+    missing = [k for k in result.missing_keys if k not in skipped]  # a new head: said once, above
+    if not strict and (missing or result.unexpected_keys):
         logger.warning(
             "MODEL.WEIGHTS %s: missing %s, unexpected %s",
             path,
-            result.missing_keys[:4],
+            missing[:4],
             result.unexpected_keys[:4],
             extra=SAME_ON_EVERY_RANK,  # every rank loads the same file into the same model: rank 0 says it
         )
