@@ -6,6 +6,7 @@ prints the table; ``python tools/config_reference.py --write`` regenerates it in
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
@@ -57,10 +58,17 @@ def write_reference(path: str) -> None:
         f.write("\n".join(lines[:start] + reference_table().split("\n") + lines[end:]))
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--write"]:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--write", action="store_true", help="regenerate the table in docs/config-reference.md")
+    if parser.parse_args(argv).write:
         write_reference(
             os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "config-reference.md")
         )
     else:
         print(reference_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

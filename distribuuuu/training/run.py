@@ -135,7 +135,8 @@ def prepare_process(cfg: CfgNode, env: DistEnv, table: list[dict], training: boo
     setup_logging(
         None, env.rank, training and show_progress_bar(cfg.LOG.PROGRESS), console=cfg.LOG.CONSOLE, pending=True
     )
-    logger.info("%s launch, %d process(es):\n%s", env.launcher, env.world_size, format_rank_table(table))
+    launch = f"{env.launcher} launch" if env.distributed else "no launcher (a plain process)"
+    logger.info("%s, %d process(es):\n%s", launch, env.world_size, format_rank_table(table))
     if cfg.TRAIN.PRECISION == "fp16" and env.device.type == "cpu":
         logger.warning("TRAIN.PRECISION fp16 on the CPU is slow and meant for testing the fp16 path; use bf16")
     seed_everything(cfg.RNG_SEED + env.rank)
