@@ -81,7 +81,7 @@ def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool 
         raise CheckpointError(f"checkpoint not found: {path}") from None
     except pickle.UnpicklingError as e:
         raise CheckpointError(
-            f"{refusal(path, e)}; if you trust its source, convert it once as the README ('Safe loading') shows"
+            f"{refusal(path, e)}; if you trust its source, convert it once as docs/fault-tolerance.md ('Safe loading') shows"
         ) from None
     except Exception as e:
         raise CheckpointError(
