@@ -28,6 +28,7 @@ from helpers import (
     TINY_TRAIN,
     assert_ok,
     clean_env,
+    in_process,
     read_metrics,
     run_torchrun,
     two_nodes,
@@ -275,3 +276,13 @@ def test_an_epoch_resumed_with_another_global_batch_counts_to_its_own_last_step(
     last = 7 + (1436 - 7 * BATCH * ACCUM * 2) // BATCH
     assert [(int(s), int(n)) for s, n, _ in windows] == [(20, last), (40, last), (60, last), (last, last)]
     assert windows[-1][2] == "0:00:00"
+
+
+@pytest.mark.parametrize("strategy, taken", [("fsdp", ".dcp"), ("ddp", ".pth.tar")])
+def test_a_checkpoint_converted_beside_its_file_is_the_one_a_sharded_run_resumes_from(tmp_path, strategy, taken):
+    """The conversion the refusal above asks for leaves both formats of one epoch in checkpoints/:
+    a run resumes from the one its DIST.STRATEGY writes, whichever the folder lists first."""
+    path = state.save_training_checkpoint(_edge_run(tmp_path))
+    assert_ok(in_process(str(REPO / "tools" / "convert_checkpoint.py"), path, path.replace(".pth.tar", ".dcp")))
+    cfg = _edge_run(tmp_path, "DIST.STRATEGY", strategy).cfg
+    assert state.find_checkpoint_to_resume(cfg).path == path.replace(".pth.tar", taken)

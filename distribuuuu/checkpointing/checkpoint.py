@@ -22,6 +22,8 @@ from distribuuuu.checkpointing.names import (  # noqa: F401  (re-exported)
     BEST_NAME,
     BEST_SHARDED,
     CKPT_DIR,
+    FILE,
+    SHARDED,
     checkpoint_name,
     checkpoint_position,
     list_checkpoints,
@@ -51,13 +53,16 @@ def verify_checkpoint(path: str) -> None:
     shards.verify_sharded(path) if os.path.isdir(path) else load_file(path)
 
 
-def find_resumable(ckpt_dir: str, verify: Callable[[str], object] = verify_checkpoint, fmt: str = "any") -> str | None:
-    """The newest checkpoint of ``ckpt_dir`` (of format ``fmt``) that ``verify`` accepts; broken newer ones moved aside.
+def find_resumable(
+    ckpt_dir: str, verify: Callable[[str], object] = verify_checkpoint, fmt: str = "any", prefer: str = FILE
+) -> str | None:
+    """The newest checkpoint of ``ckpt_dir`` (of format ``fmt``; of both at one position, ``prefer``)
+    that ``verify`` accepts; broken newer ones moved aside.
 
     ``verify`` (by default: it loads and verifies) raises CheckpointError on a checkpoint that does
     not load or verify. Called on the main process only; the caller shares the chosen path.
     """
-    for path in reversed(list_checkpoints(ckpt_dir, fmt)):
+    for path in reversed(list_checkpoints(ckpt_dir, fmt, prefer)):
         try:
             verify(path)
             return path

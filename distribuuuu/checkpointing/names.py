@@ -49,12 +49,17 @@ def checkpoint_position(name: str) -> tuple[int, int] | None:
     return int(epoch), int(step) if step else 1 << 62
 
 
-def list_checkpoints(ckpt_dir: str, fmt: str = "file") -> list[str]:
-    """Checkpoint paths in ``ckpt_dir``, oldest first: ``fmt`` "file", "sharded" or "any" (temporaries never)."""
+def list_checkpoints(ckpt_dir: str, fmt: str = "file", prefer: str = FILE) -> list[str]:
+    """Checkpoint paths in ``ckpt_dir``, oldest first: ``fmt`` "file", "sharded" or "any" (temporaries never).
+
+    Both formats of one position (a file converted to a .dcp folder, or back) sort the ``prefer``
+    one (FILE or SHARDED) last, as the newer: the one a resume takes."""
     if not os.path.isdir(ckpt_dir):
         return []
     names = [n for n in os.listdir(ckpt_dir) if n.endswith(FORMATS[fmt]) and checkpoint_position(n)]
-    return [os.path.join(ckpt_dir, n) for n in sorted(names, key=checkpoint_position)]
+    return [
+        os.path.join(ckpt_dir, n) for n in sorted(names, key=lambda n: (checkpoint_position(n), n.endswith(prefer)))
+    ]
 
 
 def stale_temporaries(ckpt_dir: str) -> list[str]:

@@ -35,7 +35,7 @@ from distribuuuu.training.components import (
     start_saving_sharded_state,
     to_restore,
 )
-from distribuuuu.training.run import Run
+from distribuuuu.training.run import Run, writes_sharded_checkpoints
 
 logger = get_logger("state")
 
@@ -186,7 +186,8 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> ResumePoint:
         else:
             loaded[candidate] = ckpt.load_checkpoint(candidate)
 
-    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR), verify=verify)
+    own_format = ckpt.SHARDED if writes_sharded_checkpoints(cfg) else ckpt.FILE  # a converted copy beside it: this one
+    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR), verify=verify, prefer=own_format)
     if path is None:
         return ResumePoint()
     saved = loaded[path].get("cfg")

@@ -117,9 +117,12 @@ class Run:
 
     @property
     def sharded_checkpoints(self) -> bool:
-        """DIST.CKPT_FORMAT: "" means sharded DCP directories under fsdp/hsdp, single files under ddp."""
-        fmt = self.cfg.DIST.CKPT_FORMAT
-        return fmt == "sharded" or (not fmt and self.cfg.DIST.STRATEGY != "ddp")
+        return writes_sharded_checkpoints(self.cfg)
+
+
+def writes_sharded_checkpoints(cfg: CfgNode) -> bool:
+    """DIST.CKPT_FORMAT: "" means sharded DCP directories under fsdp/hsdp, single files under ddp."""
+    return cfg.DIST.CKPT_FORMAT == "sharded" or (not cfg.DIST.CKPT_FORMAT and cfg.DIST.STRATEGY != "ddp")
 
 
 def start_process_group(cfg: CfgNode) -> tuple[DistEnv, list[dict]]:
