@@ -5,6 +5,7 @@ tiny CNN at a high LR, whose weights differ from epoch to epoch."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -108,10 +109,19 @@ def test_best_n_ranks_by_the_named_metric_and_precise_bn_recomputes_the_statisti
         (["--last", "5"], "--last 5:"),
         (["--best", "1", "--metric", "top9"], "--metric top9: no val record"),
         (["--best", "9"], "--best 9: only 3 epoch-end checkpoint(s)"),
+        (
+            ["--best", "1", "--weights", "ema"],
+            "val record of the ema weights (a run without EMA weights: OPTIM.EMA_DECAY 0)",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_it_and_exit_2(ema_run, tmp_path, args, names):
     out_dir = tmp_path / "empty" if names == "no checkpoints in" else ema_run
+    if "--weights" in args:  # a run without EMA: its val records are the raw weights'
+        out_dir = tmp_path / "no_ema"
+        out_dir.mkdir()
+        raw = [r for r in read_metrics(ema_run) if r.get("weights", "model") == "model"]
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw))
     out_dir.mkdir(exist_ok=True)
     result = in_process(AVG, str(out_dir), *args, "-o", str(tmp_path / "avg.pth.tar"))
     assert result.returncode == 2, result.stderr

@@ -59,12 +59,15 @@ def best_checkpoints(
     except MetricsError as e:
         raise CheckpointError(str(e)) from None
     rows = [r for r in records if r.get("split") == split and r.get("weights", "model") == weights]
+    if not rows:
+        without = " (a run without EMA weights: OPTIM.EMA_DECAY 0)" if weights == "ema" else ""
+        raise CheckpointError(f"--weights {weights}: {path} has no {split} record of the {weights} weights{without}")
     scored = [r for r in rows if isinstance(r.get(metric), (int, float))]
     if not scored:
         known = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k != "epoch"})
         raise CheckpointError(
             f"--metric {metric}: no {split} record of the {weights} weights in {path} has it (they have: "
-            f"{', '.join(known) or 'no such records'})"
+            f"{', '.join(known)})"
         )
     by_epoch = {int(r["epoch"]): float(r[metric]) for r in scored}
     found = checkpoints_by_position(out_dir)
