@@ -565,9 +565,11 @@ def test_checkpoint_that_would_run_code_is_refused(tmp_path, kind):
     payload = _Payload(os.system, (f"touch {marker}",)) if kind == "os.system" else _Payload(open, (str(marker), "w"))
     path = tmp_path / "evil.pth.tar"
     torch.save({"model": {"w": torch.zeros(2)}, "extra": payload}, path)
-    with pytest.raises(CheckpointError, match=f"refusing to load {re.escape(str(path))}"):
+    with pytest.raises(CheckpointError, match=f"refusing to load {re.escape(str(path))}") as refused:
         load_checkpoint(str(path))
     assert not marker.exists()
+    named = f"GLOBAL {payload.fn.__module__}.{payload.fn.__name__}"  # what torch refused: posix.system, io.open
+    assert f"weights_only=True does not allow ({named}); if you trust its source" in str(refused.value)
 
 
 @pytest.mark.parametrize("read", ["whole", "resume"])

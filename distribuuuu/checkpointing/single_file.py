@@ -69,8 +69,11 @@ def _raise_write_failure(e: Exception, path: str, folder: str) -> None:
 
 
 def refusal(path: str, e: pickle.UnpicklingError) -> str:
-    """Why ``path`` is not loaded: ``weights_only=True`` refused an object (a file's or a DCP entry's)."""
-    return f"refusing to load {path}: it holds objects that weights_only=True does not allow ({first_line(e)[:200]})"
+    """Why ``path`` is not loaded: ``weights_only=True`` refused an object (a file's or a DCP entry's),
+    named as torch names it ("GLOBAL posix.system"), without the terminal escapes of torch's text."""
+    refused = re.search(r"\bGLOBAL [\w.]+", str(e))
+    what = refused.group(0) if refused else re.sub(r"\x1b\[[0-9;]*m", "", first_line(e))[:200]
+    return f"refusing to load {path}: it holds objects that weights_only=True does not allow ({what})"
 
 
 def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:
