@@ -82,7 +82,7 @@ def test_weights_that_do_not_fit_name_the_key_and_the_runs_config(five_class_run
         cfg.write_text("MODEL:\n  ARCH: tiny_cnn\n  NUM_CLASSES: 10\n")
         ten = ["--cfg", str(cfg)]
     result = in_process(TEST, *ten, "MODEL.WEIGHTS", weights, "OUT_DIR", str(tmp_path / "eval"))
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]  # bad input: exit 2, as a bad key
     [error] = _errors(result.stderr)
     assert f"{weights} does not fit" in error and "2 of another shape fc.bias: [5] in the file" in error, error
     assert "it was trained with MODEL.NUM_CLASSES 5 (here 10)" in error, error

@@ -113,10 +113,23 @@ def test_a_refused_resume_under_torchrun_exits_2_every_time_without_an_abort(ema
 def test_weights_that_do_not_fit_the_model_stop_test_net_in_one_line(ema_run, tmp_path, keys, message):
     weights = str(ema_run / ckpt.CKPT_DIR / ckpt.checkpoint_name(1))
     result = in_process(TEST, "OUT_DIR", str(tmp_path), *EMA_RUN_OPTS, "MODEL.WEIGHTS", weights, *keys)
-    assert result.returncode != 0, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]  # bad input, as a bad key is
     [error] = _errors(result)
-    assert weights in error and message in error, error
+    assert error.startswith("distribuuuu: error: MODEL.WEIGHTS: ") and weights in error and message in error, error
     assert "Traceback" not in result.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("given", ["the run's folder", "a missing file"])
+def test_weights_that_are_no_checkpoint_stop_test_net_in_one_line_naming_the_key(ema_run, tmp_path, given):
+    weights = str(ema_run) if given == "the run's folder" else str(tmp_path / "nothing.pth.tar")
+    result = in_process(TEST, "OUT_DIR", str(tmp_path / "eval"), *EMA_RUN_OPTS, "MODEL.WEIGHTS", weights)
+    assert result.returncode == 2, result.stderr[-2000:]
+    [error] = _errors(result)
+    said = {
+        "the run's folder": f"{weights} is a run's OUT_DIR, not a checkpoint: give {ema_run / ckpt.BEST_NAME} or one",
+        "a missing file": f"checkpoint not found: {weights}",
+    }[given]
+    assert error.startswith(f"distribuuuu: error: MODEL.WEIGHTS: {said}"), error
 
 
 @pytest.mark.slow

@@ -140,10 +140,10 @@ def test_plot_metrics_single_run_default_output(tmp_path: Path) -> None:
     _assert_png(run / "metrics.png")
 
 
-def test_plot_metrics_missing_file_exits_1(tmp_path: Path) -> None:
+def test_plot_metrics_missing_file_exits_2(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_run"
     proc = _run_plot(str(missing), "-o", str(tmp_path / "x.png"), tmp_path=tmp_path)
-    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert str(missing / "metrics.jsonl") in lines[0]

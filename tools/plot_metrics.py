@@ -54,9 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = args.labels or [None] * len(args.out_dirs)
     try:
         runs = [load_run(d, label) for d, label in zip(args.out_dirs, labels)]
-    except MetricsError as e:
+    except MetricsError as e:  # bad input, exit 2 as in every tool
         print(f"plot_metrics.py: {e}", file=sys.stderr)
-        return 1
+        return 2
     try:
         output = save_plot(runs, args.output or default_output(args.out_dirs))
     except ImportError:

@@ -10,9 +10,11 @@ and ``from_single_file`` convert. The names the package has always exported from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -30,6 +32,7 @@ from distribuuuu.checkpointing.names import (  # noqa: F401  (re-exported)
     stale_temporaries,
 )
 from distribuuuu.checkpointing.single_file import load_file, model_state_from, save_checkpoint, state_checksum  # noqa: F401
+from distribuuuu.config import ConfigError
 from distribuuuu.errors import CheckpointError  # noqa: F401  (re-exported)
 from distribuuuu.runtime.process_group import is_main_process
 
@@ -43,9 +46,24 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
     single file would hold: every tool that takes a checkpoint file takes one.
     """
     path = os.fspath(path)
+    if os.path.isdir(os.path.join(path, CKPT_DIR)):  # a run's folder, given where its checkpoint was meant
+        raise CheckpointError(
+            f"{path} is a run's OUT_DIR, not a checkpoint: give {os.path.join(path, BEST_NAME)} or one of "
+            f"{os.path.join(path, CKPT_DIR)}"
+        )
     if os.path.isdir(path):
         return shards.read_full_state(path, verify=verify)
     return load_file(path, map_location, verify)
+
+
+@contextlib.contextmanager
+def named_by(key: str) -> Iterator[None]:
+    """A checkpoint a config key names that is not there, does not load or does not fit is bad input:
+    its CheckpointError becomes a ConfigError naming ``key`` (one line, exit 2)."""
+    try:
+        yield
+    except CheckpointError as e:
+        raise ConfigError(f"{key}: {e}") from None
 
 
 def verify_checkpoint(path: str) -> None:

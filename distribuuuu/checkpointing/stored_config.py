@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from yacs.config import CfgNode
 
-from distribuuuu.checkpointing.checkpoint import load_checkpoint
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, named_by
 from distribuuuu.config import flatten, get_cfg_defaults, load_cfg, merge_pairs
 
 # Keys that make another experiment: resuming a checkpoint trained with other values would mix
@@ -69,7 +69,9 @@ def evaluation_cfg(cfg_file: str | None, opts: Sequence[str]) -> CfgNode:
     if not asked.MODEL.WEIGHTS:
         return asked  # test_model says that it needs weights
     weights = asked.MODEL.WEIGHTS
-    return cfg_from_checkpoint(load_checkpoint(weights), cfg_file, opts, run_keys(), source=weights)
+    with named_by("MODEL.WEIGHTS"):
+        state = load_checkpoint(weights)
+    return cfg_from_checkpoint(state, cfg_file, opts, run_keys(), source=weights)
 
 
 def fit_hint(state: dict, cfg: CfgNode | None) -> str:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from yacs.config import CfgNode
 
-from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoint, model_state_from, state_checksum
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from, named_by, state_checksum
 from distribuuuu.checkpointing.stored_config import SHAPE_KEYS, cfg_from_checkpoint
 from distribuuuu.config import ConfigError
 from distribuuuu.errors import first_line
@@ -95,10 +95,8 @@ def read_teacher_checkpoint(path: str) -> dict:
     """The teacher's checkpoint (a file or a ``.dcp`` folder), or a ConfigError naming DISTILL.TEACHER."""
     if not os.path.exists(path):
         raise ConfigError(f"DISTILL.TEACHER: no checkpoint file or .dcp folder at {path}")
-    try:
+    with named_by("DISTILL.TEACHER"):
         return load_checkpoint(path)
-    except CheckpointError as e:
-        raise ConfigError(f"DISTILL.TEACHER: {e}") from None
 
 
 def teacher_model_cfg(state: dict, distill_cfg: CfgNode, num_classes: int) -> CfgNode:

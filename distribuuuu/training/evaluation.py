@@ -21,7 +21,7 @@ from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import autocast, is_sharded, missing_forwards, to_device
 from distribuuuu.runtime.process_group import cleanup_distributed
 from distribuuuu.training.precise_bn import recompute_bn_stats
-from distribuuuu.training.resume import load_weights, warn_if_evaluated_otherwise
+from distribuuuu.training.resume import load_configured_weights, warn_if_evaluated_otherwise
 from distribuuuu.training.run import build_model_for, open_outputs, prepare_process, start_process_group
 
 logger = get_logger("trainer")  # the name the evaluation lines have always carried
@@ -122,7 +122,7 @@ def test_model(cfg: CfgNode) -> dict:
     writer = None
     try:
         model = build_model_for(cfg, env)
-        state = load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, arch=cfg.MODEL.ARCH, cfg=cfg)
+        state = load_configured_weights(model, cfg, arch=cfg.MODEL.ARCH)
         if not state.get("classes"):
             logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
         warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)

@@ -230,7 +230,7 @@ def resume_or_load_weights(run: Run, path: str | None) -> None:
             restore_training_state(run, ckpt.load_checkpoint(path, map_location="cpu"), path)
         logger.info("resumed from %s at epoch %d, step %d", path, run.state.epoch + 1, run.state.step_in_epoch)
     elif cfg.MODEL.WEIGHTS:
-        load_weights(run.model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, strict=False)
+        load_configured_weights(run.model, cfg, strict=False)
         if run.ema is not None:  # sharded alike under fsdp: shard by shard, nothing gathered
             run.ema.module.load_state_dict(run.model.state_dict())
 
@@ -255,6 +255,13 @@ def restore_progress(run: Run, state: dict) -> None:
     """Epoch, steps, best and the global sample position from a checkpoint's dict (logs a global batch change)."""
     components = run_components(run)
     load_file_state({name: components[name] for name in ("progress", "position")}, state, "checkpoint")
+
+
+def load_configured_weights(model: nn.Module, cfg: CfgNode, strict: bool = True, arch: str = "") -> dict:
+    """MODEL.WEIGHTS (of MODEL.WEIGHTS_KIND) loaded into ``model`` by ``load_weights``. A checkpoint that
+    is not there, does not load or does not fit is bad input: a ConfigError naming the key (exit 2)."""
+    with ckpt.named_by("MODEL.WEIGHTS"):
+        return load_weights(model, cfg.MODEL.WEIGHTS, cfg.MODEL.WEIGHTS_KIND, strict, arch, cfg)
 
 
 def load_weights(
