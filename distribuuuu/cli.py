@@ -20,7 +20,7 @@ from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, DataError
 from distribuuuu.errors import EXIT_INTERRUPTED, first_line
 from distribuuuu.runtime.faults import CollectiveError, NonFiniteLossError
-from distribuuuu.runtime.launcher import LaunchError, RankLaunchError, detect_env_rank, find_free_port
+from distribuuuu.runtime.launcher import SPAWN_ERROR_VAR, LaunchError, RankLaunchError, detect_env_rank, find_free_port
 from distribuuuu.runtime.preemption import INTERRUPT, PREEMPT_SIGNALS, Preempted
 from distribuuuu.runtime.process_group import cleanup_distributed
 
@@ -29,8 +29,6 @@ EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher enviro
 # Errors raised identically on every rank: rank 0 alone prints them, so they appear once.
 _SAME_ON_EVERY_RANK = (ConfigError, DataError, LaunchError, CheckpointError, NonFiniteLossError)
 _KNOWN = _SAME_ON_EVERY_RANK + (BadImageError, CollectiveError)
-# Set by ``spawn`` in each worker: the file that hands the worker's error line to the parent.
-_SPAWN_ERROR_VAR = "DISTRIBUUUU_SPAWN_ERROR_FILE"
 
 
 def parse_args(argv: Sequence[str] | None = None, description: str = "") -> argparse.Namespace:
@@ -109,7 +107,7 @@ def _print_error(message: str, every_rank: bool = False) -> None:
     torchrun, or to ``spawn``'s parent."""
     line = f"distribuuuu: error: {message}"
     _write_elastic_error_file(line)
-    spawned = os.environ.get(_SPAWN_ERROR_VAR)
+    spawned = os.environ.get(SPAWN_ERROR_VAR)
     # Under a launcher every rank hits the same error: rank 0 alone reports it. Under ``spawn`` the
     # parent does, for the worker that failed first: the others are stopped then, rank 0 perhaps
     # before it printed.
@@ -171,7 +169,7 @@ def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, cfg: C
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    os.environ[_SPAWN_ERROR_VAR] = os.path.join(errors, f"{local_rank}.json")
+    os.environ[SPAWN_ERROR_VAR] = os.path.join(errors, f"{local_rank}.json")
     code = run_main(main, cfg)
     if code:
         sys.exit(code)

@@ -7,7 +7,14 @@ import torch
 import torch.distributed as dist
 
 from distribuuuu.runtime import process_group as D
-from distribuuuu.runtime.launcher import DEFAULT_PORT, LaunchError, detect_env, find_free_port, parse_slurm_nodelist
+from distribuuuu.runtime.launcher import (
+    DEFAULT_PORT,
+    SPAWN_ERROR_VAR,
+    LaunchError,
+    detect_env,
+    find_free_port,
+    parse_slurm_nodelist,
+)
 
 
 def _slurm(**extra: str) -> dict[str, str]:
@@ -93,6 +100,13 @@ def test_slurm_master_addr_from_the_environment_wins_over_the_node_list():
 def test_torchrun_inside_a_slurm_allocation_wins():
     env = detect_env(_slurm(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29501"))
     assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("torchrun", 0, 2, "127.0.0.1")
+
+
+def test_workers_of_nproc_say_spawn_though_they_hold_torchruns_variables():
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501"}
+    spawned = detect_env({**torchrun, SPAWN_ERROR_VAR: "/tmp/errors/1.json"})  # what cli.spawn sets in each
+    assert (spawned.launcher, spawned.rank, spawned.world_size) == ("spawn", 1, 2) and spawned.distributed
+    assert detect_env(torchrun).launcher == "torchrun"
 
 
 @pytest.mark.parametrize(

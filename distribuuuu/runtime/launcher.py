@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_PORT = 29500
+# Set in each worker by ``--nproc`` (cli.spawn), beside torchrun's variables: the file that hands
+# the worker's error line to its parent.
+SPAWN_ERROR_VAR = "DISTRIBUUUU_SPAWN_ERROR_FILE"
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
-    launcher: str = "none"  # torchrun | mpi | slurm | none
+    launcher: str = "none"  # torchrun | spawn (--nproc) | mpi | slurm | none
     device: torch.device = field(default_factory=lambda: _device("cpu"))
 
     @property
@@ -108,7 +111,7 @@ def _torchrun_env(env: Mapping[str, str]) -> DistEnv | None:
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
         master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
         master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
-        launcher="torchrun",
+        launcher="spawn" if SPAWN_ERROR_VAR in env else "torchrun",  # --nproc sets torchrun's variables too
     )
 
 
