@@ -77,6 +77,7 @@ def test_the_readers_skip_a_torn_line_with_one_warning(one_epoch, tmp_path, tool
         result = in_process(SUMMARIZE, str(out), "--no-write")
         assert_ok(result)
         assert f"best val top-1: {val['top1']:.2f}%" in result.stdout, result.stdout
+        assert f"- plot: none (--no-write; python tools/plot_metrics.py {out} draws it)" in result.stdout
     else:
         result = in_process(PLOT, str(out), "--output", str(tmp_path / "plot.png"))
         assert_ok(result)

@@ -29,12 +29,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only: no summary.md, no plot")
     args = parser.parse_args(argv)
     try:
-        text = format_summary(summarize(args.out_dir)) if args.no_write else write_summary(args.out_dir)
+        text = _printed_only(args.out_dir) if args.no_write else write_summary(args.out_dir)
     except (MetricsError, OSError) as e:
         print(f"summarize.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(text, end="")
     return 0
+
+
+def _printed_only(out_dir: str) -> str:
+    summary = summarize(out_dir)
+    summary.no_plot = f"--no-write; python tools/plot_metrics.py {out_dir} draws it"
+    return format_summary(summary)
 
 
 if __name__ == "__main__":
