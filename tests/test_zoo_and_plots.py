@@ -140,6 +140,28 @@ def test_plot_metrics_single_run_default_output(tmp_path: Path) -> None:
     _assert_png(run / "metrics.png")
 
 
+def test_every_curve_of_a_one_epoch_run_is_drawn_visibly(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from distribuuuu.records.plots import load_run, make_figure
+
+    records = [
+        _record(1, "train", 2.0, lr=0.1),
+        _record(1, "val", 1.8, weights="model"),
+        _record(1, "val", 1.6, weights="ema"),
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = load_run(str(tmp_path), None)
+    lines = [line for ax in make_figure(plt, [run]).axes for line in ax.get_lines()]
+    assert len(lines) == 7  # train and val loss; train, val and EMA top-1; lr; images/s
+    assert all(len(line.get_xdata()) == 1 and line.get_marker() not in (None, "", "None") for line in lines)
+    plt.close("all")
+
+
 def test_plot_metrics_missing_file_exits_2(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_run"
     proc = _run_plot(str(missing), "-o", str(tmp_path / "x.png"), tmp_path=tmp_path)

@@ -62,7 +62,8 @@ def xy(records: list[Record], key: str) -> tuple[list[float], list[float]]:
 def plot_series(ax: Any, records: list[Record], key: str, style: dict[str, Any]) -> None:
     xs, ys = xy(records, key)
     if xs:
-        ax.plot(xs, ys, **style)
+        one_point = {"marker": "o", "markersize": 4} if len(xs) == 1 else {}  # a line through one point is not drawn
+        ax.plot(xs, ys, **{**one_point, **style})
 
 
 def draw_run(axes: Any, run: RecordedRun, color: str) -> None:
