@@ -163,6 +163,16 @@ def test_local_mlflow_run_gets_the_metrics_jsonl_scalars_and_the_resume_continue
     assert sorted(losses) == sorted(windows) and all(abs(losses[s] - windows[s][0]) < 6e-5 for s in windows)
 
 
+def test_each_tracker_says_which_run_it_started_then_resumed_and_where(resumed_run):
+    if not TRACKERS:
+        pytest.skip("neither wandb nor mlflow is installed")
+    ids, log = json.loads((resumed_run / "trackers.json").read_text()), (resumed_run / "log.txt").read_text()
+    for name in TRACKERS:
+        said = re.findall(rf"LOG.TRACKERS: {name} run (\S+) (started|resumed), in (.+)", log)
+        assert [(run, verb) for run, verb, _ in said] == [(ids[name], "started"), (ids[name], "resumed")], said
+        assert str(resumed_run / ("wandb" if name == "wandb" else "mlruns")) in said[0][2], said
+
+
 def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_finishes(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError, as if not installed
     out = tmp_path / "out"

@@ -29,6 +29,8 @@ class Tracker(Protocol):
     """What the metrics writer needs of a tracker."""
 
     name: str
+    run_id: str
+    where: str  # where the run's data goes: a folder or the tracking URI
 
     def log(self, scalars: dict[str, float], axis: str, step: int) -> None: ...
 
@@ -56,6 +58,8 @@ class WandbTracker:
             dir=out_dir, mode=cfg.LOG.WANDB_MODE, config=cfg_dict(cfg), settings=settings,
         )  # fmt: skip
         self.run_id = self.run.id
+        offline = cfg.LOG.WANDB_MODE == "offline"
+        self.where = f"{self.run.dir}" + (" (offline: upload it with `wandb sync`)" if offline else "")
         # Each tag is plotted against its own axis, not W&B's internal step counter: a resumed
         # run may log an epoch again, which a monotonic `step=` would drop.
         for axis in ("epoch", "global_step"):
@@ -93,7 +97,7 @@ class MlflowTracker:
             experiment = self.client.get_experiment_by_name(cfg.LOG.PROJECT)
             exp_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.LOG.PROJECT)
             run_id, logged = self.client.create_run(exp_id, run_name=run_name(cfg, out_dir)).info.run_id, {}
-        self.run_id = run_id
+        self.run_id, self.where = run_id, uri
         # Params are immutable in MLflow: a resumed run adds the keys it lacks; config.yaml is the
         # artifact that always holds the latest merged config.
         params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg_dict(cfg)).items() if k not in logged]
@@ -133,6 +137,8 @@ class Trackers:
             except Exception as e:  # noqa: BLE001 - a tracker must never stop training
                 _warn(name, "could not start", e)
                 continue
+            verb = "resumed" if ids.get(name) == tracker.run_id else "started"
+            logger.info("LOG.TRACKERS: %s run %s %s, in %s", name, tracker.run_id, verb, tracker.where)
             ids[name] = tracker.run_id
             self.active.append(tracker)
         if self.active:
