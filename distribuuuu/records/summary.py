@@ -86,6 +86,12 @@ def format_summary(s: Summary) -> str:
             f"{s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
         )
     for weights, r in sorted(s.last.items()):
+        if "map" in r:  # MODEL.TASK multilabel: its metrics, not a top-1 of one label per image
+            lines.append(
+                f"- last val mAP ({weights}): {r['map']:.2f}% (F1 macro {r['f1_macro']:.2f}%, micro "
+                f"{r['f1_micro']:.2f}%, epoch {r['epoch']})"
+            )
+            continue
         topk = f"top-{r['k']} {r['topk']:.2f}%, " if "k" in r else ""
         lines.append(f"- last val top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']})")
     lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
