@@ -162,6 +162,19 @@ def test_every_curve_of_a_one_epoch_run_is_drawn_visibly(tmp_path: Path) -> None
     plt.close("all")
 
 
+def test_the_summary_of_an_evaluation_folder_gives_its_test_records_and_draws_no_empty_plot(tmp_path: Path) -> None:
+    from distribuuuu.records.summary import write_summary
+
+    tested = [_record(3, "test", 0.5, weights="model"), _record(3, "test", 0.4, weights="ema")]  # as test_net.py writes
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tested))
+    text = write_summary(str(tmp_path))
+    for r in tested:
+        said = f"- test (test_net.py) top-1 ({r['weights']}): {r['top1']:.2f}% (top-5 {r['topk']:.2f}%, epoch 3)"
+        assert said in text, text
+    assert "- plot: none (no training or validation records to draw)" in text
+    assert not (tmp_path / "metrics.png").exists()
+
+
 def test_plot_metrics_missing_file_exits_2(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_run"
     proc = _run_plot(str(missing), "-o", str(tmp_path / "x.png"), tmp_path=tmp_path)

@@ -28,6 +28,7 @@ class Summary:
     best: dict = field(default_factory=dict)  # the best val record by TRAIN.BEST_METRIC (model or EMA)
     best_metric: str = "top1"
     last: dict = field(default_factory=dict)  # weights ("model"/"ema") -> the last val record
+    tested: dict = field(default_factory=dict)  # weights -> the last test record (tools/test_net.py)
     train_s: float = 0.0
     val_s: float = 0.0
     images_per_s: float = 0.0  # training images over training time, all epochs
@@ -43,6 +44,7 @@ def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
     vals = {w: recs for (split, w), recs in series.items() if split == "val" and recs}
     s = Summary(out_dir=out_dir, epochs=len(train))
     s.last = {w: recs[-1] for w, recs in vals.items()}
+    s.tested = {w: recs[-1] for (split, w), recs in series.items() if split == "test" and recs}
     s.best_metric = best_metric_of(os.path.join(out_dir, "config.yaml"))
     field, lower_is_better = BEST_METRICS[s.best_metric]
     candidates = [r for recs in vals.values() for r in recs if field in r]
@@ -85,15 +87,8 @@ def format_summary(s: Summary) -> str:
             f"- best val {field} (TRAIN.BEST_METRIC): {s.best[field]:.4g} (top-1 {s.best['top1']:.2f}%, "
             f"{s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
         )
-    for weights, r in sorted(s.last.items()):
-        if "map" in r:  # MODEL.TASK multilabel: its metrics, not a top-1 of one label per image
-            lines.append(
-                f"- last val mAP ({weights}): {r['map']:.2f}% (F1 macro {r['f1_macro']:.2f}%, micro "
-                f"{r['f1_micro']:.2f}%, epoch {r['epoch']})"
-            )
-            continue
-        topk = f"top-{r['k']} {r['topk']:.2f}%, " if "k" in r else ""
-        lines.append(f"- last val top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']})")
+    lines += [_evaluation_line("last val", weights, r) for weights, r in sorted(s.last.items())]
+    lines += [_evaluation_line("test (test_net.py)", weights, r) for weights, r in sorted(s.tested.items())]
     lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
     lines.append(f"- training throughput: {s.images_per_s:.0f} images/s")
     lines.append(f"- plot: {s.plot}" if s.plot else f"- plot: none ({s.no_plot})")
@@ -102,12 +97,24 @@ def format_summary(s: Summary) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _evaluation_line(what: str, weights: str, r: dict) -> str:
+    if "map" in r:  # MODEL.TASK multilabel: its metrics, not a top-1 of one label per image
+        return (
+            f"- {what} mAP ({weights}): {r['map']:.2f}% (F1 macro {r['f1_macro']:.2f}%, micro {r['f1_micro']:.2f}%, "
+            f"epoch {r['epoch']})"
+        )
+    topk = f"top-{r['k']} {r['topk']:.2f}%, " if "k" in r else ""
+    return f"- {what} top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']})"
+
+
 def write_summary(out_dir: str, plot: bool = True) -> str:
     """Draw OUT_DIR/metrics.png (if ``plot`` and matplotlib is installed), write OUT_DIR/summary.md; return its text."""
     records = read_records(os.path.join(out_dir, METRICS_FILE))  # read once: a skipped line is one warning
     s = summarize(out_dir, records)
     if not plot:
         s.no_plot = f"LOG.PLOT False; python tools/plot_metrics.py {out_dir} draws it"
+    elif not s.epochs and not s.last:
+        s.no_plot = "no training or validation records to draw"
     else:
         try:
             s.plot = save_plot([load_run(out_dir, None, records)], os.path.join(out_dir, PLOT_FILE))
