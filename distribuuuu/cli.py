@@ -23,6 +23,7 @@ from distribuuuu.runtime.faults import CollectiveError, NonFiniteLossError
 from distribuuuu.runtime.launcher import SPAWN_ERROR_VAR, LaunchError, RankLaunchError, detect_env_rank, find_free_port
 from distribuuuu.runtime.preemption import INTERRUPT, PREEMPT_SIGNALS, Preempted
 from distribuuuu.runtime.process_group import cleanup_distributed
+from distribuuuu.startup import interrupted_while_starting
 
 EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
 EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher environment or checkpoint
@@ -69,6 +70,8 @@ def run_tool(
     except (ConfigError, CheckpointError) as e:
         _print_error(_one_line(e))
         return _exit_code(e)
+    except KeyboardInterrupt:  # test_net.py reads its checkpoint here: seconds, before anything is written
+        return interrupted_while_starting()
     if args.nproc > 1:
         return spawn(main, args.nproc, cfg)
     return run_main(main, cfg)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 # Exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it.
 EXIT_INTERRUPTED = 130
+# A terminal's Ctrl-C reaches every process of its group, and a launcher may pass the same one on:
+# signals this close to the first are that one Ctrl-C, not a second.
+SAME_CTRL_C_S = 1.0
 
 
 class CheckpointError(RuntimeError):

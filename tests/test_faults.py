@@ -43,10 +43,11 @@ from helpers import (
     torchrun,
 )
 
-from distribuuuu import cli, trainer
+from distribuuuu import cli, startup, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
 from distribuuuu.checkpointing.sharded import load_states, save_states
+from distribuuuu.config import ConfigError
 from distribuuuu.files import write_failure
 from distribuuuu.runtime import preemption
 from distribuuuu.runtime.launcher import find_free_port
@@ -304,11 +305,21 @@ def test_a_second_ctrl_c_stops_at_once_and_one_within_a_second_is_the_same_one(m
     assert signal.getsignal(signal.SIGINT) == handler._handle, "after the stop, Ctrl-C still reaches the handler"
 
 
-class _LoadingTorch(types.ModuleType):
-    """A module still loading when Ctrl-C comes: the SIGINT arrives as its names are read."""
+class _Loading(types.ModuleType):
+    """A module still loading when Ctrl-C comes: a SIGINT arrives as each name is read, ``apart_s``
+    after the previous one on ``clock``; what the SIGINT handler was then is kept in ``handlers``."""
+
+    def __init__(self, name: str, presses: int = 1, clock: list | None = None, apart_s: float = 0.0):
+        super().__init__(name)
+        self.presses, self.clock, self.apart_s, self.handlers = presses, clock or [0.0], apart_s, []
 
     def __getattr__(self, name: str):
-        signal.raise_signal(signal.SIGINT)
+        if name.startswith("__"):  # what tools such as inspect ask of any module: not a name being imported
+            raise AttributeError(name)
+        for _ in range(self.presses):
+            signal.raise_signal(signal.SIGINT)
+            self.handlers.append(signal.getsignal(signal.SIGINT))
+            self.clock[0] += self.apart_s
         return getattr(cli, name)
 
 
@@ -316,14 +327,49 @@ class _LoadingTorch(types.ModuleType):
 @pytest.mark.parametrize("tool", ["train_net.py", "test_net.py"])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_ctrl_c_while_torch_loads_is_one_line_from_rank_0_and_exit_130(monkeypatch, tool, rank):
-    monkeypatch.setitem(sys.modules, "distribuuuu.cli", _LoadingTorch("distribuuuu.cli"))
+    monkeypatch.setitem(sys.modules, "distribuuuu.cli", _Loading("distribuuuu.cli"))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's process (not nohup's)
     env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", MASTER_PORT="29500")
     result = in_process(str(REPO / "tools" / tool), env=env)
     assert (result.returncode, result.stdout) == (130, "")
     said = ["distribuuuu: interrupted (Ctrl-C) while starting; nothing saved"] if rank == 0 else []
     assert result.stderr.splitlines() == said
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Ctrl-C is the tool's again"
+
+
+@pytest.mark.usefixtures("own_signal_handlers")
+@pytest.mark.parametrize("before", ["a terminal's default", "ignored (nohup)"])
+def test_a_ctrl_c_during_the_import_is_held_to_its_end_unless_it_is_ignored(monkeypatch, before):
+    handler = signal.default_int_handler if before == "a terminal's default" else signal.SIG_IGN
+    loading = _Loading("distribuuuu.cli")
+    monkeypatch.setitem(sys.modules, "distribuuuu.cli", loading)
+    signal.signal(signal.SIGINT, handler)
+    if handler is signal.SIG_IGN:
+        assert startup.imported("distribuuuu.cli", "run_tool") is cli.run_tool  # as if nothing was pressed
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            startup.imported("distribuuuu.cli", "run_tool")
+        assert stopped.value.code == 130
+        assert loading.handlers[0] not in (signal.default_int_handler, signal.SIG_IGN, signal.SIG_DFL), "held"
+    assert signal.getsignal(signal.SIGINT) is handler, "put back after the import"
+
+
+@pytest.mark.usefixtures("own_signal_handlers")
+def test_a_second_ctrl_c_stops_an_import_that_hangs(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(startup.time, "monotonic", lambda: clock[0])
+    loading = _Loading("distribuuuu.cli", presses=3, clock=clock, apart_s=0.6)  # at 100, 100.6: one Ctrl-C
+    monkeypatch.setitem(sys.modules, "distribuuuu.cli", loading)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    with pytest.raises(KeyboardInterrupt):  # the third, at 101.2 s: more than a second after the first
+        startup.imported("distribuuuu.cli", "run_tool")
+    assert len(loading.handlers) == 2 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_tools_first_import_loads_no_torch():
+    """What startup.imported needs is imported before torch: only a fresh interpreter shows it."""
+    code = "import sys, distribuuuu.startup; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr[-2000:]
 
 
 _STOPPING_PROCESS = """
@@ -598,6 +644,25 @@ def test_train_net_refuses_malicious_weights_in_one_line(tmp_path, capsys):
     assert len(errors) == 1 and f"refusing to load {path}" in errors[0], err[-3000:]
     assert "Traceback" not in err and not marker.exists()
     assert not (tmp_path / "out" / "metrics.jsonl").exists(), "nothing trained"
+
+
+@pytest.mark.parametrize("failure", ["truncated", "EIO"])
+def test_a_checkpoint_a_key_names_is_bad_input_unless_the_machine_failed_to_read_it(tmp_path, monkeypatch, failure):
+    path = str(tmp_path / "ckpt.pth.tar")
+    save_checkpoint({"model": {"w": torch.zeros(4)}}, path)
+    if failure == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(100)
+    else:
+
+        def failing_disk(*args, **kwargs):
+            raise OSError(errno.EIO, "Input/output error")
+
+        monkeypatch.setattr(torch, "load", failing_disk)
+    raised = ConfigError if failure == "truncated" else CheckpointError  # exit 2, or a failed run's exit 1
+    with pytest.raises(raised) as caught, ckpt.named_by("MODEL.WEIGHTS"):
+        load_checkpoint(path)
+    assert type(caught.value) is raised and f"checkpoint {path} is unreadable" in str(caught.value)
 
 
 def test_flipped_bit_in_tensor_data_fails_the_checksum(tmp_path):

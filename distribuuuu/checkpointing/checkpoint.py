@@ -47,8 +47,9 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
     """
     path = os.fspath(path)
     if os.path.isdir(os.path.join(path, CKPT_DIR)):  # a run's folder, given where its checkpoint was meant
+        best = [os.path.join(path, b) for b in (BEST_NAME, BEST_SHARDED) if os.path.exists(os.path.join(path, b))]
         raise CheckpointError(
-            f"{path} is a run's OUT_DIR, not a checkpoint: give {os.path.join(path, BEST_NAME)} or one of "
+            f"{path} is a run's OUT_DIR, not a checkpoint: give {' or '.join([*best, 'one of'])} "
             f"{os.path.join(path, CKPT_DIR)}"
         )
     if os.path.isdir(path):
@@ -59,10 +60,13 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
 @contextlib.contextmanager
 def named_by(key: str) -> Iterator[None]:
     """A checkpoint a config key names that is not there, does not load or does not fit is bad input:
-    its CheckpointError becomes a ConfigError naming ``key`` (one line, exit 2)."""
+    its CheckpointError becomes a ConfigError naming ``key`` (one line, exit 2). One the machine
+    failed to read (an I/O error, no memory) stays what it is: a failed run, exit 1."""
     try:
         yield
     except CheckpointError as e:
+        if isinstance(e.__cause__, (OSError, MemoryError)):
+            raise
         raise ConfigError(f"{key}: {e}") from None
 
 

@@ -87,9 +87,9 @@ def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool 
             f"{refusal(path, e)}; if you trust its source, convert it once as docs/fault-tolerance.md ('Safe loading') shows"
         ) from None
     except Exception as e:
-        raise CheckpointError(
+        raise CheckpointError(  # its cause kept: an I/O error is the machine's, not the file's (named_by)
             f"checkpoint {path} is unreadable (truncated or corrupt?): {type(e).__name__}: {e}"
-        ) from None
+        ) from e
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} does not hold a dict")
     if verify and "checksum" in state and state_checksum(state) != state["checksum"]:

@@ -1,8 +1,8 @@
-"""Which launcher started this process (torchrun, MPI, Slurm or none) and where it sits: pure.
+"""Which launcher started this process (torchrun, --nproc's spawn, MPI, Slurm or none) and where it sits: pure.
 
 Reading the environment needs no process group; ``process_group.py`` builds on this, never the reverse.
-Nor does it need torch, which is imported where a device is made: a tool reads its rank while torch
-is still loading (``startup.py``).
+Importing this module does not import torch (``startup.py`` imports it before torch has loaded);
+making a DistEnv does, for its device.
 """
 
 from __future__ import annotations

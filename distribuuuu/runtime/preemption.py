@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-from distribuuuu.errors import EXIT_INTERRUPTED
+from distribuuuu.errors import EXIT_INTERRUPTED, SAME_CTRL_C_S
 from distribuuuu.logger import get_logger
 from distribuuuu.runtime.process_group import is_main_process
 
@@ -28,9 +28,6 @@ EXIT_PREEMPTED = 75
 
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
 INTERRUPT = "SIGINT"
-# A terminal's Ctrl-C reaches every process of its group, and a launcher may pass the same one on:
-# signals this close to the first are that one Ctrl-C, not a second.
-SAME_CTRL_C_S = 1.0
 
 
 class Preempted(Exception):
