@@ -72,10 +72,14 @@ def build_model(model_cfg: CfgNode) -> nn.Module:
             model = _create_timm(arch, weights, num_classes, kwargs)
         else:
             model = torchvision.models.get_model(arch, num_classes=num_classes, **kwargs)
+        if source == "torchvision" and weights is not None:
+            _load_torchvision_pretrained(model, arch, weights)
     except TypeError as e:  # a keyword the constructor does not take
         raise ConfigError(f"MODEL.KWARGS {model_cfg.KWARGS}: {arch} refuses them ({first_line(e)})") from None
-    if source == "torchvision" and weights is not None:
-        _load_torchvision_pretrained(model, arch, weights)
+    except _NotFetched as e:  # named by the key the user set: MODEL.PRETRAINED_WEIGHTS wins over MODEL.PRETRAINED
+        key = "MODEL.PRETRAINED_WEIGHTS" if model_cfg.PRETRAINED_WEIGHTS else "MODEL.PRETRAINED"
+        off = "''" if model_cfg.PRETRAINED_WEIGHTS else "False"
+        raise ConfigError(f"{key}: {e} or set {key} {off}") from None
     if model_cfg.ZERO_INIT_RESIDUAL and weights is None:  # pretrained scales are learned: kept
         zero_init_residual(model)
     if model_cfg.GRAD_CHECKPOINT:
@@ -90,15 +94,9 @@ def pretrained_weights(model_cfg: CfgNode) -> str | None:
     return "DEFAULT" if model_cfg.PRETRAINED else None
 
 
-def _pretrained_key(weights: str) -> str:
-    """The key that asked for ``weights`` (pretrained_weights' name): the one a load error names."""
-    return "MODEL.PRETRAINED" if weights == "DEFAULT" else "MODEL.PRETRAINED_WEIGHTS"
-
-
-_NO_PRETRAINED = {
-    "MODEL.PRETRAINED": "set MODEL.PRETRAINED False",
-    "MODEL.PRETRAINED_WEIGHTS": "set MODEL.PRETRAINED_WEIGHTS ''",
-}
+class _NotFetched(Exception):
+    """Pretrained weights that could not be loaded (an offline hub, a missing file): build_model names
+    the key that asked for them."""
 
 
 def timm_pretrained_cfg(model_cfg: CfgNode) -> dict | None:
@@ -133,9 +131,11 @@ def _create_timm(arch: str, weights: str | None, num_classes: int, kwargs: dict)
     try:
         return timm.create_model(name, pretrained=weights is not None, num_classes=num_classes, **kwargs)
     except (OSError, RuntimeError, ValueError) as e:  # offline hub, missing file
-        raise ConfigError(
-            f"{_pretrained_key(weights)}: could not load pretrained weights for {name!r} ({type(e).__name__}: "
-            f"{first_line(e)}); cache them with timm first or {_NO_PRETRAINED[_pretrained_key(weights)]}"
+        if weights is None:
+            raise  # not a download: timm's own error is the one to read
+        raise _NotFetched(
+            f"could not load pretrained weights for {name!r} ({type(e).__name__}: {first_line(e)}); cache them "
+            "with timm first"
         ) from None
 
 
@@ -155,10 +155,9 @@ def _load_torchvision_pretrained(model: nn.Module, arch: str, name: str = "DEFAU
     try:
         state = weights.get_state_dict(progress=False, check_hash=True)
     except Exception as e:
-        raise ConfigError(
-            f"{_pretrained_key(name)}: could not load pretrained weights for {arch!r} ({type(e).__name__}: "
-            f"{first_line(e)}); place the file under "
-            f"{torch.hub.get_dir()}/checkpoints or {_NO_PRETRAINED[_pretrained_key(name)]}"
+        raise _NotFetched(
+            f"could not load pretrained weights for {arch!r} ({type(e).__name__}: {first_line(e)}); place the "
+            f"file under {torch.hub.get_dir()}/checkpoints"
         ) from None
     own = model.state_dict()
     kept = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}

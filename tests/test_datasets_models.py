@@ -80,9 +80,12 @@ def test_pretrained_weights_that_cannot_be_fetched_are_a_clear_error(monkeypatch
     cfg = load_cfg(opts=["MODEL.PRETRAINED", "True"])
     with pytest.raises(ConfigError, match=r"^MODEL.PRETRAINED: could not load pretrained weights for 'resnet18'"):
         build_model(cfg.MODEL)
-    cfg = load_cfg(opts=["MODEL.PRETRAINED_WEIGHTS", "IMAGENET1K_V1"])  # the key the user set is the one named
-    with pytest.raises(ConfigError, match=r"^MODEL.PRETRAINED_WEIGHTS: could not .* set MODEL.PRETRAINED_WEIGHTS ''$"):
-        build_model(cfg.MODEL)
+    for weights in ("IMAGENET1K_V1", "DEFAULT"):  # the key the user set is the one named, whatever its value
+        cfg = load_cfg(opts=["MODEL.PRETRAINED_WEIGHTS", weights])
+        with pytest.raises(
+            ConfigError, match=r"^MODEL.PRETRAINED_WEIGHTS: could not .* set MODEL.PRETRAINED_WEIGHTS ''$"
+        ):
+            build_model(cfg.MODEL)
 
 
 def test_pretrained_weights_load_and_a_new_class_count_gets_a_new_head(monkeypatch):
