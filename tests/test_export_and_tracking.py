@@ -170,7 +170,18 @@ def test_each_tracker_says_which_run_it_started_then_resumed_and_where(resumed_r
     for name in TRACKERS:
         said = re.findall(rf"LOG.TRACKERS: {name} run (\S+) (started|resumed), in (.+)", log)
         assert [(run, verb) for run, verb, _ in said] == [(ids[name], "started"), (ids[name], "resumed")], said
-        assert str(resumed_run / ("wandb" if name == "wandb" else "mlruns")) in said[0][2], said
+        where = said[0][2]
+        if name == "wandb":  # the offline run's folder, the one `wandb sync` uploads
+            assert re.fullmatch(rf"{resumed_run}/wandb/offline-run-\S+-{ids[name]} \(offline: .*\)", where), where
+        else:
+            assert where == f"file:{resumed_run / 'mlruns'}", where
+
+
+def test_a_tracking_uri_is_logged_without_its_credentials():
+    from distribuuuu.records.tracking import _without_credentials
+
+    assert _without_credentials("https://me:s3cret@mlflow.example.com:5000/x") == "https://mlflow.example.com:5000/x"
+    assert _without_credentials("file:/runs/mlruns") == "file:/runs/mlruns"
 
 
 def test_a_tracker_that_is_not_installed_is_one_warning_and_the_run_finishes(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.parse
 from typing import Protocol
 
 import yaml
@@ -58,8 +59,10 @@ class WandbTracker:
             dir=out_dir, mode=cfg.LOG.WANDB_MODE, config=cfg_dict(cfg), settings=settings,
         )  # fmt: skip
         self.run_id = self.run.id
-        offline = cfg.LOG.WANDB_MODE == "offline"
-        self.where = f"{self.run.dir}" + (" (offline: upload it with `wandb sync`)" if offline else "")
+        if cfg.LOG.WANDB_MODE == "offline":  # the folder `wandb sync` takes
+            self.where = f"{self.run.sync_dir} (offline: upload it with `wandb sync {self.run.sync_dir}`)"
+        else:
+            self.where = self.run.url or self.run.sync_dir
         # Each tag is plotted against its own axis, not W&B's internal step counter: a resumed
         # run may log an epoch again, which a monotonic `step=` would drop.
         for axis in ("epoch", "global_step"):
@@ -97,7 +100,7 @@ class MlflowTracker:
             experiment = self.client.get_experiment_by_name(cfg.LOG.PROJECT)
             exp_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.LOG.PROJECT)
             run_id, logged = self.client.create_run(exp_id, run_name=run_name(cfg, out_dir)).info.run_id, {}
-        self.run_id, self.where = run_id, uri
+        self.run_id, self.where = run_id, _without_credentials(uri)
         # Params are immutable in MLflow: a resumed run adds the keys it lacks; config.yaml is the
         # artifact that always holds the latest merged config.
         params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg_dict(cfg)).items() if k not in logged]
@@ -113,6 +116,14 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def _without_credentials(uri: str) -> str:
+    """A tracking URI as the log may show it: a user:password@ in it left out."""
+    parts = urllib.parse.urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 _TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
