@@ -111,7 +111,7 @@ def test_best_n_ranks_by_the_named_metric_and_precise_bn_recomputes_the_statisti
         (["--best", "9"], "--best 9: only 3 epoch-end checkpoint(s)"),
         (
             ["--best", "1", "--weights", "ema"],
-            "val record of the ema weights (a run without EMA weights: OPTIM.EMA_DECAY 0)",
+            "val record of the ema weights (a run without EMA weights, OPTIM.EMA_DECAY 0, or none evaluated yet)",
         ),
     ],
 )

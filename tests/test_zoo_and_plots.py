@@ -175,6 +175,22 @@ def test_the_summary_of_an_evaluation_folder_gives_its_test_records_and_draws_no
     assert not (tmp_path / "metrics.png").exists()
 
 
+@pytest.mark.parametrize(
+    "metric, record, said",
+    [
+        ("top1", {"top1": 97.5}, "- best val top-1: 97.50% (ema weights, epoch 3)"),
+        ("loss", {"top1": 97.5, "loss": 0.125}, "- best val loss (TRAIN.BEST_METRIC): 0.125 (top-1 97.50%, ema weights, epoch 3)"),
+        ("map", {"top1": 40.0, "map": 91.25}, "- best val map (TRAIN.BEST_METRIC): 91.25 (ema weights, epoch 3)"),
+        ("f1_macro", {"top1": 40.0, "map": 91.25, "f1_macro": 80.5}, "- best val f1_macro (TRAIN.BEST_METRIC): 80.5 (mAP 91.25%, ema weights, epoch 3)"),
+    ],
+)  # fmt: skip
+def test_the_best_line_gives_the_best_metric_beside_the_runs_headline_metric(metric, record, said):
+    from distribuuuu.records.summary import Summary, format_summary
+
+    summary = Summary(out_dir="run", best={**record, "weights": "ema", "epoch": 3}, best_metric=metric)
+    assert said in format_summary(summary).splitlines()
+
+
 def test_plot_metrics_missing_file_exits_2(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_run"
     proc = _run_plot(str(missing), "-o", str(tmp_path / "x.png"), tmp_path=tmp_path)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distribuuuu.records.metrics_file import MetricsError  # noqa: E402
-from distribuuuu.records.summary import format_summary, summarize, write_summary  # noqa: E402
+from distribuuuu.records.summary import NOTHING_TO_DRAW, format_summary, summarize, write_summary  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 
@@ -39,7 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _printed_only(out_dir: str) -> str:
     summary = summarize(out_dir)
-    summary.no_plot = f"--no-write; python tools/plot_metrics.py {out_dir} draws it"
+    summary.no_plot = (
+        f"--no-write; python tools/plot_metrics.py {out_dir} draws it" if summary.drawable else NOTHING_TO_DRAW
+    )
     return format_summary(summary)
 
 

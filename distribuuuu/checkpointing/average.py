@@ -60,8 +60,8 @@ def best_checkpoints(
         raise CheckpointError(str(e)) from None
     rows = [r for r in records if r.get("split") == split and r.get("weights", "model") == weights]
     if not rows:
-        without = " (a run without EMA weights: OPTIM.EMA_DECAY 0)" if weights == "ema" else ""
-        raise CheckpointError(f"--weights {weights}: {path} has no {split} record of the {weights} weights{without}")
+        why = " (a run without EMA weights, OPTIM.EMA_DECAY 0, or none evaluated yet)" if weights == "ema" else ""
+        raise CheckpointError(f"{path} has no {split} record of the {weights} weights{why}")
     scored = [r for r in rows if isinstance(r.get(metric), (int, float))]
     if not scored:
         known = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k != "epoch"})

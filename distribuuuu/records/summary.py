@@ -28,7 +28,7 @@ class Summary:
     best: dict = field(default_factory=dict)  # the best val record by TRAIN.BEST_METRIC (model or EMA)
     best_metric: str = "top1"
     last: dict = field(default_factory=dict)  # weights ("model"/"ema") -> the last val record
-    tested: dict = field(default_factory=dict)  # weights -> the last test record (tools/test_net.py)
+    tested: dict = field(default_factory=dict)  # weights -> the last test record written (tools/test_net.py)
     train_s: float = 0.0
     val_s: float = 0.0
     images_per_s: float = 0.0  # training images over training time, all epochs
@@ -36,15 +36,24 @@ class Summary:
     plot: str = ""
     no_plot: str = PLOT_INSTALL  # why there is none: what the summary says instead
 
+    @property
+    def drawable(self) -> bool:
+        """Whether a plot would show anything: training or validation records (test ones are not drawn)."""
+        return bool(self.epochs or self.last)
+
+
+NOTHING_TO_DRAW = "no training or validation records to draw"
+
 
 def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
     """Summarise OUT_DIR's metrics.jsonl (or its ``records``, if already read; last record per epoch wins) and its config.yaml."""
-    series = dedupe(read_records(os.path.join(out_dir, METRICS_FILE)) if records is None else records)
+    records = read_records(os.path.join(out_dir, METRICS_FILE)) if records is None else records
+    series = dedupe(records)
     train = series.get(("train", "model"), [])
     vals = {w: recs for (split, w), recs in series.items() if split == "val" and recs}
     s = Summary(out_dir=out_dir, epochs=len(train))
     s.last = {w: recs[-1] for w, recs in vals.items()}
-    s.tested = {w: recs[-1] for (split, w), recs in series.items() if split == "test" and recs}
+    s.tested = {r.get("weights", "model"): r for r in records if r.get("split") == "test"}  # the last one written
     s.best_metric = best_metric_of(os.path.join(out_dir, "config.yaml"))
     field, lower_is_better = BEST_METRICS[s.best_metric]
     candidates = [r for recs in vals.values() for r in recs if field in r]
@@ -77,16 +86,8 @@ def changes_from_defaults(path: str) -> list[tuple[str, object, object]]:
 def format_summary(s: Summary) -> str:
     """The summary as short Markdown."""
     lines = [f"# Run summary: {s.out_dir}", "", f"- epochs trained: {s.epochs}"]
-    if s.best and s.best_metric == "top1":
-        lines.append(
-            f"- best val top-1: {s.best['top1']:.2f}% ({s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
-        )
-    elif s.best:
-        field, _ = BEST_METRICS[s.best_metric]
-        lines.append(
-            f"- best val {field} (TRAIN.BEST_METRIC): {s.best[field]:.4g} (top-1 {s.best['top1']:.2f}%, "
-            f"{s.best.get('weights', 'model')} weights, epoch {s.best['epoch']})"
-        )
+    if s.best:
+        lines.append(_best_line(s.best, s.best_metric))
     lines += [_evaluation_line("last val", weights, r) for weights, r in sorted(s.last.items())]
     lines += [_evaluation_line("test (test_net.py)", weights, r) for weights, r in sorted(s.tested.items())]
     lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
@@ -95,6 +96,18 @@ def format_summary(s: Summary) -> str:
     lines += ["", "## Config changes from the defaults", ""]
     lines += [f"- `{k}`: {v!r} (default {d!r})" for k, d, v in s.config_changes] or ["- none"]
     return "\n".join(lines) + "\n"
+
+
+def _best_line(best: dict, metric: str) -> str:
+    """The best val record by TRAIN.BEST_METRIC, beside the run's headline metric: mAP for a
+    multi-label run (MODEL.TASK multilabel), top-1 otherwise."""
+    where = f"{best.get('weights', 'model')} weights, epoch {best['epoch']}"
+    headline = "map" if "map" in best else "top1"
+    if metric == headline == "top1":
+        return f"- best val top-1: {best['top1']:.2f}% ({where})"
+    field, _ = BEST_METRICS[metric]
+    beside = "" if field == headline else f"{'mAP' if headline == 'map' else 'top-1'} {best[headline]:.2f}%, "
+    return f"- best val {field} (TRAIN.BEST_METRIC): {best[field]:.4g} ({beside}{where})"
 
 
 def _evaluation_line(what: str, weights: str, r: dict) -> str:
@@ -113,8 +126,8 @@ def write_summary(out_dir: str, plot: bool = True) -> str:
     s = summarize(out_dir, records)
     if not plot:
         s.no_plot = f"LOG.PLOT False; python tools/plot_metrics.py {out_dir} draws it"
-    elif not s.epochs and not s.last:
-        s.no_plot = "no training or validation records to draw"
+    elif not s.drawable:
+        s.no_plot = NOTHING_TO_DRAW
     else:
         try:
             s.plot = save_plot([load_run(out_dir, None, records)], os.path.join(out_dir, PLOT_FILE))
