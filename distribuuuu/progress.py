@@ -26,10 +26,10 @@ def show_progress_bar(enabled: bool, stream: TextIO | None = None) -> bool:
 
 def format_bar(w: dict, width: int = 24) -> str:
     """``epoch 1/2 [#######.......]  10/25  loss 2.1043  1234 img/s  eta 0:00:12``."""
-    done = int(width * w["step"] / max(w["steps_per_epoch"], 1))
+    done = int(width * w["step"] / max(w["last_step"], 1))
     return (
         f"epoch {w['epoch']}/{w['max_epoch']} [{'#' * done}{'.' * (width - done)}] "
-        f"{w['step']}/{w['steps_per_epoch']}  loss {w['loss']:.4f}  {w['images_per_s']:.0f} img/s  eta {w['eta']}"
+        f"{w['step']}/{w['last_step']}  loss {w['loss']:.4f}  {w['images_per_s']:.0f} img/s  eta {w['eta']}"
     )
 
 
@@ -48,7 +48,7 @@ class ProgressBarHandler(logging.StreamHandler):
             else:
                 self.bar = format_bar(window)
                 self.stream.write(_CLEAR + self.bar)
-                if window["step"] == window["steps_per_epoch"]:
+                if window["step"] == window["last_step"]:
                     self.stream.write("\n")  # the finished epoch's bar stays on screen
                     self.bar = ""
             self.flush()

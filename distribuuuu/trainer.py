@@ -166,7 +166,7 @@ def train_epoch(run: Run, epoch: int) -> dict:
         checkpoint_due = t.CKPT_PERIOD_ITERS and (step + 1) % t.CKPT_PERIOD_ITERS == 0
         checkpoint_due = checkpoint_due and step + 1 < end
         if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == end or checkpoint_due:
-            totals = sync_point(run, window, window_losses, epoch, (step + 1, end), clock)
+            totals = sync_point(run, window, window_losses, epoch, step + 1, end, clock)
             epoch_sums.add_totals(totals)
             if totals["stop"]:
                 position = f"epoch {run.state.epoch + 1}, step {run.state.step_in_epoch}"
@@ -203,15 +203,12 @@ def _with_context(e: RuntimeError, run: Run, epoch: int, step: int) -> RuntimeEr
     return collective_error(e, run.env.rank, run.env.world_size, what, run.cfg.DIST.TIMEOUT_S)
 
 
-def sync_point(
-    run: Run, window: MetricSums, window_losses: list, epoch: int, steps: tuple[int, int], clock: dict
-) -> dict:
+def sync_point(run: Run, window: MetricSums, window_losses: list, epoch: int, step: int, end: int, clock: dict) -> dict:
     """Reduce the window's metrics over ranks (one all-reduce), check them, log them, reset.
 
-    ``steps``: the step just taken and the epoch's last one, steps_per_epoch except in an epoch
+    ``step``: the step just taken; ``end``: the epoch's last, steps_per_epoch except in an epoch
     resumed with another global batch, whose step numbers go on from the checkpoint's.
     """
-    step, end = steps
     window.add_field("stop", float(run.preempt is not None and run.preempt.requested))
     window.add_field("interrupt", float(run.preempt is not None and run.preempt.interrupted))
     try:

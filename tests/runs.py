@@ -29,11 +29,11 @@ def ema_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
-    """config/digits_recipe.yaml (resnet18, 12 epochs, ddp) under torchrun, 2 processes, reading a packed
-    copy of data/digits (the data extra) from an HTTP server on 127.0.0.1, up for the session; read by
-    the accuracy and fine-tuning tests. ddp: fsdp trains its weights (test_fsdp.py), ddp is faster.
-    Returns (OUT_DIR, the finished process, the data keys)."""
-    pytest.importorskip("webdataset") and pytest.importorskip("wids")
+    """config/digits_recipe.yaml (12 epochs, ddp: faster, and fsdp trains its weights) under torchrun, 2
+    processes, reading packed digits (the data extra) from an HTTP server on 127.0.0.1, up for the session:
+    read by the accuracy and fine-tuning tests. Returns (OUT_DIR, the finished process, the data keys)."""
+    pytest.importorskip("webdataset")
+    pytest.importorskip("wids")
     root = tmp_path_factory.mktemp("digits_recipe_packed")
     packed, out = root / "packed", root / "out"
     assert_ok(in_process(str(REPO / "tools" / "pack_dataset.py"), str(REPO / "data" / "digits"), str(packed)))

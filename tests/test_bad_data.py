@@ -14,6 +14,7 @@ from PIL import Image
 
 from distribuuuu import cli, trainer
 from distribuuuu.data import load_image
+from distribuuuu.data.errors import DataError, import_extra
 
 DIGITS = REPO / "data" / "digits"
 PER_CLASS = {"train": 8, "val": 2}
@@ -152,3 +153,13 @@ def test_training_from_packed_shards_without_wids_is_one_line_naming_the_extra(t
         f"distribuuuu: error: reading the packed dataset {tmp_path} needs wids: pip install 'distribuuuu[data]'"
     ]
     assert "Traceback" not in result.stderr
+
+
+def test_an_installed_extra_that_fails_to_import_keeps_its_own_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "webdataset", None)  # not installed: the extra's line
+    with pytest.raises(DataError, match=r"^packing here needs webdataset: pip install 'distribuuuu\[data\]'$"):
+        import_extra("webdataset", "packing here", "data")
+    (tmp_path / "broken_extra.py").write_text("import a_dependency_it_lacks\n")  # installed, its dependency not
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="a_dependency_it_lacks"):
+        import_extra("broken_extra", "packing here", "data")

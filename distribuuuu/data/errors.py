@@ -15,8 +15,11 @@ class BadImageError(RuntimeError):
 
 
 def import_extra(module: str, what: str, extra: str) -> ModuleType:
-    """``module``, or a DataError naming ``what`` needs it and the extra that installs it."""
+    """``module``, or a DataError naming ``what`` needs it and the extra that installs it. An
+    installed module that fails to import (a dependency of its own missing) keeps its own error."""
     try:
         return importlib.import_module(module)
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
         raise DataError(f"{what} needs {module}: pip install 'distribuuuu[{extra}]'") from None

@@ -34,7 +34,7 @@ def log_train_window(
     skipped = int(totals["skipped_steps"])
     what = "fp16 overflow steps skipped" if fp16 else "non-finite steps skipped"
     bar = {
-        "epoch": epoch + 1, "max_epoch": cfg.OPTIM.MAX_EPOCH, "step": step, "steps_per_epoch": last_step,
+        "epoch": epoch + 1, "max_epoch": cfg.OPTIM.MAX_EPOCH, "step": step, "last_step": last_step,
         "loss": totals["loss"], "images_per_s": images_per_s, "eta": hms(eta_s),
     }  # fmt: skip
     logger.info(
