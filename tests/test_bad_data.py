@@ -69,7 +69,10 @@ def test_truncated_image_stops_the_run_naming_its_path(bad_tree, tmp_path, worke
 def test_bad_image_skip_drops_and_counts_it_and_ignores_non_images(bad_tree, tmp_path):
     root, _ = bad_tree
     out = tmp_path / "out"
-    assert_ok(_train(root, out, "DATA.BAD_IMAGE", "skip"))
+    result = _train(root, out, "DATA.BAD_IMAGE", "skip")
+    assert_ok(result)
+    warned = [line for line in (result.stdout + result.stderr).splitlines() if "unreadable image" in line]
+    assert len(warned) == 1 and "training, epoch 1: skipped 1 unreadable image(s)" in warned[0], warned
     train = [r for r in read_metrics(out) if r["split"] == "train"]
     # The epoch visits every file once: the bad JPEG is skipped once, notes.txt never loaded.
     assert [(r["skipped_images"], r["samples"]) for r in train] == [(1, GOOD_TRAIN)]

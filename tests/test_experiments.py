@@ -34,7 +34,8 @@ from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError, map_classes
-from distribuuuu.runtime.launcher import find_free_port
+from distribuuuu.data.loader import build_val_split
+from distribuuuu.runtime.launcher import DistEnv, find_free_port
 from distribuuuu.runtime.process_group import cleanup_distributed
 from distribuuuu.training.resume import find_checkpoint_to_resume
 
@@ -186,6 +187,24 @@ def test_unknown_or_missing_classes_are_one_error_unless_the_overlap_is_asked_fo
     ):
         map_classes(["a", "b", "x"], ["a", "b", "c"], where="val")
     assert map_classes(["a", "b", "x"], ["a", "b", "c"], overlap=True) == {0: 0, 1: 1}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_val_folder_with_one_class_more_than_the_model_is_matched_by_name_not_counted(tmp_path, overlap):
+    """3 classes trained, 4 val folders: the unknown one is named (or left out under
+    TEST.CLASS_OVERLAP), not blamed on MODEL.NUM_CLASSES."""
+    for name, digit in {"cat": "0", "dog house": "1", "zebra": "2", "lion": "3"}.items():
+        shutil.copytree(DIGITS / "val" / digit, tmp_path / "val" / name)
+    opts = ["MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "2", "TEST.DATASET", str(tmp_path), "TRAIN.WORKERS", "0"]
+    cfg = load_cfg(None, [*opts, "TEST.CLASS_OVERLAP", str(overlap)])
+    model_classes = ["cat", "dog house", "zebra"]
+    if not overlap:
+        with pytest.raises(DataError, match=r"not among the model's \['lion'\], no folder for \[\]"):
+            build_val_split(cfg, DistEnv(), model_classes)
+        return
+    split = build_val_split(cfg, DistEnv(), model_classes)
+    known = sum(len(list((DIGITS / "val" / d).glob("*.png"))) for d in "012")
+    assert sum(len(targets) for _, targets, _ in split.loader) == known
 
 
 def _twelve_class_tree(root: Path, names: list[str]) -> Path:

@@ -114,14 +114,16 @@ def annotation_spec(cfg: CfgNode, train: bool) -> AnnotationSpec | None:
     return AnnotationSpec(ann_file, cfg.DATA.ANN_HEADER, classes_file, label_sep)
 
 
-def _base(cfg: CfgNode, root: str, split: str, train: bool) -> tuple[Dataset, list[str]]:
+def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = False) -> tuple[Dataset, list[str]]:
+    """The split's dataset and classes. Its classes must fit MODEL.NUM_CLASSES unless ``matched``:
+    a val split matched to the model's classes by name, where map_classes names any difference."""
     if cfg.MODEL.DUMMY_INPUT:
         size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(cfg.MODEL.NUM_CLASSES)]
         seed = cfg.RNG_SEED + (0 if train else 1)
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
     spec = annotation_spec(cfg, train)
     base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec)
-    if len(classes) > cfg.MODEL.NUM_CLASSES:
+    if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
         where = os.path.join(root, spec.file) if spec else f"{root}/{split}"
         raise ConfigError(
             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {where} has {len(classes)} {'classes' if spec else 'class folders'}"
@@ -331,7 +333,7 @@ def build_val_split(
     name: see data/classes.py.
     """
     root = root or cfg.TEST.DATASET
-    base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False)
+    base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
         spec = annotation_spec(cfg, train=False)
         where = os.path.join(root, spec.file) if spec else f"{root}/{cfg.TEST.SPLIT}"

@@ -11,7 +11,7 @@ import os
 
 from yacs.config import CfgNode
 
-from distribuuuu.logger import get_logger
+from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.progress import WINDOW
 from distribuuuu.records.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
 from distribuuuu.records.multilabel import FIELDS as MULTILABEL_FIELDS
@@ -64,6 +64,7 @@ def write_train_record(
     writer, epoch: int, totals: dict, k: int | None, lr: float, step: int, fp16: bool, im_size: int
 ) -> None:
     """Append the epoch's training line (``epoch`` 1-based; ``im_size``, the crop it trained at) to metrics.jsonl."""
+    warn_skipped_images("training", epoch, totals)
     skipped = int(totals["skipped_steps"])
     writer.write(
         {
@@ -87,6 +88,7 @@ def write_train_record(
 
 def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int | None, weights: str = "model") -> None:
     """Append an evaluation line (val or test) to metrics.jsonl."""
+    warn_skipped_images(f"{split} ({weights} weights)", epoch, totals)
     writer.write(
         {
             "epoch": epoch,
@@ -102,6 +104,15 @@ def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int | Non
             "skipped_images": int(totals["skipped_images"]),
         }
     )
+
+
+def warn_skipped_images(what: str, epoch: int, totals: dict) -> None:
+    """One warning (rank 0's: the totals are reduced) for the images DATA.BAD_IMAGE skip skipped."""
+    if int(totals["skipped_images"]):
+        logger.warning(
+            "%s, epoch %d: skipped %d unreadable image(s) (DATA.BAD_IMAGE skip; skipped_images in metrics.jsonl)",
+            what, epoch, int(totals["skipped_images"]), extra=SAME_ON_EVERY_RANK,
+        )  # fmt: skip
 
 
 def multilabel_text(totals: dict, digits: int = 2) -> str:
