@@ -34,7 +34,7 @@ from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError, map_classes
-from distribuuuu.data.loader import build_val_split
+from distribuuuu.data.loader import build_train_split, build_val_split
 from distribuuuu.runtime.launcher import DistEnv, find_free_port
 from distribuuuu.runtime.process_group import cleanup_distributed
 from distribuuuu.training.resume import find_checkpoint_to_resume
@@ -205,6 +205,17 @@ def test_a_val_folder_with_one_class_more_than_the_model_is_matched_by_name_not_
     split = build_val_split(cfg, DistEnv(), model_classes)
     known = sum(len(list((DIGITS / "val" / d).glob("*.png"))) for d in "012")
     assert sum(len(targets) for _, targets, _ in split.loader) == known
+
+
+def test_a_head_larger_than_the_training_classes_is_one_warning_with_the_count_to_set(tmp_path, caplog):
+    for name, digit in {"cat": "0", "dog house": "1", "zebra": "2"}.items():
+        shutil.copytree(DIGITS / "train" / digit, tmp_path / "train" / name)
+    cfg = load_cfg(None, ["TRAIN.DATASET", str(tmp_path), "TRAIN.WORKERS", "0", "TRAIN.BATCH_SIZE", "8"])  # 10 classes
+    with caplog.at_level("WARNING", logger="distribuuuu"):
+        build_train_split(cfg, DistEnv())
+    [said] = [r.getMessage() for r in caplog.records if "MODEL.NUM_CLASSES" in r.getMessage()]
+    assert f"MODEL.NUM_CLASSES is 10 but {tmp_path}/train has 3 classes: 7 outputs never train" in said
+    assert "set MODEL.NUM_CLASSES 3" in said
 
 
 def _twelve_class_tree(root: Path, names: list[str]) -> Path:

@@ -44,8 +44,11 @@ from distribuuuu.data.transforms import (
     build_train_transform,
     build_val_transform,
 )
+from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.preemption import ignore_preemption_signals
+
+logger = get_logger("data")
 
 
 @dataclass
@@ -123,11 +126,18 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = Fals
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
     spec = annotation_spec(cfg, train)
     base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec)
+    where = os.path.join(root, spec.file) if spec else f"{root}/{split}"
     if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
-        where = os.path.join(root, spec.file) if spec else f"{root}/{split}"
         raise ConfigError(
             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {where} has {len(classes)} {'classes' if spec else 'class folders'}"
         )
+    if train and len(classes) < cfg.MODEL.NUM_CLASSES:  # allowed (a head kept for later classes), rarely meant
+        logger.warning(
+            "MODEL.NUM_CLASSES is %d but %s has %d classes: %d outputs never train, and predict.py and export.py "
+            "refuse the checkpoint; set MODEL.NUM_CLASSES %d unless that head is wanted",
+            cfg.MODEL.NUM_CLASSES, where, len(classes), cfg.MODEL.NUM_CLASSES - len(classes), len(classes),
+            extra=SAME_ON_EVERY_RANK,
+        )  # fmt: skip
     return base, classes
 
 
