@@ -72,7 +72,7 @@ _C.TRAIN.IM_SIZE = 32
 # "cifar10:<root>" / "cifar100:<root>" with torchvision's extracted on-disk files, or a packed
 # dataset (tools/pack_dataset.py: SPLIT/index.json + WebDataset shards) as a folder or a URL
 # (http(s)://, or s3:// gs:// az:// with the cloud extra; credentials from the environment),
-# or a Hugging Face image dataset saved with save_to_disk (SPLIT/state.json; needs `datasets`)
+# or a Hugging Face image dataset saved with save_to_disk (SPLIT/state.json, an Image and a ClassLabel column; needs `datasets`)
 _C.TRAIN.DATASET = "data/digits"
 # Split folder under TRAIN.DATASET
 _C.TRAIN.SPLIT = "train"

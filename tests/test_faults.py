@@ -43,7 +43,7 @@ from helpers import (
     torchrun,
 )
 
-from distribuuuu import cli, startup, trainer
+from distribuuuu import cli, startup, trainer, utils
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.checkpoint import CheckpointError, find_resumable, load_checkpoint, save_checkpoint
 from distribuuuu.checkpointing.sharded import load_states, save_states
@@ -663,6 +663,15 @@ def test_a_checkpoint_a_key_names_is_bad_input_unless_the_machine_failed_to_read
     with pytest.raises(raised) as caught, ckpt.named_by("MODEL.WEIGHTS"):
         load_checkpoint(path)
     assert type(caught.value) is raised and f"checkpoint {path} is unreadable" in str(caught.value)
+
+
+def test_the_original_distribuuuus_load_checkpoint_call_says_how_to_load_a_model(tmp_path):
+    path = str(tmp_path / "ckpt.pth.tar")
+    model = torch.nn.Linear(2, 2)
+    save_checkpoint({"model": model.state_dict()}, path)
+    with pytest.raises(TypeError, match=r"model.load_state_dict\(load_checkpoint\(path\)\['model'\]\)"):
+        utils.load_checkpoint(path, model)  # the original's (path, model): a model is no map_location
+    model.load_state_dict(utils.load_checkpoint(path)["model"])  # what the message says works
 
 
 def test_flipped_bit_in_tensor_data_fails_the_checksum(tmp_path):

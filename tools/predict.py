@@ -242,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PredictError, CheckpointError, ConfigError, DataError, BadImageError) as e:
         print(f"predict.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # the reader stopped reading (`| head`): it has the lines it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush writes nowhere
     return 0
 
 

@@ -45,6 +45,11 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
     A sharded checkpoint (a ``.dcp`` directory) is read whole into this process, as the state a
     single file would hold: every tool that takes a checkpoint file takes one.
     """
+    if isinstance(map_location, torch.nn.Module):  # the original Distribuuuu's load_checkpoint(path, model)
+        raise TypeError(
+            "load_checkpoint(path, map_location) returns the checkpoint's dict: load a model with "
+            "model.load_state_dict(load_checkpoint(path)['model'])"
+        )
     path = os.fspath(path)
     if os.path.isdir(os.path.join(path, CKPT_DIR)):  # a run's folder, given where its checkpoint was meant
         best = [os.path.join(path, b) for b in (BEST_NAME, BEST_SHARDED) if os.path.exists(os.path.join(path, b))]
