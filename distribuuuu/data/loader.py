@@ -68,8 +68,9 @@ class DeviceLoader:
     augments each batch there first, on a thread one batch ahead when there are workers
     (prefetch.py: with none, the dataset's seeded draws run in this process and must not race the
     training thread's). Float batches (already normalised by the batched resample) pass as they
-    are. ``len``, ``sampler``, ``batch_size`` ... are the wrapped loader's. timm's PrefetchLoader idea without its side stream: the non-blocking copy
-    frees the host at once but queues behind the step's kernels on the default stream; a uint8
+    are. ``len``, ``sampler``, ``batch_size`` ... are the wrapped loader's. timm's PrefetchLoader
+    idea without its side stream: the non-blocking copy frees the host at once but queues behind
+    the step's kernels on the default stream; a uint8
     batch is a quarter of float32's bytes, small against a training step. ``epoch_transforms``:
     the batched decoder's transform under progressive resizing, told the sampler's epoch as each
     epoch's iteration starts (the decoder transforms here, in this process)."""
@@ -126,19 +127,29 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = Fals
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
     spec = annotation_spec(cfg, train)
     base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec)
-    where = os.path.join(root, spec.file) if spec else f"{root}/{split}"
     if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
         raise ConfigError(
-            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {where} has {len(classes)} {'classes' if spec else 'class folders'}"
+            f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {_location(cfg, root, split, train)} has "
+            f"{len(classes)} {'classes' if spec else 'class folders'}"
         )
-    if train and len(classes) < cfg.MODEL.NUM_CLASSES:  # allowed (a head kept for later classes), rarely meant
+    return base, classes
+
+
+def _location(cfg: CfgNode, root: str, split: str, train: bool) -> str:
+    """What the messages call a split: its annotation file, or its folder."""
+    spec = annotation_spec(cfg, train)
+    return os.path.join(root, spec.file) if spec else f"{root}/{split}"
+
+
+def _warn_if_head_too_large(cfg: CfgNode, classes: list[str]) -> None:
+    """More outputs than training classes is allowed (a head kept for later classes), rarely meant."""
+    if len(classes) < cfg.MODEL.NUM_CLASSES:
         logger.warning(
             "MODEL.NUM_CLASSES is %d but %s has %d classes: %d outputs never train, and predict.py and export.py "
             "refuse the checkpoint; set MODEL.NUM_CLASSES %d unless that head is wanted",
-            cfg.MODEL.NUM_CLASSES, where, len(classes), cfg.MODEL.NUM_CLASSES - len(classes), len(classes),
-            extra=SAME_ON_EVERY_RANK,
+            cfg.MODEL.NUM_CLASSES, _location(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, True), len(classes),
+            cfg.MODEL.NUM_CLASSES - len(classes), len(classes), extra=SAME_ON_EVERY_RANK,
         )  # fmt: skip
-    return base, classes
 
 
 def _targets_for_task(cfg: CfgNode, base: Dataset) -> Dataset:
@@ -200,6 +211,7 @@ def _loader(
 def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
     base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+    _warn_if_head_too_large(cfg, classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else _train_transform(cfg)
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
@@ -345,8 +357,7 @@ def build_val_split(
     root = root or cfg.TEST.DATASET
     base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
-        spec = annotation_spec(cfg, train=False)
-        where = os.path.join(root, spec.file) if spec else f"{root}/{cfg.TEST.SPLIT}"
+        where = _location(cfg, root, cfg.TEST.SPLIT, train=False)
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
