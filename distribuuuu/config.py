@@ -456,12 +456,6 @@ class ConfigError(ValueError):
     """A config value or config file is invalid; the message names the key or file."""
 
 
-def global_batch(train_cfg: CN, world_size: int = 1) -> int:
-    """Samples one optimizer step takes: TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS on each of ``world_size``
-    ranks (the global batch; ``world_size`` 1: one rank's share)."""
-    return train_cfg.BATCH_SIZE * train_cfg.ACCUM_STEPS * world_size
-
-
 def get_cfg_defaults() -> CN:
     """Return a fresh copy of the default config."""
     return _C.clone()
@@ -699,7 +693,7 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TRAIN.PRECISION", _choice(PRECISIONS)),
     ("TRAIN.CLIP_GRAD_NORM", _NON_NEGATIVE),
     ("TRAIN.LABEL_SMOOTHING", _between(0, 1, hi_open=True)),
-    ("TRAIN.LOSS", _choice(("ce", "bce"))),
+    ("TRAIN.LOSS", ((lambda v, c: v in _loss_names()), lambda: f"must be one of {_loss_names()}")),
     ("TRAIN.BCE_TARGET_THRESHOLD", _between(0, 1, hi_open=True)),
     ("TRAIN.CLASS_WEIGHTS", _choice(("none", "balanced"))),
     ("TRAIN.SAMPLER", _choice(SAMPLERS)),
@@ -834,7 +828,7 @@ def validate_cfg(c: CN) -> None:
     for key, (test, what) in _RULES:
         value = _get(c, key)
         if not test(value, c):
-            raise ConfigError(f"{key} {what}, got {value!r}")
+            raise ConfigError(f"{key} {what() if callable(what) else what}, got {value!r}")
 
 
 def _get(c: CN, key: str) -> Any:
@@ -878,6 +872,14 @@ def _ascending_positive(steps: list) -> bool:
 
 def _nesterov_ok(o: CN) -> bool:
     return o.MOMENTUM > 0 and o.DAMPENING == 0
+
+
+def _loss_names() -> tuple[str, ...]:
+    """TRAIN.LOSS's names: the losses' own registry (``losses.LOSSES``), imported only to validate a
+    config (it imports torch; a tool that only reads the config stays light)."""
+    from distribuuuu.losses import LOSSES
+
+    return tuple(LOSSES)
 
 
 def _has_decode_jpeg() -> bool:

@@ -20,7 +20,7 @@ from helpers import DUMMY_OPTS, TINY_ARCH
 from distribuuuu import cli, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.background_write import BackgroundWriter, host_copy
-from distribuuuu.runtime.preemption import EXIT_PREEMPTED
+from distribuuuu.runtime.preemption import EXIT_PREEMPTED, PreemptionHandler
 from distribuuuu.training import resume as state
 
 pytestmark = pytest.mark.usefixtures("plain_logging")
@@ -189,13 +189,19 @@ def test_training_goes_on_while_a_checkpoint_is_written_one_at_a_time_and_the_ru
 @pytest.mark.parametrize("fmt", ["file", "sharded"])
 def test_a_preemption_waits_for_the_write_in_flight_then_writes_its_own_before_exiting(tmp_path, monkeypatch, fmt):
     gate = GatedWrites(monkeypatch, steps_per_write=100)  # released only by the trainer's wait
-    gated_step = trainer.train_step
+    gated_step, handlers, real_enter = trainer.train_step, [], PreemptionHandler.__enter__
+
+    def enter(handler: PreemptionHandler) -> PreemptionHandler:
+        handlers.append(handler)
+        return real_enter(handler)
 
     def train_step(run, micro_batches, sums):
         loss = gated_step(run, micro_batches, sums)
         if run.global_step + 1 == 4:  # a preemption signal's flag (the handler's timer left out)
-            run.preempt.signal_name = "SIGTERM"
+            handlers[-1].signal_name = "SIGTERM"
         return loss
+
+    monkeypatch.setattr(PreemptionHandler, "__enter__", enter)
 
     real_stop = trainer.stop_for_preemption
 

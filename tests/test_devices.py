@@ -11,7 +11,7 @@ from torch import nn
 from distribuuuu.config import load_cfg
 from distribuuuu.data import build_train_split
 from distribuuuu.runtime.launcher import DistEnv
-from distribuuuu.training import run as run_setup
+from distribuuuu.training import parallelize
 
 
 def _count(model: nn.Module, kind: type) -> int:
@@ -20,9 +20,9 @@ def _count(model: nn.Module, kind: type) -> int:
 
 def test_syncbn_on_cpu_with_several_ranks_keeps_batchnorm_and_warns(monkeypatch):
     warnings: list[str] = []
-    monkeypatch.setattr(run_setup.logger, "warning", lambda msg, *a: warnings.append(msg % a if a else msg))
+    monkeypatch.setattr(parallelize.logger, "warning", lambda msg, *a: warnings.append(msg % a if a else msg))
     cfg = load_cfg(opts=["MODEL.SYNCBN", "True"])
-    model = run_setup.build_model_for(cfg, DistEnv(rank=0, world_size=2, launcher="torchrun"))
+    model = parallelize.build_model_for(cfg, DistEnv(rank=0, world_size=2, launcher="torchrun"))
     assert _count(model, nn.SyncBatchNorm) == 0 and _count(model, nn.BatchNorm2d) > 0
     assert len(warnings) == 1 and "MODEL.SYNCBN ignored" in warnings[0]
 

@@ -29,12 +29,11 @@ from torch import nn
 from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
+from distribuuuu.losses import DistillationLoss
 from distribuuuu.models import build_model
 from distribuuuu.records.meters import MetricSums
-from distribuuuu.records.writer import NullWriter
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.distillation import weights_digest
-from distribuuuu.training.losses import DistillationLoss
 
 # The tiny CNN for one epoch of 4 steps on synthetic 16 px images, with mixup and cutmix: their
 # draws take part, so a teacher that moved the global RNG would show.
@@ -143,7 +142,7 @@ def test_alpha_0_trains_the_weights_of_a_run_without_teacher_bit_for_bit(tmp_pat
 
 def test_teacher_sees_the_students_mixed_images_and_its_weights_stay_unchanged(tmp_path, teachers):
     cfg = load_cfg(None, [*TINY_RUN, "OUT_DIR", str(tmp_path), "DISTILL.TEACHER", str(teachers["a"])])
-    run = trainer.build_run(cfg, DistEnv(), NullWriter())
+    run = trainer.build_run(cfg, DistEnv())
     seen: dict[str, list] = {"teacher": [], "student": []}
     run.teacher.module.register_forward_hook(lambda m, args, out: seen["teacher"].append(args[0].clone()))
     run.forward_model.register_forward_hook(lambda m, args, out: seen["student"].append(args[0].clone()))

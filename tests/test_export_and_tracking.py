@@ -583,8 +583,7 @@ def test_the_loop_with_a_real_writer_and_the_bar_syncs_only_at_sync_points(tmp_p
     try:
         with hot.one_rank_group():
             run_ = hot.with_batches(hot._digits_run(hot.DistEnv()), batches)
-            run_.writer = writer
-            calls = hot.record_epoch(run_)
+            calls = hot.record_epoch(run_, writer=writer)
     finally:
         writer.close()
         for handler in list(log.handlers):

@@ -21,13 +21,13 @@ from distribuuuu.data.samplers import WeightedDistributedSampler
 from distribuuuu.logger import setup_logging
 from distribuuuu.models import register_model
 from distribuuuu.records.meters import MetricSums
-from distribuuuu.records.writer import NullWriter
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.trainer import train_epoch, train_step
 from distribuuuu.training.optim import lr_at, set_lr
 from distribuuuu.training.resume import load_weights
 from distribuuuu.training.rng import seed_everything
 from distribuuuu.training.run import build_run
+from distribuuuu.training.session import Session
 
 NUM_LAYERS = 3
 
@@ -67,7 +67,7 @@ def _run(*opts: str):
         ]
     )  # fmt: skip
     seed_everything(cfg.RNG_SEED)
-    return build_run(cfg, DistEnv(), NullWriter())
+    return build_run(cfg, DistEnv())
 
 
 def _vit_layer(name: str) -> int:
@@ -91,7 +91,7 @@ def test_layer_decay_and_head_multiplier_give_each_parameter_its_closed_form_lr_
         lambda opt, args, kwargs: seen.append({names[id(p)]: g["lr"] for g in opt.param_groups for p in g["params"]})
     )
     for epoch in range(2):
-        train_epoch(run, epoch)
+        train_epoch(run, Session(run.cfg, env=run.env), epoch)
         run.state = run.at_step(epoch + 1, 0)  # as train_epochs starts the next epoch
     assert len(seen) == 2 * run.steps_per_epoch == 24
     for step, lrs in enumerate(seen):
@@ -107,7 +107,7 @@ def test_layer_decay_and_head_multiplier_give_each_parameter_its_closed_form_lr_
 def test_the_logged_lr_is_the_schedules_not_the_first_groups_scaled_lr(caplog):
     run = _run("MODEL.ARCH", "wiring_vit", "OPTIM.LAYER_DECAY", "0.5", "OPTIM.WARMUP_EPOCHS", "0.0")
     with caplog.at_level("INFO", logger="distribuuuu.trainer"):
-        train_epoch(run, 0)
+        train_epoch(run, Session(run.cfg, env=run.env), 0)
     logged = [float(line.split(" lr ")[1].split()[0]) for line in caplog.messages if " lr " in line]
     expected = [lr_at(s - 1, run.steps_per_epoch, run.cfg.OPTIM) for s in (4, 8, 12)]
     assert logged == pytest.approx(expected, rel=1e-4)  # printed with 5 significant digits
@@ -125,7 +125,7 @@ def test_frozen_parameters_are_left_out_of_the_optimizer_and_stay_bit_identical(
     assert not any(id(params[n]) in in_optimizer for n in frozen)
     assert len(in_optimizer) == len(params) - len(frozen)
     before = {n: p.detach().clone() for n, p in params.items()}
-    train_epoch(run, 0)
+    train_epoch(run, Session(run.cfg, env=run.env), 0)
     assert all(torch.equal(params[n], value) for n, value in frozen.items())
     assert not torch.equal(params["fc.weight"], before["fc.weight"])  # the rest did train
 

@@ -39,7 +39,6 @@ from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
 from distribuuuu.models import register_model
-from distribuuuu.records.writer import NullWriter
 from distribuuuu.runtime import process_group as D
 from distribuuuu.runtime.launcher import (
     DistEnv,
@@ -85,7 +84,7 @@ def _tensors(obj):
 # ------------------------------------------------------------------------------------------------
 def test_resume_hands_the_rng_restore_cpu_states_whatever_the_runs_device(tmp_path, monkeypatch, plain_logging):
     cfg = load_cfg(None, ["MODEL.ARCH", "paths_tiny", "OUT_DIR", str(tmp_path), *TINY[2:]])
-    saved = run_setup.build_run(cfg, DistEnv(), NullWriter())
+    saved = run_setup.build_run(cfg, DistEnv())
     saved.state.step_in_epoch = 3
     state.save_training_checkpoint(saved)
     handed: list[dict] = []

@@ -24,9 +24,9 @@ from torch import nn
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
 from distribuuuu.models import register_model
-from distribuuuu.records.writer import NullWriter
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed, setup_distributed
+from distribuuuu.training.session import Session
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
@@ -83,7 +83,7 @@ def digits_batches() -> list:
 
 def _digits_run(env: DistEnv, precision: str = "fp32") -> trainer.Run:
     torch.manual_seed(0)
-    run = trainer.build_run(hot_loop_cfg(env.world_size, precision), env, NullWriter())
+    run = trainer.build_run(hot_loop_cfg(env.world_size, precision), env)
     run.train.sampler.set_epoch(0)
     return run
 
@@ -117,11 +117,13 @@ def recording(run: trainer.Run):
             setattr(owner, name, fn)
 
 
-def record_epoch(run: trainer.Run, start: int = 0) -> list[tuple[str, str, int]]:
-    """Train one epoch from step ``start`` while recording collectives and host syncs."""
+def record_epoch(run: trainer.Run, start: int = 0, writer=None) -> list[tuple[str, str, int]]:
+    """Train one epoch from step ``start`` while recording collectives and host syncs (records to ``writer``)."""
     run.state = run.at_step(0, start)
+    session = Session(run.cfg, env=run.env)
+    session.writer = writer or session.writer
     with recording(run) as calls:
-        trainer.train_epoch(run, 0)
+        trainer.train_epoch(run, session, 0)
     return list(calls)
 
 

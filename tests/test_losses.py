@@ -7,10 +7,18 @@ import math
 import pytest
 import torch
 
+from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data.samplers import inverse_frequency_weights
-from distribuuuu.training.losses import BinaryCrossEntropy, build_criterion
+from distribuuuu.losses import LOSSES, BinaryCrossEntropy
+from distribuuuu.training.task import MultiClass
 
 LOGITS = torch.tensor([[2.0, -1.0, 0.5], [0.0, 1.5, -2.0]])
+
+
+def build_criterion(loss: str, label_smoothing: float = 0.0, bce_target_threshold=None, class_weights=None):
+    """A multi-class task's TRAIN.LOSS for LOGITS' 3 classes, as training builds it."""
+    weights = None if class_weights is None else torch.tensor(class_weights)
+    return MultiClass(3).criterion(loss, label_smoothing, bce_target_threshold, weights)
 
 
 def _bce_by_hand(logits, targets, weights=(1.0, 1.0, 1.0)) -> float:
@@ -59,13 +67,19 @@ def test_class_weighted_cross_entropy_is_the_weighted_mean_of_negative_log_likel
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
-def test_cross_entropy_keeps_label_smoothing_and_unknown_losses_are_errors():
+def test_cross_entropy_keeps_label_smoothing():
     loss = build_criterion("ce", label_smoothing=0.3)(LOGITS, torch.tensor([0, 1]))
     logp = torch.log_softmax(LOGITS.double(), dim=1)
     target = torch.tensor([[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]], dtype=torch.float64)
     assert loss.item() == pytest.approx(-(target * logp).sum(1).mean().item(), rel=1e-6)
-    with pytest.raises(ValueError, match="loss must be one of"):
-        build_criterion("focal")
+
+
+def test_the_config_takes_the_loss_registrys_names_and_refuses_others(monkeypatch):
+    assert load_cfg(None, ["TRAIN.LOSS", "bce"]).TRAIN.LOSS == "bce"
+    with pytest.raises(ConfigError, match=r"TRAIN.LOSS must be one of \('ce', 'bce'\), got 'focal'"):
+        load_cfg(None, ["TRAIN.LOSS", "focal"])
+    monkeypatch.setitem(LOSSES, "focal", BinaryCrossEntropy)  # a loss registered is a loss the config takes
+    assert load_cfg(None, ["TRAIN.LOSS", "focal"]).TRAIN.LOSS == "focal"
 
 
 def test_inverse_frequency_weights_are_balanced_and_reject_empty_classes():

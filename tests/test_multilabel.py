@@ -21,9 +21,9 @@ from distribuuuu.config import load_cfg
 from distribuuuu.data import load_image
 from distribuuuu.data.samplers import ExactEvalSampler
 from distribuuuu.data.transforms import build_batch_mixer, build_val_transform
+from distribuuuu.losses import MultiLabelBCE
 from distribuuuu.models import build_model
 from distribuuuu.records.multilabel import MultiLabelSums, metrics_from_counts, score_levels
-from distribuuuu.training.losses import MultiLabelBCE
 
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).
 pytestmark = pytest.mark.usefixtures("plain_logging")

@@ -25,6 +25,7 @@ from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.progressive import schedule_sizes, schedule_text, train_size
 from distribuuuu.data.transforms import build_normalize, build_train_transform
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training import parallelize
 from distribuuuu.training import run as run_setup
 
 DIGITS = str(REPO / "data" / "digits")
@@ -210,7 +211,7 @@ def _graphs_for_sizes(cfg, sizes: list[int], monkeypatch) -> int:
     torch._dynamo.reset()
     counters.clear()
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.AdaptiveAvgPool2d(1))
-    compiled = run_setup.wrap_model(model, cfg, DistEnv())
+    compiled = parallelize.wrap_model(model, cfg, DistEnv())
     for size in sizes:
         compiled(torch.randn(2, 3, size, size)).sum().backward()
     graphs = counters["stats"]["unique_graphs"]

@@ -38,10 +38,9 @@ from distribuuuu.config import get_cfg_defaults, load_cfg  # noqa: E402
 from distribuuuu.data import build_batch_mixer  # noqa: E402
 from distribuuuu.ema import ModelEMA  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
-from distribuuuu.records.writer import NullWriter  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.runtime.process_group import cleanup_distributed  # noqa: E402
-from distribuuuu.training import run as run_setup  # noqa: E402
+from distribuuuu.training import parallelize  # noqa: E402
 from distribuuuu.training.optim import LARS, build_optimizer, lr_at, optimizer_groups, scaled_base_lr  # noqa: E402
 
 DIGITS = REPO / "data" / "digits"
@@ -109,7 +108,7 @@ def _local_state_elements(optimizer: torch.optim.Optimizer) -> int:
 
 def _install_counters() -> None:
     """Wrap the trainer's DDP wrap and optimizer step with counters."""
-    wrap_model, optimizer_step = run_setup.wrap_model, trainer.optimizer_step
+    wrap_model, optimizer_step = parallelize.wrap_model, trainer.optimizer_step
 
     def counting_wrap(model, cfg, env):
         wrapped = wrap_model(model, cfg, env)
@@ -128,7 +127,7 @@ def _install_counters() -> None:
         if run.ema is not None:
             STATS["ema"] = torch.cat([v.double().flatten() for v in run.ema.module.state_dict().values()]).tolist()
 
-    run_setup.wrap_model, trainer.optimizer_step = counting_wrap, counting_step
+    parallelize.wrap_model, trainer.optimizer_step = counting_wrap, counting_step
 
 
 def worker(mode: str, argv: list[str]) -> int:
@@ -163,7 +162,7 @@ def make_run(tmp_path: Path, *opts: str) -> trainer.Run:
     """A training Run of the tiny model on data/digits in this process, seeded."""
     cfg = load_cfg(None, [*TINY, "OUT_DIR", str(tmp_path), *opts])
     torch.manual_seed(0)
-    return trainer.build_run(cfg, DistEnv(), NullWriter())
+    return trainer.build_run(cfg, DistEnv())
 
 
 def micro_batches(run: trainer.Run, count: int) -> list:
@@ -537,11 +536,11 @@ def worker_run(out_dir: Path, *opts: str, mode: str = "train", launch: bool = Fa
     if launch:
         result = run(python(WORKER, *args), timeout=timeout)
     else:
-        counted = run_setup.wrap_model, trainer.optimizer_step  # the worker's counters wrap them: put back after
+        counted = parallelize.wrap_model, trainer.optimizer_step  # the worker's counters wrap them: put back after
         try:
             result = in_process(WORKER, *args)
         finally:
-            run_setup.wrap_model, trainer.optimizer_step = counted
+            parallelize.wrap_model, trainer.optimizer_step = counted
     assert_ok(result)
     return result, json.loads((out_dir / f"stats_{mode}.rank0.json").read_text())
 

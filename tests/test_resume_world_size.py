@@ -40,11 +40,12 @@ from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import get_cfg_defaults, load_cfg
 from distribuuuu.models import register_model
-from distribuuuu.records.writer import NullWriter
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training import resume as state
 from distribuuuu.training import run as run_setup
 from distribuuuu.training.optim import lr_at
+from distribuuuu.training.session import Session
+from distribuuuu.training.state import Run
 
 DIGITS = REPO / "data" / "digits"
 BATCH, ACCUM = 16, 2
@@ -223,10 +224,10 @@ def resume_edge_cnn(num_classes: int = 10, pretrained: bool = False) -> nn.Modul
     )
 
 
-def _edge_run(tmp_path: Path, *opts: str) -> run_setup.Run:
+def _edge_run(tmp_path: Path, *opts: str) -> Run:
     edge = ["MODEL.ARCH", "resume_edge_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.WORKERS", "0"]
     cfg = load_cfg(None, [*edge, "TRAIN.BATCH_SIZE", str(BATCH), "OUT_DIR", str(tmp_path), *opts])
-    return run_setup.build_run(cfg, DistEnv(), NullWriter())
+    return run_setup.build_run(cfg, DistEnv())
 
 
 def test_a_checkpoint_without_a_sample_position_resumes_at_its_steps_times_its_global_batch(tmp_path, caplog):
@@ -271,7 +272,7 @@ def test_an_epoch_resumed_with_another_global_batch_counts_to_its_own_last_step(
     saved.update(step_in_epoch=7, samples_in_epoch=7 * BATCH * ACCUM * 2, global_batch=BATCH * ACCUM * 2, world_size=2)
     state.restore_progress(run, saved)
     with caplog.at_level("INFO", logger="distribuuuu.trainer"):
-        trainer.train_epoch(run, 0)
+        trainer.train_epoch(run, Session(run.cfg, env=run.env), 0)
     windows = re.findall(r"step (\d+)/(\d+) .* eta (\S+)", caplog.text)
     last = 7 + (1436 - 7 * BATCH * ACCUM * 2) // BATCH
     assert [(int(s), int(n)) for s, n, _ in windows] == [(20, last), (40, last), (60, last), (last, last)]

@@ -16,10 +16,10 @@ from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing import sharded as shards
 from distribuuuu.config import load_cfg
 from distribuuuu.models import build_model, register_model
-from distribuuuu.records.writer import NullWriter
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training import resume as state
 from distribuuuu.training import run as run_setup
+from distribuuuu.training.state import Run
 
 
 @register_model("run_state_cnn")
@@ -40,11 +40,11 @@ class Counter:
         self.count = state_dict["count"]
 
 
-def _run(out: Path, fmt: str, seed: int, arch: str = "run_state_cnn") -> run_setup.Run:
+def _run(out: Path, fmt: str, seed: int, arch: str = "run_state_cnn") -> Run:
     torch.manual_seed(seed)
     opts = ["MODEL.ARCH", arch, "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "TRAIN.WORKERS", "0"]
     opts += ["OPTIM.EMA_DECAY", "0.9", "DIST.CKPT_FORMAT", fmt, "OUT_DIR", str(out)]
-    return run_setup.build_run(load_cfg(None, opts), DistEnv(), NullWriter())
+    return run_setup.build_run(load_cfg(None, opts), DistEnv())
 
 
 @pytest.mark.parametrize("fmt", ["file", "sharded"])

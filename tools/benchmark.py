@@ -40,13 +40,12 @@ from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
-from distribuuuu.config import ConfigError, global_batch, load_cfg  # noqa: E402
+from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
 from distribuuuu.data import DataError, build_train_split, build_train_transform, jpeg, load_image  # noqa: E402
 from distribuuuu.data.transforms import build_normalize  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
-from distribuuuu.records.writer import NullWriter  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv, LaunchError  # noqa: E402
 from distribuuuu.runtime.parallel import autocast, gradient_sync, local_state_bytes, to_device  # noqa: E402
 from distribuuuu.runtime.process_group import (  # noqa: E402
@@ -60,6 +59,8 @@ from distribuuuu.training import run as run_setup  # noqa: E402
 from distribuuuu.training.evaluation import validate  # noqa: E402
 from distribuuuu.training.optim import LAMB, LARS, freeze, lr_at, optimizer_groups, set_lr  # noqa: E402
 from distribuuuu.training.rng import seed_everything  # noqa: E402
+from distribuuuu.training.session import Session  # noqa: E402
+from distribuuuu.training.state import Run, global_batch  # noqa: E402
 
 WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
@@ -201,12 +202,12 @@ def timed(fn: Callable[[], object], env: DistEnv) -> float:
 # ------------------------------------------------------------------------------------------------
 # Training: the trainer's own loop and a hand-written one
 # ------------------------------------------------------------------------------------------------
-def framework_epoch(run: run_setup.Run, steps: int, epoch: int) -> None:
+def framework_epoch(run: Run, steps: int, epoch: int) -> None:
     """An epoch of train_net.py (its last ``steps`` steps; 0: all) through the trainer's public
     ``train_one_epoch``: the DataLoader's start, the sync points, the epoch boundary."""
     steps = min(steps or run.steps_per_epoch, run.steps_per_epoch)
     run.move_to(epoch % run.cfg.OPTIM.MAX_EPOCH, run.steps_per_epoch - steps)
-    trainer.train_one_epoch(run, run.state.epoch)
+    trainer.train_one_epoch(run, Session(run.cfg, env=run.env), run.state.epoch)
 
 
 class PlainLoop:
@@ -220,7 +221,7 @@ class PlainLoop:
     its resumable sampler and device-side normalisation) is counted as the trainer's cost.
     """
 
-    def __init__(self, run: run_setup.Run):
+    def __init__(self, run: Run):
         cfg, env = run.cfg, run.env
         self.cfg, self.env = cfg, env
         model = build_model(cfg.MODEL).to(env.device)
@@ -300,7 +301,7 @@ class _Transformed(torch.utils.data.Dataset):
         return self.transform(image), target
 
 
-def plain_dataset(run: run_setup.Run) -> torch.utils.data.Dataset:
+def plain_dataset(run: Run) -> torch.utils.data.Dataset:
     """The run's training images for the plain loop: the synthetic uint8 tensors as they are
     (normalised on the device), else the same decoded images through the same training
     transforms, normalised (as a tutorial's loader does)."""
@@ -310,13 +311,13 @@ def plain_dataset(run: run_setup.Run) -> torch.utils.data.Dataset:
     return _Transformed(base, build_train_transform(run.cfg, normalize=True))
 
 
-def build_bench_run(cfg: CfgNode, env: DistEnv) -> run_setup.Run:
-    """A run_setup.Run exactly as train_model builds it (no checkpoint, no OUT_DIR)."""
+def build_bench_run(cfg: CfgNode, env: DistEnv) -> Run:
+    """A Run exactly as train_model builds it (no checkpoint, no OUT_DIR)."""
     seed_everything(cfg.RNG_SEED + env.rank)
-    return run_setup.build_run(cfg, env, NullWriter())
+    return run_setup.build_run(cfg, env)
 
 
-def measure_training(run: run_setup.Run, bench, report: Report, with_framework: bool, with_plain: bool) -> None:
+def measure_training(run: Run, bench, report: Report, with_framework: bool, with_plain: bool) -> None:
     """Time framework and plain repetitions alternately (ABBA order); report both and their ratio."""
     cfg, env = run.cfg, run.env
     steps = min(bench.steps or run.steps_per_epoch, run.steps_per_epoch)
@@ -375,7 +376,7 @@ def measure_training(run: run_setup.Run, bench, report: Report, with_framework: 
         )
 
 
-def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
+def measure_breakdown(run: Run, env: DistEnv, bench, report: Report) -> None:
     """Time the parts of a trainer step: data wait, forward+backward, exposed all-reduce, optimizer step.
 
     Each part starts after a barrier, so a slow rank's delay is not charged to the next part. The
@@ -425,7 +426,7 @@ def measure_breakdown(run: run_setup.Run, env: DistEnv, bench, report: Report) -
     )
 
 
-def _forward_backward(run: run_setup.Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
+def _forward_backward(run: Run, images: torch.Tensor, targets: torch.Tensor, sync: bool, out: dict) -> None:
     """One forward and backward through the trainer's model, with or without DDP's gradient all-reduce."""
     run.optimizer.zero_grad(set_to_none=True)
     teacher = [out["teacher_logits"]] if run.teacher is not None else []  # timed apart: _teacher_forward
@@ -436,13 +437,13 @@ def _forward_backward(run: run_setup.Run, images: torch.Tensor, targets: torch.T
     out.update(logits=logits.detach(), loss=loss.detach())
 
 
-def _teacher_forward(run: run_setup.Run, images: torch.Tensor, out: dict) -> None:
+def _teacher_forward(run: Run, images: torch.Tensor, out: dict) -> None:
     """DISTILL.TEACHER's forward as the trainer's step runs it: under the student's autocast, no gradients."""
     with autocast(run.cfg.TRAIN.PRECISION, run.env.device):
         out["teacher_logits"] = run.teacher(images).float()
 
 
-def _bookkeeping(run: run_setup.Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
+def _bookkeeping(run: Run, sums: MetricSums, out: dict, targets: torch.Tensor) -> None:
     """What train_epoch does per step besides compute: the LR schedule and the metric sums."""
     set_lr(run.optimizer, lr_at(run.global_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
     sums.add(out["loss"], out["logits"], targets)
@@ -474,7 +475,7 @@ def measure_variants(cfg_args, env: DistEnv, bench, report: Report) -> None:
             )
 
 
-def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
+def measure_memory(run: Run, env: DistEnv, bench, report: Report) -> None:
     """The configured DIST.STRATEGY (and OPTIM.ZERO): bytes each rank holds, peak memory, trainer img/s.
 
     Parameters, gradients (after a backward, before the step frees them) and optimizer state
@@ -508,7 +509,7 @@ def measure_memory(run: run_setup.Run, env: DistEnv, bench, report: Report) -> N
     )
 
 
-def measure_eval(run: run_setup.Run, env: DistEnv, bench, report: Report) -> None:
+def measure_eval(run: Run, env: DistEnv, bench, report: Report) -> None:
     """trainer.validate throughput on the synthetic val split (one warm-up pass)."""
     validate(run.eval_model, run.val, run.cfg, env)
     rates = [validate(run.eval_model, run.val, run.cfg, env)["images_per_s"] for _ in range(bench.repeats)]

@@ -58,7 +58,6 @@ from distribuuuu.data.transforms import build_normalize  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
-from distribuuuu.records.writer import NullWriter  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv, LaunchError, detect_env, detect_env_rank  # noqa: E402
 from distribuuuu.runtime.process_group import (  # noqa: E402
     all_gather_object,
@@ -69,9 +68,11 @@ from distribuuuu.runtime.process_group import (  # noqa: E402
     cleanup_distributed,
     setup_distributed,
 )
+from distribuuuu.training import parallelize  # noqa: E402
 from distribuuuu.training import run as run_setup  # noqa: E402
 from distribuuuu.training.resume import resume_or_load_weights, save_training_checkpoint  # noqa: E402
 from distribuuuu.training.rng import seed_everything  # noqa: E402
+from distribuuuu.training.state import Run  # noqa: E402
 
 EXIT_FAILED, EXIT_NOTHING_TO_CHECK = 1, 2
 DIGITS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "digits")
@@ -192,15 +193,15 @@ def make_cfg(ctx: Context, name: str, *opts: str):
     return load_cfg(None, [*base, *opts])
 
 
-def build_tiny_run(ctx: Context, name: str, *opts: str) -> tuple[run_setup.Run, list]:
+def build_tiny_run(ctx: Context, name: str, *opts: str) -> tuple[Run, list]:
     """The trainer's Run for the tiny model (DDP when there are several ranks) and one fixed batch."""
     cfg = make_cfg(ctx, name, "MODEL.ARCH", TINY, "OPTIM.BASE_LR", "0.1", *opts)
     seed_everything(cfg.RNG_SEED + ctx.env.rank)
-    run = run_setup.build_run(cfg, ctx.env, NullWriter())
+    run = run_setup.build_run(cfg, ctx.env)
     return run, [next(iter(run.train.loader))]
 
 
-def train_steps(run: run_setup.Run, batch: list, steps: int) -> list[float]:
+def train_steps(run: Run, batch: list, steps: int) -> list[float]:
     """Train ``steps`` steps of the trainer's own train_step on one batch; return the losses."""
     sums = MetricSums(run.env.device, run.cfg.TRAIN.TOPK)
     return [trainer.train_step(run, batch, sums).item() for _ in range(steps)]
@@ -317,7 +318,7 @@ def check_all_reduce(ctx: Context) -> str:
 def check_syncbn_conversion(ctx: Context) -> str:
     """MODEL.SYNCBN converts every BatchNorm of the model on CUDA."""
     needs_cuda(ctx)
-    model = run_setup.build_model_for(make_cfg(ctx, "syncbn", "MODEL.SYNCBN", "True"), ctx.env)
+    model = parallelize.build_model_for(make_cfg(ctx, "syncbn", "MODEL.SYNCBN", "True"), ctx.env)
     kinds = [type(m) for m in model.modules()]
     synced, plain = kinds.count(nn.SyncBatchNorm), kinds.count(nn.BatchNorm2d)
     expect(synced > 0 and plain == 0, f"{synced} SyncBatchNorm, {plain} BatchNorm2d left")

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError, global_batch
+from distribuuuu.config import ConfigError
 from distribuuuu.data import remote
 from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
@@ -216,7 +216,7 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)  # how its keys' rounds count epochs
-    rank_batch = global_batch(cfg.TRAIN)  # one rank's share of an optimizer step
+    rank_batch = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS  # one rank's share of an optimizer step
     if len(sampler) < rank_batch:
         raise ConfigError(
             f"TRAIN.BATCH_SIZE x TRAIN.ACCUM_STEPS ({rank_batch}) "

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from distribuuuu.config import BEST_METRICS, config_diff, get_cfg_defaults
+from distribuuuu.config import config_diff, get_cfg_defaults
 from distribuuuu.records.metrics_file import METRICS_FILE, Record, read_records
 from distribuuuu.records.plots import PLOT_INSTALL, dedupe, load_run, save_plot
 
@@ -54,11 +54,8 @@ def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
     s = Summary(out_dir=out_dir, epochs=len(train))
     s.last = {w: recs[-1] for w, recs in vals.items()}
     s.tested = {r.get("weights", "model"): r for r in records if r.get("split") == "test"}  # the last one written
-    s.best_metric = best_metric_of(os.path.join(out_dir, "config.yaml"))
-    field, lower_is_better = BEST_METRICS[s.best_metric]
-    candidates = [r for recs in vals.values() for r in recs if field in r]
-    pick = min if lower_is_better else max
-    s.best = pick(candidates, key=lambda r: r[field], default={})
+    s.best = best_record([r for r in records if r.get("split") == "val"])
+    s.best_metric = s.best.get("best", "top1")
     s.train_s = sum(r["time_s"] for r in train)
     s.val_s = sum(r["time_s"] for recs in vals.values() for r in recs)
     s.images_per_s = sum(r["samples"] for r in train) / s.train_s if s.train_s else 0.0
@@ -66,13 +63,14 @@ def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
     return s
 
 
-def best_metric_of(path: str) -> str:
-    """The run's TRAIN.BEST_METRIC, from its config.yaml (top1 without one)."""
-    if not os.path.isfile(path):
-        return "top1"
-    with open(path) as f:
-        metric = ((yaml.safe_load(f) or {}).get("TRAIN") or {}).get("BEST_METRIC", "top1")
-    return metric if metric in BEST_METRICS else "top1"
+def best_record(val_records: list[Record]) -> Record:
+    """The val record the run chose as its best: the last one written marked ``best`` (by
+    TRAIN.BEST_METRIC, as the trainer's ``Best`` decided); in a run recorded before records were
+    marked, the best top-1."""
+    marked = [r for r in val_records if r.get("best")]
+    if marked:
+        return marked[-1]
+    return max((r for r in val_records if "top1" in r), key=lambda r: r["top1"], default={})
 
 
 def changes_from_defaults(path: str) -> list[tuple[str, object, object]]:
@@ -105,7 +103,7 @@ def _best_line(best: dict, metric: str) -> str:
     headline = "map" if "map" in best else "top1"
     if metric == headline == "top1":
         return f"- best val top-1: {best['top1']:.2f}% ({where})"
-    field, _ = BEST_METRICS[metric]
+    field = metric  # each best metric is the record's field of its name
     beside = "" if field == headline else f"{'mAP' if headline == 'map' else 'top-1'} {best[headline]:.2f}%, "
     return f"- best val {field} (TRAIN.BEST_METRIC): {best[field]:.4g} ({beside}{where})"
 

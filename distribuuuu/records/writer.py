@@ -86,8 +86,11 @@ def write_train_record(
     )
 
 
-def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int | None, weights: str = "model") -> None:
-    """Append an evaluation line (val or test) to metrics.jsonl."""
+def write_eval_record(
+    writer, split: str, epoch: int, totals: dict, k: int | None, weights: str = "model", best: str | None = None
+) -> None:
+    """Append an evaluation line (val or test) to metrics.jsonl; ``best``: the metric (TRAIN.BEST_METRIC)
+    by which this evaluation is the run's new best, which the summary reads back."""
     warn_skipped_images(f"{split} ({weights} weights)", epoch, totals)
     writer.write(
         {
@@ -102,7 +105,16 @@ def write_eval_record(writer, split: str, epoch: int, totals: dict, k: int | Non
             "time_s": totals["time_s"],
             "samples": int(totals["samples"]),
             "skipped_images": int(totals["skipped_images"]),
+            **({"best": best} if best else {}),
         }
+    )
+
+
+def evaluation_line(what: str, totals: dict, k: int | None) -> str:
+    """An evaluation's log line: ``what``, then its loss, top-1 (and top-k), mAP and F1 (multi-label), speed."""
+    return (
+        f"{what}: loss {totals['loss']:.4f}  top1 {totals['top1_acc']:.2f}{topk_text(k, totals['topk_acc'])}"
+        f"{multilabel_text(totals)}  ({totals['samples']:.0f} images, {totals['images_per_s']:.0f} img/s)"
     )
 
 

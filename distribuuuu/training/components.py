@@ -22,7 +22,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.checkpointing import sharded as shards
 from distribuuuu.checkpointing.single_file import model_state_from
-from distribuuuu.config import ConfigError, global_batch
+from distribuuuu.config import ConfigError
 from distribuuuu.data.transforms import eval_preprocessing
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
@@ -30,9 +30,10 @@ from distribuuuu.logger import get_logger
 from distribuuuu.models import load_model_weights
 from distribuuuu.runtime.process_group import all_gather_object, is_main_process
 from distribuuuu.training.rng import capture_rng_state, restore_rng_state
+from distribuuuu.training.state import global_batch
 
 if TYPE_CHECKING:
-    from distribuuuu.training.run import Run
+    from distribuuuu.training.state import Run
 
 logger = get_logger("state")
 
@@ -193,8 +194,8 @@ class RNG(Component):
 
 
 class Progress(Component):
-    """Epochs done and the best so far: ``epoch``, ``best_acc1``, ``best_weights``, and the best's
-    ``best_metric`` (TRAIN.BEST_METRIC) and ``best_value``."""
+    """Epochs done and the best so far: ``epoch``, and the best's ``best_acc1``, ``best_weights``,
+    ``best_metric`` (TRAIN.BEST_METRIC) and ``best_value`` (``state.Best``)."""
 
     in_weights = True
 
@@ -202,20 +203,11 @@ class Progress(Component):
         self.run = run
 
     def state_dict(self) -> dict:
-        s = self.run.state
-        metric = self.run.cfg.TRAIN.BEST_METRIC
-        return {
-            "epoch": s.epoch, "best_acc1": s.best_acc1, "best_weights": s.best_weights,
-            "best_metric": metric, "best_value": s.best_value,
-        }  # fmt: skip
+        return {"epoch": self.run.state.epoch, **self.run.best.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        s = self.run.state
-        s.epoch, s.best_acc1 = state_dict["epoch"], state_dict["best_acc1"]
-        s.best_weights = state_dict.get("best_weights", "model")
-        # A best chosen by another metric (or before metrics were recorded) is not this run's: the next evaluation sets it.
-        same = state_dict.get("best_metric", "top1") == self.run.cfg.TRAIN.BEST_METRIC
-        s.best_value = state_dict.get("best_value", s.best_acc1) if same else None
+        self.run.state.epoch = state_dict["epoch"]
+        self.run.best.load_state_dict(state_dict)
 
 
 class Position(Component):

@@ -15,21 +15,26 @@ from distribuuuu.logger import get_logger
 from distribuuuu.models import model_source
 from distribuuuu.records.eval_outputs import EvalOutputs
 from distribuuuu.records.meters import MetricSums
-from distribuuuu.records.multilabel import MultiLabelSums
 from distribuuuu.records.writer import multilabel_text, reported_k, topk_text, write_eval_record
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import autocast, is_sharded, missing_forwards, to_device
-from distribuuuu.runtime.process_group import cleanup_distributed
+from distribuuuu.training.parallelize import build_model_for
 from distribuuuu.training.precise_bn import recompute_bn_stats
 from distribuuuu.training.resume import load_configured_weights, warn_if_evaluated_otherwise
-from distribuuuu.training.run import build_model_for, open_outputs, prepare_process, start_process_group
+from distribuuuu.training.session import Session
+from distribuuuu.training.task import Task, build_task
 
 logger = get_logger("trainer")  # the name the evaluation lines have always carried
 
 
 @torch.no_grad()
 def validate(
-    model: nn.Module, split: Split, cfg: CfgNode, env: DistEnv, outputs: tuple[str, str] | None = None
+    model: nn.Module,
+    split: Split,
+    cfg: CfgNode,
+    env: DistEnv,
+    task: Task | None = None,
+    outputs: tuple[str, str] | None = None,
 ) -> dict:
     """Evaluate every val sample exactly once across ranks; return exact totals and means.
 
@@ -37,11 +42,9 @@ def validate(
     saved there: one more all-reduce and one gather per evaluation, none per batch.
     """
     model.eval()
-    t = cfg.TEST
+    t, task = cfg.TEST, task or build_task(cfg.MODEL, cfg.TEST)
     sums = MetricSums(env.device, cfg.TRAIN.TOPK)
-    labels = None  # MODEL.TASK multilabel: mAP and F1 counts (records/multilabel.py)
-    if cfg.MODEL.TASK == "multilabel":
-        labels = MultiLabelSums(cfg.MODEL.NUM_CLASSES, t.AP_BINS, t.THRESHOLD, env.device)
+    labels = task.label_sums(env.device)  # MODEL.TASK multilabel: mAP and F1 counts (records/multilabel.py)
     names = split.classes + [str(c) for c in range(len(split.classes), cfg.MODEL.NUM_CLASSES)]
     extras = EvalOutputs(len(names), cfg.TRAIN.TOPK, env.device, t.CONFUSION, t.SAVE_PREDICTIONS) if outputs else None
     tic = time.perf_counter()
@@ -52,7 +55,7 @@ def validate(
         images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
         with autocast(cfg.TRAIN.PRECISION, env.device):
             logits = model(images)
-        sums.add(eval_loss(logits.float(), targets), logits, targets)
+        sums.add(task.val_loss(logits.float(), targets), logits, targets)
         if labels is not None:
             labels.add(logits, targets)
         if extras is not None:
@@ -68,13 +71,6 @@ def validate(
     totals["time_s"] = time.perf_counter() - tic
     totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
     return totals
-
-
-def eval_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The val loss: cross-entropy of class indices, or per-class sigmoid BCE of multi-hot targets."""
-    if targets.dim() == 2:
-        return nn.functional.binary_cross_entropy_with_logits(logits, targets.to(logits.dtype))
-    return nn.functional.cross_entropy(logits, targets)
 
 
 def precise_bn(models: dict[str, nn.Module], split: Split, cfg: CfgNode, env: DistEnv) -> None:
@@ -108,6 +104,12 @@ def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv)
             model(empty)
 
 
+def check_inputs(cfg: CfgNode) -> None:
+    """Name a dataset folder that is not there, or an unknown MODEL.ARCH, before any process set-up."""
+    check_dataset_paths(cfg)
+    model_source(cfg.MODEL.ARCH)
+
+
 def test_model(cfg: CfgNode) -> dict:
     """Evaluate MODEL.WEIGHTS on the val split; append a ``test`` line to OUT_DIR/metrics.jsonl.
 
@@ -115,40 +117,37 @@ def test_model(cfg: CfgNode) -> dict:
     """
     if not cfg.MODEL.WEIGHTS:
         raise ConfigError("MODEL.WEIGHTS must name a checkpoint: test_net.py refuses to run without weights")
-    check_dataset_paths(cfg)
-    model_source(cfg.MODEL.ARCH)
-    env, table = start_process_group(cfg)
-    prepare_process(cfg, env, table, training=False)
-    writer = None
-    try:
-        model = build_model_for(cfg, env)
+    check_inputs(cfg)
+    with Session(cfg, training=False) as session:
+        session.prepare()
+        model = build_model_for(cfg, session.env)
         state = load_configured_weights(model, cfg, arch=cfg.MODEL.ARCH)
         if not state.get("classes"):
             logger.warning("%s names no classes: the folders' sorted order is taken as the model's", cfg.MODEL.WEIGHTS)
         warn_if_evaluated_otherwise(state, cfg, cfg.MODEL.WEIGHTS)
-        val = build_val_split(cfg, env, state.get("classes"))
-        bn_split = build_precise_bn_split(cfg, env) if cfg.BN.PRECISE_IMAGES else None
+        val = build_val_split(cfg, session.env, state.get("classes"))
+        bn_split = build_precise_bn_split(cfg, session.env) if cfg.BN.PRECISE_IMAGES else None
         # Only now is OUT_DIR written: weights that do not fit or a bad val set left it as it was.
-        writer = open_outputs(cfg, env, table, training=False)
-        if bn_split is not None:
-            precise_bn({cfg.MODEL.WEIGHTS_KIND: model}, bn_split, cfg, env)
-        if cfg.TRAIN.COMPILE:
-            model = torch.compile(model)
-        totals = validate(model, val, cfg, env)
+        writer = session.open_outputs()
+        totals = evaluate_weights(model, val, bn_split, cfg, session.env)
         epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
         k = reported_k(cfg)
         write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND)
         logger.info(
             "test %s: top1 %.3f%s%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
             cfg.MODEL.WEIGHTS, totals["top1_acc"], topk_text(k, totals["topk_acc"], 3), multilabel_text(totals, 3),
-            totals["loss"],
-            totals["samples"], cfg.OUT_DIR,
+            totals["loss"], totals["samples"], cfg.OUT_DIR,
         )  # fmt: skip
         return totals
-    finally:
-        if writer is not None:
-            writer.close()
-        cleanup_distributed()
+
+
+def evaluate_weights(model: nn.Module, val: Split, bn_split: Split | None, cfg: CfgNode, env: DistEnv) -> dict:
+    """test_net.py's evaluation: precise BN first (BN.PRECISE_IMAGES), compiled (TRAIN.COMPILE), then validated."""
+    if bn_split is not None:
+        precise_bn({cfg.MODEL.WEIGHTS_KIND: model}, bn_split, cfg, env)
+    if cfg.TRAIN.COMPILE:
+        model = torch.compile(model)
+    return validate(model, val, cfg, env)
 
 
 test_model.__test__ = False  # a library entry point, not a pytest test

@@ -35,7 +35,7 @@ from distribuuuu.training.components import (
     start_saving_sharded_state,
     to_restore,
 )
-from distribuuuu.training.run import Run, writes_sharded_checkpoints
+from distribuuuu.training.state import Run, writes_sharded_checkpoints
 
 logger = get_logger("state")
 

@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
-from distribuuuu.records.writer import NullWriter  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.training import resume  # noqa: E402
 from distribuuuu.training.run import build_run  # noqa: E402
@@ -41,7 +40,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ckpt-boundary-") as out:
         cfg = load_cfg(None, [*DEFAULTS, *args.opts, "OUT_DIR", out])
         os.makedirs(os.path.join(out, "checkpoints"))
-        run = build_run(cfg, DistEnv(), NullWriter())
+        run = build_run(cfg, DistEnv())
         batches = [next(iter(run.train.loader)) for _ in range(args.steps)]
         sums = MetricSums(run.env.device, cfg.TRAIN.TOPK)
         held: dict[str, list[float]] = {"sync": [], "background": []}

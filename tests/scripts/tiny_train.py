@@ -58,8 +58,8 @@ def _scaler_hook() -> None:
         return
     real_build_run = trainer.build_run
 
-    def build_run(cfg, env, writer):
-        run = real_build_run(cfg, env, writer)
+    def build_run(cfg, env):
+        run = real_build_run(cfg, env)
         run.scaler = torch.amp.GradScaler(env.device.type, init_scale=init_scale, growth_interval=10**6)
         return run
 

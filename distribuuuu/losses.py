@@ -1,14 +1,16 @@
-"""Training losses: cross-entropy or binary cross-entropy (timm A1, DeiT III), optionally class-weighted."""
+"""Training losses by name (TRAIN.LOSS): cross-entropy or binary cross-entropy (timm A1, DeiT III),
+optionally class-weighted; multi-label BCE; knowledge distillation's loss.
+
+``LOSSES`` is the one registry of TRAIN.LOSS's names: the config's rules read it, and
+``training/task.py`` builds a task's criterion from it. Knows nothing of the config."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-LOSSES = ("ce", "bce")
 
 
 class BinaryCrossEntropy(nn.Module):
@@ -59,27 +61,17 @@ class MultiLabelBCE(nn.Module):
         return F.binary_cross_entropy_with_logits(logits, target, pos_weight=self.pos_weight)
 
 
-def build_criterion(
-    loss: str = "ce",
-    label_smoothing: float = 0.0,
-    bce_target_threshold: float | None = None,
-    class_weights: Sequence[float] | torch.Tensor | None = None,
-    task: str = "multiclass",
-) -> nn.Module:
-    """Build the training loss: ``ce`` (PyTorch's, with label smoothing) or ``bce``, with optional class
-    weights; for ``task`` multilabel, per-class sigmoid BCE with the weights as positive weights.
+def cross_entropy(smoothing: float = 0.0, target_threshold: float | None = None, weight=None) -> nn.Module:
+    """PyTorch's cross-entropy with label smoothing (``target_threshold`` is BCE's alone).
 
-    With class weights, CE weights each sample by its class's weight (soft targets: each class's
-    term) and, for hard labels, divides by the summed weights of the batch (PyTorch's mean).
+    With class weights, each sample is weighted by its class's weight (soft targets: each class's
+    term) and, for hard labels, the mean divides by the summed weights of the batch (PyTorch's mean).
     """
-    weight = None if class_weights is None else torch.as_tensor(class_weights, dtype=torch.float32)
-    if task == "multilabel":
-        return MultiLabelBCE(label_smoothing, weight)
-    if loss == "ce":
-        return nn.CrossEntropyLoss(weight=weight, label_smoothing=label_smoothing)
-    if loss == "bce":
-        return BinaryCrossEntropy(label_smoothing, bce_target_threshold, weight)
-    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    return nn.CrossEntropyLoss(weight=weight, label_smoothing=smoothing)
+
+
+# TRAIN.LOSS -> its builder(smoothing, target_threshold, weight) of a one-class-an-image loss.
+LOSSES: dict[str, Callable[..., nn.Module]] = {"ce": cross_entropy, "bce": BinaryCrossEntropy}
 
 
 def positive_weights(positives: torch.Tensor, samples: int) -> torch.Tensor:

@@ -1,0 +1,192 @@
+"""How a run's model is spread over the ranks and compiled: built on the device, frozen as asked,
+then DDP-wrapped (and compiled), or sharded by FSDP2 over one mesh (fsdp, hsdp); the loss scaler to
+match. ``shards`` is the one predicate of whether the model is sharded."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from yacs.config import CfgNode
+
+from distribuuuu.config import ConfigError
+from distribuuuu.data.progressive import progressive_on, schedule_sizes
+from distribuuuu.ema import ModelEMA
+from distribuuuu.logger import get_logger
+from distribuuuu.models import build_model, find_blocks, has_batchnorm
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
+from distribuuuu.training.optim import freeze
+
+logger = get_logger("run")
+
+
+@dataclass
+class Parallel:
+    """A model as training uses it: what checkpoints hold, what training and evaluation call, its EMA
+    copy (sharded alike), and the mesh it is sharded over (None: replicated by DDP, or one process)."""
+
+    model: nn.Module
+    forward_model: nn.Module
+    eval_model: nn.Module
+    ema: ModelEMA | None
+    mesh: DeviceMesh | None = None
+
+
+def parallelize(model: nn.Module, cfg: CfgNode, env: DistEnv) -> Parallel:
+    """Shard ``model`` (fsdp/hsdp on several ranks), else DDP-wrap and compile it as configured."""
+    if shards(cfg, env):
+        mesh = training_mesh(cfg, env)
+        model, ema = shard_for_training(model, cfg, env, mesh)
+        return Parallel(model, model, model, ema, mesh)  # under TRAIN.COMPILE its blocks are compiled
+    forward_model = wrap_model(model, cfg, env)
+    # After the DDP wrap, which broadcasts rank 0's initial weights: every rank's EMA starts from them.
+    ema = ModelEMA(model, cfg.OPTIM.EMA_DECAY, cfg.OPTIM.EMA_WARMUP) if cfg.OPTIM.EMA_DECAY > 0 else None
+    eval_model = wrap_model(model, cfg, DistEnv(world_size=1)) if cfg.TRAIN.COMPILE else model
+    return Parallel(model, forward_model, eval_model, ema)
+
+
+def training_mesh(cfg: CfgNode, env: DistEnv) -> DeviceMesh:
+    """The one device mesh of DIST.STRATEGY fsdp (all ranks) or hsdp (nodes x ranks per node)."""
+    try:
+        return build_mesh(cfg.DIST.STRATEGY, env.world_size, env.local_world_size, env.device.type)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def build_model_for(cfg: CfgNode, env: DistEnv) -> nn.Module:
+    """Build the model on this rank's device, with SyncBatchNorm and channels_last as configured."""
+    model = build_model(cfg.MODEL)
+    if cfg.MODEL.SYNCBN and has_batchnorm(model):
+        if env.device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        elif env.world_size > 1:
+            logger.warning(
+                "MODEL.SYNCBN ignored: PyTorch's SyncBatchNorm runs on CUDA only; on the CPU each "
+                "process keeps its own BatchNorm batch statistics (running stats follow rank 0)"
+            )
+    model = model.to(env.device)
+    if cfg.TRAIN.CHANNELS_LAST and shards(cfg, env):
+        # FSDP2 refuses non-contiguous parameters (torch 2.14): the weights stay contiguous and
+        # the channels_last inputs alone pick the convolutions' memory format.
+        logger.info(
+            "TRAIN.CHANNELS_LAST under DIST.STRATEGY %s: channels_last inputs, contiguous weights", cfg.DIST.STRATEGY
+        )
+    elif cfg.TRAIN.CHANNELS_LAST:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Freeze MODEL.FREEZE's parameters and log their names; a pattern matching nothing is a ConfigError."""
+    if not patterns:
+        return []
+    try:
+        frozen = freeze(model, patterns)
+    except ValueError as e:
+        raise ConfigError(f"MODEL.FREEZE: {e}") from None
+    logger.info("MODEL.FREEZE: %d parameter tensor(s) frozen: %s", len(frozen), ", ".join(frozen))
+    return frozen
+
+
+def shards(cfg: CfgNode, env: DistEnv) -> bool:
+    """DIST.STRATEGY fsdp/hsdp with several ranks (one process trains its plain model)."""
+    return cfg.DIST.STRATEGY != "ddp" and env.world_size > 1
+
+
+def wrap_model(model: nn.Module, cfg: CfgNode, env: DistEnv) -> nn.Module:
+    """torch.compile (optional), then DDP with the configured knobs when there are several ranks."""
+    forward = compile_model(model, cfg) if cfg.TRAIN.COMPILE else model
+    if env.world_size == 1:
+        return forward  # DDP on one rank only costs time (~7% measured here)
+    d = cfg.DIST
+    ddp = nn.parallel.DistributedDataParallel(
+        forward,
+        device_ids=[env.device.index] if env.device.type == "cuda" else None,
+        bucket_cap_mb=d.BUCKET_CAP_MB,
+        gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,
+        static_graph=d.STATIC_GRAPH,
+        find_unused_parameters=d.FIND_UNUSED_PARAMETERS,
+    )
+    if d.COMM_HOOK:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.fp16_compress_hook if d.COMM_HOOK == "fp16" else default_hooks.bf16_compress_hook
+        ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def compile_model(model: nn.Module, cfg: CfgNode) -> nn.Module:
+    """torch.compile ``model``; under progressive resizing with static shapes, one graph per size.
+
+    A new input size fails the compiled graph's shape guards and recompiles. Left to torch's
+    default, the second size recompiles with height and width symbolic ("automatic dynamic
+    shapes", as torch._dynamo.mark_dynamic would from the start), and every later epoch, the ones
+    at TRAIN.IM_SIZE that hold most of the compute included, runs kernels generic in the size.
+    Static shapes instead pay one compile per size, a handful of sizes known from the config, each
+    used for whole epochs, and keep every size's kernels specialised, as without the ramp.
+    """
+    if not progressive_on(cfg.TRAIN):
+        return torch.compile(model)
+    allow_a_graph_per_size(cfg)
+    return torch.compile(model, dynamic=False)
+
+
+def allow_a_graph_per_size(cfg: CfgNode) -> None:
+    """Let dynamo keep as many graphs per function for each size of the schedule as torch's default
+    (8) allows for one: past its recompile limit it runs the function eagerly, with one warning."""
+    needed = _DYNAMO_DEFAULT_RECOMPILE_LIMIT * len(schedule_sizes(cfg))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
+
+
+_DYNAMO_DEFAULT_RECOMPILE_LIMIT = 8
+
+
+def shard_for_training(
+    model: nn.Module, cfg: CfgNode, env: DistEnv, mesh: DeviceMesh
+) -> tuple[nn.Module, ModelEMA | None]:
+    """DIST.STRATEGY fsdp/hsdp: shard ``model`` (blocks, then root) over ``mesh``, and its EMA copy the same way.
+
+    Rank 0's initial weights are broadcast first (fully_shard does not, DDP does); the EMA copy is
+    taken before sharding (sharded modules refuse deepcopy) and sharded alike, so the average
+    lives in the same shards as the weights.
+    """
+    broadcast_parameters(model)
+    ema_copy = copy.deepcopy(model) if cfg.OPTIM.EMA_DECAY > 0 else None
+    policy = mixed_precision_policy(cfg.TRAIN.PRECISION, model)
+    if cfg.TRAIN.COMPILE:
+        # Each block compiled in place before sharding (torchtitan's way), with static shapes: the
+        # blocks share one forward, and the recompile for another block's shapes would otherwise
+        # be dynamic, whose backward Inductor fails to build ("Cannot convert expression to float",
+        # torch 2.14 on the CPU; compiling the sharded root fails the same way).
+        blocks = find_blocks(model)
+        if progressive_on(cfg.TRAIN):
+            allow_a_graph_per_size(cfg)
+        for block in blocks:
+            block.compile(dynamic=False)
+        logger.info("TRAIN.COMPILE under %s: %d block(s) compiled", cfg.DIST.STRATEGY, len(blocks))
+        if not blocks:
+            logger.warning("TRAIN.COMPILE: %s has no repeated blocks to compile: it runs eagerly", cfg.MODEL.ARCH)
+    for module in (model, ema_copy):
+        if module is not None:
+            shard_model(module, mesh, policy, cfg.DIST.RESHARD_AFTER_FORWARD)
+    logger.info(
+        "DIST.STRATEGY %s: mesh %s, parameters %s in forward, reshard after forward %s",
+        cfg.DIST.STRATEGY, tuple(mesh.shape), policy.param_dtype if policy else "fp32 (autocast)",
+        cfg.DIST.RESHARD_AFTER_FORWARD,
+    )  # fmt: skip
+    ema = ModelEMA.owning(ema_copy, cfg.OPTIM.EMA_DECAY, cfg.OPTIM.EMA_WARMUP) if ema_copy is not None else None
+    return model, ema
+
+
+def build_scaler(cfg: CfgNode, env: DistEnv) -> torch.amp.GradScaler:
+    """fp16's loss scaler; under fsdp/hsdp the sharded one, which agrees on a non-finite shard over ranks."""
+    enabled = cfg.TRAIN.PRECISION == "fp16"
+    if shards(cfg, env):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(env.device.type, enabled=enabled)
+    return torch.amp.GradScaler(env.device.type, enabled=enabled)

@@ -1,0 +1,146 @@
+"""What one training run holds: its position (``TrainState``), its best evaluation (``Best``), and the
+``Run`` itself, built once by ``training/run.py`` and read by the loops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from yacs.config import CfgNode
+
+from distribuuuu.checkpointing.background_write import BackgroundWriter
+from distribuuuu.config import BEST_METRICS
+from distribuuuu.data import Split
+from distribuuuu.ema import ModelEMA
+from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.distillation import Teacher
+from distribuuuu.training.task import Task
+
+
+@dataclass
+class TrainState:
+    """Where a run is: what a checkpoint restores and a resume continues from."""
+
+    epoch: int = 0  # completed epochs
+    step_in_epoch: int = 0  # optimizer steps done in the epoch in progress
+    samples_in_epoch: int = 0  # global position in the epoch's permutation: samples all ranks consumed
+
+
+class Best:
+    """The best evaluation so far by TRAIN.BEST_METRIC: its direction, value and weights, decided here
+    alone. Checkpoints keep it (``state_dict``), and the val record that set it says so (its
+    ``best`` field, written by ``records/writer.py``), which is what the run's summary reads back."""
+
+    def __init__(self, metric: str = "top1"):
+        self.metric = metric
+        self.field, self.lower_is_better = BEST_METRICS[metric]
+        self.value: float | None = None  # None: nothing evaluated yet
+        self.top1 = 0.0  # the best evaluation's top-1: "best_acc1", which the tools read
+        self.weights = "model"  # which weights reached it: "model" or "ema"
+
+    def improves(self, totals: dict) -> bool:
+        """Whether ``totals`` (an evaluation's) beats the best so far; top-1 as always: above the best."""
+        if self.metric == "top1":
+            return totals["top1_acc"] > self.top1
+        value = totals[self.field]
+        if self.value is None:
+            return True
+        return value < self.value if self.lower_is_better else value > self.value
+
+    def take(self, totals: dict, weights: str) -> None:
+        """Make ``totals`` (of the ``weights``, "model" or "ema") the best."""
+        self.top1, self.weights = totals["top1_acc"], weights
+        self.value = totals["top1_acc" if self.field == "top1" else self.field]
+
+    def state_dict(self) -> dict:
+        return {
+            "best_acc1": self.top1,
+            "best_weights": self.weights,
+            "best_metric": self.metric,
+            "best_value": self.value,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a checkpoint's best; one chosen by another metric (or before metrics were recorded) is
+        not this run's: the next evaluation sets it."""
+        self.top1, self.weights = state["best_acc1"], state.get("best_weights", "model")
+        same = state.get("best_metric", "top1") == self.metric
+        self.value = state.get("best_value", self.top1) if same else None
+
+
+@dataclass
+class Run:
+    """Everything one training run holds: built once by ``build_run``, then used by the loops."""
+
+    cfg: CfgNode
+    env: DistEnv
+    model: nn.Module  # the plain (or, under fsdp/hsdp, sharded) model: what checkpoints hold
+    forward_model: nn.Module  # what training calls: compiled and/or DDP-wrapped (or the sharded model)
+    eval_model: nn.Module  # what evaluation calls: compiled or plain, never DDP (sharded under fsdp)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    task: Task  # multiclass or multilabel: the metrics, the val loss, the head's reading
+    criterion: nn.Module  # the training loss (a DistillationLoss when there is a teacher)
+    train: Split
+    val: Split
+    steps_per_epoch: int
+    base_lr: float
+    ema: ModelEMA | None = None
+    mixer: object = None
+    extra_val: dict[str, Split] = field(default_factory=dict)  # TEST.EXTRA_DATASETS by split name
+    precise_bn: Split | None = None  # BN.PRECISE_IMAGES training images, when set
+    teacher: Teacher | None = None  # DISTILL.TEACHER, frozen
+    state: TrainState = field(default_factory=TrainState)
+    best: Best = field(default_factory=Best)
+    # Further state checkpointed with the run (name -> Stateful: state_dict()/load_state_dict()), for
+    # a caller outside the package; the package's own is listed in components.run_components.
+    registered_state: dict[str, object] = field(default_factory=dict)
+    # TRAIN.CKPT_ASYNC: writes checkpoint files in the background (None: every write blocks training)
+    checkpoint_writer: BackgroundWriter | None = None
+    checkpoint_group: object = None  # the process group of background DCP writes
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return writes_sharded_checkpoints(self.cfg)
+
+    @property
+    def global_step(self) -> int:
+        return self.state.epoch * self.steps_per_epoch + self.state.step_in_epoch
+
+    @property
+    def global_batch(self) -> int:
+        """Samples one optimizer step takes from the epoch's permutation, over all ranks."""
+        return global_batch(self.cfg.TRAIN, self.env.world_size)
+
+    def at_step(self, epoch: int, step_in_epoch: int) -> TrainState:
+        """The state of this run ``step_in_epoch`` steps into ``epoch`` (0-based), on its own global batch."""
+        return TrainState(epoch=epoch, step_in_epoch=step_in_epoch, samples_in_epoch=step_in_epoch * self.global_batch)
+
+    def move_to(self, epoch: int, step_in_epoch: int = 0) -> None:
+        """Put the run ``step_in_epoch`` steps into ``epoch`` (0-based): where the next ``train_epoch``
+        continues (sampler, LR schedule) and what a checkpoint records."""
+        self.state = self.at_step(epoch, step_in_epoch)
+
+    @property
+    def schedule_step(self) -> float:
+        """The LR schedule's position in this run's steps: completed epochs plus the epoch's sample fraction.
+
+        Counted from the global sample position, not from steps: a run resumed with another
+        world size (another global batch) lands where the schedule was when it stopped.
+        """
+        return self.state.epoch * self.steps_per_epoch + self.state.samples_in_epoch / self.global_batch
+
+    def position(self) -> str:
+        """Where the run is, as messages name it (1-based epoch)."""
+        return f"epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}"
+
+
+def writes_sharded_checkpoints(cfg: CfgNode) -> bool:
+    """DIST.CKPT_FORMAT: "" means sharded DCP directories under fsdp/hsdp, single files under ddp."""
+    return cfg.DIST.CKPT_FORMAT == "sharded" or (not cfg.DIST.CKPT_FORMAT and cfg.DIST.STRATEGY != "ddp")
+
+
+def global_batch(train_cfg: CfgNode, world_size: int = 1) -> int:
+    """Samples one optimizer step takes over ``world_size`` ranks: TRAIN.BATCH_SIZE x ACCUM_STEPS x ranks."""
+    return train_cfg.BATCH_SIZE * train_cfg.ACCUM_STEPS * world_size
