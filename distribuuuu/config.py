@@ -19,7 +19,7 @@ from typing import Any, Callable
 import yaml
 from yacs.config import CfgNode as CN
 
-from distribuuuu.errors import first_line
+from distribuuuu.errors import ConfigError, first_line
 
 _C = CN()
 
@@ -450,10 +450,6 @@ STRATEGIES = ("ddp", "fsdp", "hsdp")
 CKPT_FORMATS = ("", "sharded", "file")
 DECODERS = ("auto", "pil", "torchvision", "batched", "draft")
 TRACKERS = ("wandb", "mlflow")
-
-
-class ConfigError(ValueError):
-    """A config value or config file is invalid; the message names the key or file."""
 
 
 def get_cfg_defaults() -> CN:

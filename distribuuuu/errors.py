@@ -1,4 +1,4 @@
-"""One-line errors: CheckpointError, and exceptions turned into the lines the tools print.
+"""One-line errors: ConfigError, CheckpointError, and exceptions turned into the lines the tools print.
 
 No dependencies: imported by all."""
 
@@ -9,6 +9,10 @@ EXIT_INTERRUPTED = 130
 # A terminal's Ctrl-C reaches every process of its group, and a launcher may pass the same one on:
 # signals this close to the first are that one Ctrl-C, not a second.
 SAME_CTRL_C_S = 1.0
+
+
+class ConfigError(ValueError):
+    """A config value or config file is invalid; the message names the key or file."""
 
 
 class CheckpointError(RuntimeError):

@@ -14,8 +14,8 @@ from PIL import Image
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError, build_train_split
 from distribuuuu.data.datasets import build_base_dataset
-from distribuuuu.models import build_model
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.parallelize import build_configured_model
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -79,19 +79,19 @@ def test_pretrained_weights_that_cannot_be_fetched_are_a_clear_error(monkeypatch
     monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", offline)
     cfg = load_cfg(opts=["MODEL.PRETRAINED", "True"])
     with pytest.raises(ConfigError, match=r"^MODEL.PRETRAINED: could not load pretrained weights for 'resnet18'"):
-        build_model(cfg.MODEL)
+        build_configured_model(cfg.MODEL)
     for weights in ("IMAGENET1K_V1", "DEFAULT"):  # the key the user set is the one named, whatever its value
         cfg = load_cfg(opts=["MODEL.PRETRAINED_WEIGHTS", weights])
         with pytest.raises(
             ConfigError, match=r"^MODEL.PRETRAINED_WEIGHTS: could not .* set MODEL.PRETRAINED_WEIGHTS ''$"
         ):
-            build_model(cfg.MODEL)
+            build_configured_model(cfg.MODEL)
 
 
 def test_pretrained_weights_load_and_a_new_class_count_gets_a_new_head(monkeypatch):
     imagenet = torchvision.models.resnet18(num_classes=1000).state_dict()
     monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", lambda *a, **k: imagenet)
-    model = build_model(load_cfg(opts=["MODEL.PRETRAINED", "True", "MODEL.NUM_CLASSES", "10"]).MODEL)
+    model = build_configured_model(load_cfg(opts=["MODEL.PRETRAINED", "True", "MODEL.NUM_CLASSES", "10"]).MODEL)
     state = model.state_dict()
     assert torch.equal(state["conv1.weight"], imagenet["conv1.weight"])
     assert torch.equal(state["layer4.1.bn2.running_var"], imagenet["layer4.1.bn2.running_var"])

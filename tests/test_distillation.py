@@ -30,10 +30,10 @@ from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
 from distribuuuu.losses import DistillationLoss
-from distribuuuu.models import build_model
 from distribuuuu.records.meters import MetricSums
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.distillation import weights_digest
+from distribuuuu.training.parallelize import build_configured_model
 
 # The tiny CNN for one epoch of 4 steps on synthetic 16 px images, with mixup and cutmix: their
 # draws take part, so a teacher that moved the global RNG would show.
@@ -99,7 +99,7 @@ def write_teacher(path: Path, seed: int, num_classes: int = 10, arch: str = TINY
     """A checkpoint as train_net.py writes one (weights, arch, classes, config) of a seeded tiny CNN."""
     cfg = load_cfg(None, [*EVAL_TINY, "MODEL.NUM_CLASSES", str(num_classes), "TRAIN.TOPK", "1"])
     torch.manual_seed(seed)
-    model = build_model(cfg.MODEL)
+    model = build_configured_model(cfg.MODEL)
     classes = [str(i) for i in range(num_classes)]
     ckpt.save_checkpoint({"model": model.state_dict(), "arch": arch, "classes": classes, "cfg": cfg.dump()}, str(path))
     return path

@@ -13,7 +13,7 @@ from torch import nn
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.models import enable_grad_checkpointing, find_blocks, named_blocks
+from distribuuuu.models import enable_grad_checkpointing, find_blocks, has_batchnorm, named_blocks
 from distribuuuu.runtime.parallel import build_mesh, mixed_precision_policy
 from distribuuuu.training.optim import layer_ids
 
@@ -85,13 +85,13 @@ def test_a_model_may_name_its_own_blocks():
 
 def test_mixed_precision_policy_16_bit_params_fp32_reduce_none_for_fp32_and_batchnorm():
     vit, resnet = _meta_model("vit_b_16"), _meta_model("resnet18")
-    policy = mixed_precision_policy("bf16", vit)
+    policy = mixed_precision_policy("bf16", has_batchnorm(vit))
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert mixed_precision_policy("fp16", vit).param_dtype == torch.float16
-    assert mixed_precision_policy("fp32", vit) is None
-    assert mixed_precision_policy("bf16", resnet) is None  # BatchNorm: fp32 params + autocast
+    assert mixed_precision_policy("fp16", has_batchnorm(vit)).param_dtype == torch.float16
+    assert mixed_precision_policy("fp32", has_batchnorm(vit)) is None
+    assert mixed_precision_policy("bf16", has_batchnorm(resnet)) is None  # BatchNorm: fp32 params + autocast
     with pytest.raises(ValueError, match="TRAIN.PRECISION"):
-        mixed_precision_policy("fp8", vit)
+        mixed_precision_policy("fp8", has_batchnorm(vit))
 
 
 def test_hsdp_refuses_uneven_nodes():

@@ -16,13 +16,14 @@ from distribuuuu import models
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import build_val_transform
 from distribuuuu.data.transforms import eval_preprocessing
-from distribuuuu.models import build_model, enable_grad_checkpointing
+from distribuuuu.models import enable_grad_checkpointing
+from distribuuuu.training.parallelize import build_configured_model
 
 
 def test_an_unknown_torchvision_weight_name_is_one_config_error_listing_the_valid_names():
     cfg = load_cfg(opts=["MODEL.ARCH", "resnet50", "MODEL.PRETRAINED_WEIGHTS", "IMAGENET1K_V3"])
     with pytest.raises(ConfigError) as e:
-        build_model(cfg.MODEL)
+        build_configured_model(cfg.MODEL)
     assert str(e.value) == (
         "MODEL.PRETRAINED_WEIGHTS: resnet50 has no weights 'IMAGENET1K_V3'; "
         "valid names: ['DEFAULT', 'IMAGENET1K_V1', 'IMAGENET1K_V2']"
@@ -36,7 +37,7 @@ def test_torchvision_weights_by_name_fetch_that_enums_file(monkeypatch, name, ex
     monkeypatch.setattr(
         torchvision.models._api, "load_state_dict_from_url", lambda url, **k: urls.append(url) or imagenet
     )
-    model = build_model(load_cfg(opts=["MODEL.ARCH", "resnet50", "MODEL.PRETRAINED_WEIGHTS", name]).MODEL)
+    model = build_configured_model(load_cfg(opts=["MODEL.ARCH", "resnet50", "MODEL.PRETRAINED_WEIGHTS", name]).MODEL)
     assert urls == [torchvision.models.ResNet50_Weights[expected].url]
     assert torch.equal(model.state_dict()["conv1.weight"], imagenet["conv1.weight"])
 
@@ -48,16 +49,16 @@ def test_an_unknown_timm_tag_is_one_config_error_listing_the_models_tags():
         ConfigError,
         match=r"^MODEL.PRETRAINED_WEIGHTS: timm has no 'b9_in1k' weights for resnet18d; its tags: \[.*'ra2_in1k'",
     ):
-        build_model(cfg.MODEL)
+        build_configured_model(cfg.MODEL)
 
 
 def test_model_kwargs_reach_the_constructor_and_an_unknown_one_names_the_key():
-    model = build_model(
+    model = build_configured_model(
         load_cfg(opts=["MODEL.ARCH", "mobilenet_v2", "MODEL.KWARGS", "['dropout=0.35', 'width_mult=0.5']"]).MODEL
     )
     assert model.classifier[0].p == 0.35 and model.features[0][0].out_channels == 16  # 32 x 0.5
     with pytest.raises(ConfigError, match=r"^MODEL.KWARGS \['dropout=0.3'\]: resnet18 refuses them"):
-        build_model(load_cfg(opts=["MODEL.KWARGS", "['dropout=0.3']"]).MODEL)
+        build_configured_model(load_cfg(opts=["MODEL.KWARGS", "['dropout=0.3']"]).MODEL)
     with pytest.raises(ConfigError, match=r'^MODEL.KWARGS must be a list of "name=value" strings'):
         load_cfg(opts=["MODEL.KWARGS", "['dropout 0.3']"])
 
@@ -65,7 +66,7 @@ def test_model_kwargs_reach_the_constructor_and_an_unknown_one_names_the_key():
 def test_zero_init_residual_matches_torchvisions_own_for_resnets():
     for arch, cls in (("resnet18", torchvision.models.resnet18), ("resnet50", torchvision.models.resnet50)):
         torch.manual_seed(0)
-        ours = build_model(load_cfg(opts=["MODEL.ARCH", arch, "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
+        ours = build_configured_model(load_cfg(opts=["MODEL.ARCH", arch, "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
         torch.manual_seed(0)
         theirs = cls(num_classes=10, zero_init_residual=True)
         mine, reference = ours.state_dict(), theirs.state_dict()
@@ -73,24 +74,26 @@ def test_zero_init_residual_matches_torchvisions_own_for_resnets():
 
 
 def test_zero_init_residual_reaches_regnets_blocks_but_not_their_shortcut_and_leaves_other_models_as_built():
-    model = build_model(load_cfg(opts=["MODEL.ARCH", "regnet_y_400mf", "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
+    model = build_configured_model(
+        load_cfg(opts=["MODEL.ARCH", "regnet_y_400mf", "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL
+    )
     blocks = [m for m in model.modules() if type(m).__name__ == "ResBottleneckBlock"]
     assert blocks and all(torch.all(b.f.c[1].weight == 0) for b in blocks)
     assert all(torch.all(b.proj[1].weight == 1) for b in blocks if b.proj is not None)
     for arch in ("alexnet", "mobilenet_v2", "shufflenet_v2_x0_5"):  # none adds a zero-able residual branch
         torch.manual_seed(0)
-        ours = build_model(load_cfg(opts=["MODEL.ARCH", arch, "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
+        ours = build_configured_model(load_cfg(opts=["MODEL.ARCH", arch, "MODEL.ZERO_INIT_RESIDUAL", "True"]).MODEL)
         torch.manual_seed(0)
         reference = torchvision.models.get_model(arch, num_classes=10).state_dict()
         assert all(torch.equal(ours.state_dict()[k], v) for k, v in reference.items()), arch
 
 
 def test_zero_init_residual_is_the_default_and_never_touches_pretrained_weights(monkeypatch):
-    model = build_model(load_cfg(opts=["MODEL.ARCH", "resnet18"]).MODEL)
+    model = build_configured_model(load_cfg(opts=["MODEL.ARCH", "resnet18"]).MODEL)
     assert all(torch.all(block.bn2.weight == 0) for layer in (model.layer1, model.layer4) for block in layer)
     loaded = []
-    monkeypatch.setattr(models, "_load_torchvision_pretrained", lambda model, arch, weights: loaded.append(weights))
-    pretrained = build_model(load_cfg(opts=["MODEL.ARCH", "resnet18", "MODEL.PRETRAINED", "True"]).MODEL)
+    monkeypatch.setattr(models.zoo, "_load_torchvision_pretrained", lambda model, arch, weights: loaded.append(weights))
+    pretrained = build_configured_model(load_cfg(opts=["MODEL.ARCH", "resnet18", "MODEL.PRETRAINED", "True"]).MODEL)
     assert loaded == ["DEFAULT"] and all(torch.all(m.bn2.weight == 1) for m in pretrained.layer1)
 
 
@@ -177,7 +180,4 @@ def test_a_pretrained_timm_model_brings_its_own_preprocessing_unless_the_config_
         load_cfg(opts=["MODEL.ARCH", "vit_tiny_patch16_224", "TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "240"])
     )
     assert (unpretrained.interpolation, unpretrained.resize) == ("bilinear", 240)
-    assert (
-        models.timm_pretrained_cfg(load_cfg(opts=base[:2] + ["TRAIN.IM_SIZE", "224", "TEST.IM_SIZE", "224"]).MODEL)
-        is None
-    )
+    assert models.timm_pretrained_cfg(base[1], None) is None  # no pretrained weights: nothing of timm's

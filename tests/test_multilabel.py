@@ -22,8 +22,8 @@ from distribuuuu.data import load_image
 from distribuuuu.data.samplers import ExactEvalSampler
 from distribuuuu.data.transforms import build_batch_mixer, build_val_transform
 from distribuuuu.losses import MultiLabelBCE
-from distribuuuu.models import build_model
 from distribuuuu.records.multilabel import MultiLabelSums, metrics_from_counts, score_levels
+from distribuuuu.training.parallelize import build_configured_model
 
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).
 pytestmark = pytest.mark.usefixtures("plain_logging")
@@ -214,7 +214,7 @@ def test_test_net_and_predict_agree_with_the_training_run_on_a_multilabel_checkp
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     state = load_checkpoint(weights)
     cfg = load_cfg(None, [*EVAL_TINY, "MODEL.TASK", "multilabel"])
-    model = build_model(cfg.MODEL).eval()
+    model = build_configured_model(cfg.MODEL).eval()
     model.load_state_dict(model_state_from(state))
     transform = build_val_transform(cfg)
     with torch.no_grad():

@@ -15,10 +15,11 @@ from torch import nn
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing import sharded as shards
 from distribuuuu.config import load_cfg
-from distribuuuu.models import build_model, register_model
+from distribuuuu.models import register_model
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training import resume as state
 from distribuuuu.training import run as run_setup
+from distribuuuu.training.parallelize import build_configured_model
 from distribuuuu.training.state import Run
 
 
@@ -93,7 +94,7 @@ def test_a_model_that_reads_its_module_versions_on_load_resumes_loads_and_conver
 
     other = str(tmp_path / ("converted.dcp" if fmt == "file" else "converted.pth.tar"))
     if fmt == "file":
-        shards.from_single_file(path, other, build_model(saved.cfg.MODEL), None)
+        shards.from_single_file(path, other, build_configured_model(saved.cfg.MODEL), None)
     else:
         shards.to_single_file(path, other)
     # As a DDP model's state_dict() from elsewhere (the original Distribuuuu's checkpoints): every
@@ -102,12 +103,12 @@ def test_a_model_that_reads_its_module_versions_on_load_resumes_loads_and_conver
     wrapper.module = saved.model
     ddp_style = str(tmp_path / "ddp_style.pth")
     torch.save({"state_dict": wrapper.state_dict()}, ddp_style)
-    fresh = build_model(saved.cfg.MODEL)
+    fresh = build_configured_model(saved.cfg.MODEL)
     state.load_weights(fresh, ddp_style, arch="mnasnet0_5")
     _assert_same_weights(fresh, saved.model)
     for source in (path, other):
         for kind, expected in (("model", saved.model), ("ema", saved.ema.module)):
-            fresh = build_model(saved.cfg.MODEL)
+            fresh = build_configured_model(saved.cfg.MODEL)
             state.load_weights(fresh, source, kind, arch="mnasnet0_5")
             _assert_same_weights(fresh, expected)
 

@@ -148,12 +148,12 @@ def test_convert_tool_round_trips_a_trained_checkpoint_and_names_a_bad_input(tmp
 
     from distribuuuu.checkpointing.checkpoint import save_checkpoint
     from distribuuuu.config import get_cfg_defaults
-    from distribuuuu.models import build_model
     from distribuuuu.training.optim import build_optimizer
+    from distribuuuu.training.parallelize import build_configured_model
 
     cfg = get_cfg_defaults()
     cfg.MODEL.ARCH, cfg.MODEL.NUM_CLASSES = "resnet18", 10
-    model = build_model(cfg.MODEL)
+    model = build_configured_model(cfg.MODEL)
     optimizer = build_optimizer(model, cfg.OPTIM)
     model(torch.randn(2, 3, 16, 16)).sum().backward()
     optimizer.step()

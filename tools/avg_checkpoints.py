@@ -35,9 +35,10 @@ from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import DataError, build_precise_bn_split  # noqa: E402
 from distribuuuu.errors import CheckpointError  # noqa: E402
 from distribuuuu.logger import setup_logging  # noqa: E402
-from distribuuuu.models import build_model, load_model_weights  # noqa: E402
+from distribuuuu.models import load_model_weights  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.training.evaluation import precise_bn  # noqa: E402
+from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,7 +76,7 @@ def recompute_bn(state: dict, images: int, opts: list[str]) -> None:
     cfg = cfg_from_checkpoint(
         state, None, [*opts, "BN.PRECISE_IMAGES", str(images), "MODEL.PRETRAINED", "False"], run_keys()
     )
-    model = build_model(cfg.MODEL)  # MODEL.PRETRAINED False: the averaged weights replace any download
+    model = build_configured_model(cfg.MODEL)  # MODEL.PRETRAINED False: the averaged weights replace any download
     load_model_weights(model, state["model"])
     env = DistEnv()
     precise_bn({"averaged": model}, build_precise_bn_split(cfg, env), cfg, env)

@@ -44,7 +44,6 @@ from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
 from distribuuuu.data import DataError, build_train_split, build_train_transform, jpeg, load_image  # noqa: E402
 from distribuuuu.data.transforms import build_normalize  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
-from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv, LaunchError  # noqa: E402
 from distribuuuu.runtime.parallel import autocast, gradient_sync, local_state_bytes, to_device  # noqa: E402
@@ -58,6 +57,7 @@ from distribuuuu.runtime.process_group import (  # noqa: E402
 from distribuuuu.training import run as run_setup  # noqa: E402
 from distribuuuu.training.evaluation import validate  # noqa: E402
 from distribuuuu.training.optim import LAMB, LARS, freeze, lr_at, optimizer_groups, set_lr  # noqa: E402
+from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 from distribuuuu.training.rng import seed_everything  # noqa: E402
 from distribuuuu.training.session import Session  # noqa: E402
 from distribuuuu.training.state import Run, global_batch  # noqa: E402
@@ -224,7 +224,7 @@ class PlainLoop:
     def __init__(self, run: Run):
         cfg, env = run.cfg, run.env
         self.cfg, self.env = cfg, env
-        model = build_model(cfg.MODEL).to(env.device)
+        model = build_configured_model(cfg.MODEL).to(env.device)
         model.load_state_dict(run.model.state_dict())
         freeze(model, cfg.MODEL.FREEZE)
         if cfg.TRAIN.CHANNELS_LAST:

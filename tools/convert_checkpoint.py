@@ -23,8 +23,8 @@ from yacs.config import CfgNode  # noqa: E402
 from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from distribuuuu.checkpointing.sharded import from_single_file, to_single_file  # noqa: E402
 from distribuuuu.config import get_cfg_defaults  # noqa: E402
-from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.training.optim import build_optimizer  # noqa: E402
+from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 
 
 def file_to_sharded(path: str, out_dir: str) -> None:
@@ -35,7 +35,7 @@ def file_to_sharded(path: str, out_dir: str) -> None:
     cfg = get_cfg_defaults()
     cfg.merge_from_other_cfg(CfgNode.load_cfg(saved["cfg"]))
     cfg.MODEL.PRETRAINED = False  # the file's weights replace any download
-    model = build_model(cfg.MODEL)
+    model = build_configured_model(cfg.MODEL)
     optimizer = build_optimizer(model, cfg.OPTIM) if saved.get("optimizer") else None
     with warnings.catch_warnings():  # one process by design: DCP's "assuming ... a single process" is noise here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)

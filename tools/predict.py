@@ -42,8 +42,8 @@ from distribuuuu.data.transforms import (  # noqa: E402
     checkpoint_preprocessing,
     eval_preprocessing,
 )
-from distribuuuu.models import build_model  # noqa: E402
 from distribuuuu.records.multilabel import predicted  # noqa: E402
+from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 from distribuuuu.training.resume import check_weights_fit, load_full_weights  # noqa: E402
 
 EXIT_BAD_INPUT = 2
@@ -174,7 +174,7 @@ def load_model(state: dict, cfg: CfgNode, kind: str, device: torch.device, path:
     """Build MODEL.ARCH and load the checkpoint's raw or EMA weights into it, in eval mode."""
     if kind == "ema" and not state.get("ema"):
         raise PredictError("--ema: the checkpoint holds no EMA weights (train with OPTIM.EMA_DECAY > 0)")
-    model, weights = build_model(cfg.MODEL), model_state_from(state, kind)
+    model, weights = build_configured_model(cfg.MODEL), model_state_from(state, kind)
     # test_net's and MODEL.WEIGHTS's check and load: one line naming what does not fit
     check_weights_fit(model.state_dict(), weights, path, state.get("arch"), cfg.MODEL.ARCH, fit_hint(state, cfg))
     load_full_weights(model, weights)

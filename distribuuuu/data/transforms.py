@@ -210,7 +210,8 @@ def _timm_data_config(cfg: CfgNode) -> dict:
         return {}
     from distribuuuu.models import timm_pretrained_cfg  # models import torchvision's zoo: only when needed
 
-    return timm_pretrained_cfg(cfg.MODEL) or {}
+    m = cfg.MODEL
+    return timm_pretrained_cfg(m.ARCH, m.PRETRAINED_WEIGHTS or ("DEFAULT" if m.PRETRAINED else None)) or {}
 
 
 def build_val_transform(cfg: CfgNode, normalize: bool = True) -> Callable:

@@ -21,7 +21,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from distribuuuu.models import find_blocks, has_batchnorm
 from distribuuuu.runtime.launcher import DistEnv
 
 logger = logging.getLogger(__name__)
@@ -47,34 +46,39 @@ def build_mesh(strategy: str, world_size: int, local_world_size: int, device_typ
     raise ValueError(f"DIST.STRATEGY must be 'fsdp' or 'hsdp' to build a mesh, got {strategy!r}")
 
 
-def mixed_precision_policy(precision: str, model: nn.Module) -> MixedPrecisionPolicy | None:
+def mixed_precision_policy(precision: str, batchnorm: bool) -> MixedPrecisionPolicy | None:
     """bf16/fp16 parameters in forward and backward, fp32 gradient reduction; None for fp32 or BatchNorm.
 
     Reducing in fp32 keeps the sum over many ranks from losing the small gradients that a 16-bit
     sum rounds away; the sharded fp32 parameters stay the optimizer's master weights. A model
     with BatchNorm gets None: the policy casts BatchNorm's weight to 16 bits but not its running
     statistics, and batch_norm then fails ("expected scalar type BFloat16 but found Float", torch
-    2.14 on the CPU). Such a model keeps fp32 parameters and autocast, which the trainer keeps on
-    under every strategy, runs its convolutions in 16 bits and BatchNorm in fp32, as under DDP.
+    2.14 on the CPU). Such a model (``batchnorm``) keeps fp32 parameters and autocast, which the
+    trainer keeps on under every strategy, runs its convolutions in 16 bits and BatchNorm in fp32,
+    as under DDP.
     """
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"TRAIN.PRECISION must be fp32, bf16 or fp16, got {precision!r}")
-    if precision == "fp32" or has_batchnorm(model):
+    if precision == "fp32" or batchnorm:
         return None
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def shard_model(
-    model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, reshard_after_forward: bool = True
+    model: nn.Module,
+    blocks: list[nn.Module],
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Apply ``fully_shard`` to every block of ``model``, then to the root; return the model (now FSDPModule).
+    """Apply ``fully_shard`` to each of ``blocks`` (``models.find_blocks``: in forward order), then to
+    the root ``model``; return the model (now an FSDPModule).
 
     ``reshard_after_forward`` frees each block's gathered weights after its forward (ZeRO-3: least
     memory, one more all-gather in backward); False keeps them to backward (ZeRO-2-like). The last
     block is never resharded: backward needs it at once, so freeing it would only add an all-gather.
     """
-    blocks = find_blocks(model)
     if not blocks:
         logger.warning("%s: no repeated blocks found: sharding the whole model as one unit", type(model).__name__)
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}

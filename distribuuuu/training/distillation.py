@@ -20,7 +20,8 @@ from distribuuuu.checkpointing.stored_config import SHAPE_KEYS, cfg_from_checkpo
 from distribuuuu.config import ConfigError
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
-from distribuuuu.models import build_model, load_model_weights, model_num_classes, model_source
+from distribuuuu.models import load_model_weights, model_num_classes, model_source
+from distribuuuu.training.parallelize import build_configured_model
 
 logger = get_logger("distillation")
 
@@ -69,7 +70,7 @@ def load_teacher(cfg: CfgNode, classes: Sequence[str], device: torch.device) -> 
     # Building a model draws its initial weights from the global RNG: forked, so that the student's
     # augmentation and mixup draw what they draw without a teacher (DISTILL.ALPHA 0 is bit-identical).
     with torch.random.fork_rng(devices=[]):
-        model = build_model(model_cfg)
+        model = build_configured_model(model_cfg)
     try:
         load_model_weights(model, weights)
     except RuntimeError as e:

@@ -12,11 +12,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, parse_model_kwargs
 from distribuuuu.data.progressive import progressive_on, schedule_sizes
 from distribuuuu.ema import ModelEMA
+from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
-from distribuuuu.models import build_model, find_blocks, has_batchnorm
+from distribuuuu.models import NotFetched, build_model, find_blocks, has_batchnorm
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
 from distribuuuu.training.optim import freeze
@@ -57,9 +58,24 @@ def training_mesh(cfg: CfgNode, env: DistEnv) -> DeviceMesh:
         raise ConfigError(str(e)) from None
 
 
+def build_configured_model(model_cfg: CfgNode) -> nn.Module:
+    """MODEL.ARCH with MODEL.NUM_CLASSES outputs, MODEL.KWARGS, its pretrained weights (MODEL.PRETRAINED_WEIGHTS,
+    or the default ones for MODEL.PRETRAINED), MODEL.ZERO_INIT_RESIDUAL and MODEL.GRAD_CHECKPOINT."""
+    m = model_cfg
+    weights = m.PRETRAINED_WEIGHTS or ("DEFAULT" if m.PRETRAINED else None)
+    kwargs = parse_model_kwargs(m.KWARGS)
+    try:
+        return build_model(m.ARCH, m.NUM_CLASSES, kwargs, weights, m.ZERO_INIT_RESIDUAL, m.GRAD_CHECKPOINT)
+    except TypeError as e:  # a keyword the constructor does not take
+        raise ConfigError(f"MODEL.KWARGS {m.KWARGS}: {m.ARCH} refuses them ({first_line(e)})") from None
+    except NotFetched as e:  # named by the key the user set: MODEL.PRETRAINED_WEIGHTS wins over MODEL.PRETRAINED
+        key, off = ("MODEL.PRETRAINED_WEIGHTS", "''") if m.PRETRAINED_WEIGHTS else ("MODEL.PRETRAINED", "False")
+        raise ConfigError(f"{key}: {e} or set {key} {off}") from None
+
+
 def build_model_for(cfg: CfgNode, env: DistEnv) -> nn.Module:
     """Build the model on this rank's device, with SyncBatchNorm and channels_last as configured."""
-    model = build_model(cfg.MODEL)
+    model = build_configured_model(cfg.MODEL)
     if cfg.MODEL.SYNCBN and has_batchnorm(model):
         if env.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -156,7 +172,7 @@ def shard_for_training(
     """
     broadcast_parameters(model)
     ema_copy = copy.deepcopy(model) if cfg.OPTIM.EMA_DECAY > 0 else None
-    policy = mixed_precision_policy(cfg.TRAIN.PRECISION, model)
+    policy = mixed_precision_policy(cfg.TRAIN.PRECISION, has_batchnorm(model))
     if cfg.TRAIN.COMPILE:
         # Each block compiled in place before sharding (torchtitan's way), with static shapes: the
         # blocks share one forward, and the recompile for another block's shapes would otherwise
@@ -172,7 +188,7 @@ def shard_for_training(
             logger.warning("TRAIN.COMPILE: %s has no repeated blocks to compile: it runs eagerly", cfg.MODEL.ARCH)
     for module in (model, ema_copy):
         if module is not None:
-            shard_model(module, mesh, policy, cfg.DIST.RESHARD_AFTER_FORWARD)
+            shard_model(module, find_blocks(module), mesh, policy, cfg.DIST.RESHARD_AFTER_FORWARD)
     logger.info(
         "DIST.STRATEGY %s: mesh %s, parameters %s in forward, reshard after forward %s",
         cfg.DIST.STRATEGY, tuple(mesh.shape), policy.param_dtype if policy else "fp32 (autocast)",

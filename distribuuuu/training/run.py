@@ -19,7 +19,7 @@ from distribuuuu.data import (
 from distribuuuu.data.progressive import progressive_on, schedule_text, train_size
 from distribuuuu.logger import get_logger
 from distribuuuu.losses import DistillationLoss
-from distribuuuu.models import count_parameters
+from distribuuuu.models import count_parameters, find_blocks
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import shard_model
 from distribuuuu.runtime.process_group import is_dist
@@ -53,7 +53,9 @@ def build_run(cfg: CfgNode, env: DistEnv) -> Run:
     log_run(cfg, env, model, train, val, steps_per_epoch, base_lr)
     parallel = parallelize(model, cfg, env)
     if teacher is not None and cfg.DISTILL.SHARD_TEACHER and parallel.mesh is not None:
-        shard_model(teacher.module, parallel.mesh, None, reshard_after_forward=True)  # fp32, run under autocast
+        shard_model(
+            teacher.module, find_blocks(teacher.module), parallel.mesh, None, reshard_after_forward=True
+        )  # fp32, run under autocast
     criterion = distilled(train_criterion(cfg, task, train), cfg.DISTILL, teacher)
     return Run(
         cfg=cfg,

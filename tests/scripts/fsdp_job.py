@@ -19,6 +19,7 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 from distribuuuu.ema import ModelEMA
+from distribuuuu.models import find_blocks, has_batchnorm
 from distribuuuu.runtime.parallel import (
     broadcast_parameters,
     build_mesh,
@@ -109,6 +110,12 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((full(pa[k]).detach() - full(pb[k]).detach()).abs().max().item() for k in pa)
 
 
+def sharded_copy(model: nn.Module, mesh, policy) -> nn.Module:
+    """A copy of ``model``, its blocks sharded over ``mesh``, then its root."""
+    copied = copy.deepcopy(model)
+    return shard_model(copied, find_blocks(copied), mesh, policy)
+
+
 def compare(strategy: str, accum: int, clip: float, precision: str = "fp32", arch: type = TinyResNet) -> dict:
     """Train DDP and FSDP (or HSDP) copies of one model on the same batches; return the differences."""
     torch.manual_seed(rank_seed := 10 + dist.get_rank())  # ranks start differently: the broadcast fixes it
@@ -117,9 +124,9 @@ def compare(strategy: str, accum: int, clip: float, precision: str = "fp32", arc
     ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(plain))
     ddp_ema = ModelEMA(ddp_model.module, 0.9)
     mesh = build_mesh(strategy, dist.get_world_size(), 2)
-    policy = mixed_precision_policy(precision, plain)
-    fsdp_ema = ModelEMA.owning(shard_model(copy.deepcopy(plain), mesh, policy), 0.9)
-    fsdp_model = shard_model(copy.deepcopy(plain), mesh, policy)
+    policy = mixed_precision_policy(precision, has_batchnorm(plain))
+    fsdp_ema = ModelEMA.owning(sharded_copy(plain, mesh, policy), 0.9)
+    fsdp_model = sharded_copy(plain, mesh, policy)
     ddp = train(ddp_model, accum, clip, ddp_ema, precision)
     fsdp = train(fsdp_model, accum, clip, fsdp_ema, precision)
     reference = {}
