@@ -929,6 +929,21 @@ def _check_annotation_paths(key: str, root: str, ann_file: str) -> None:
         raise ConfigError(f"{ann_key}: annotation file not found: {os.path.join(root, ann_file)}")
 
 
+def changes_from_defaults(config: dict) -> list[tuple[str, Any, Any]]:
+    """(key, default, value) for every key of ``config`` (a CfgNode, or a config.yaml's dict) that
+    differs from the defaults: what a run summary lists."""
+    return config_diff(get_cfg_defaults(), config)
+
+
+def run_config_changes(out_dir: str, cfg_dest: str = "config.yaml") -> list[tuple[str, Any, Any]]:
+    """``changes_from_defaults`` of the config a run kept in OUT_DIR (none without one)."""
+    path = os.path.join(out_dir, cfg_dest)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return changes_from_defaults(yaml.safe_load(f) or {})
+
+
 def dump_cfg(c: CN, out_dir: str) -> str:
     """Write the config as YAML to OUT_DIR/CFG_DEST and return its path."""
     path = os.path.join(out_dir, c.CFG_DEST)

@@ -24,7 +24,6 @@ from distribuuuu.records.meters import MetricSums
 from distribuuuu.records.writer import (
     evaluation_line,
     log_train_window,
-    reported_k,
     write_eval_record,
     write_train_record,
 )
@@ -109,7 +108,9 @@ def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
     sync_buffers(run)
     fp16 = run.scaler.is_enabled()
     lr = scheduled_lr(run)
-    write_train_record(session.writer, epoch + 1, totals, reported_k(run.cfg), lr, run.global_step, fp16, im_size)
+    write_train_record(
+        session.writer, epoch + 1, totals, run.task.reported_k(run.cfg.TRAIN.TOPK), lr, run.global_step, fp16, im_size
+    )
     run.move_to(epoch + 1)
     return totals
 
@@ -210,7 +211,8 @@ def log_window(run: Run, session: Session, window: Window, totals: dict, epoch: 
     """The window's log line (loss, accuracy, LR, speed, data wait, ETA) and its curves."""
     steps_left = end - step + (run.cfg.OPTIM.MAX_EPOCH - epoch - 1) * run.steps_per_epoch
     log_train_window(
-        session.writer, totals, epoch, step, run.cfg, end, lr=scheduled_lr(run),
+        session.writer, totals, epoch, step, run.cfg.OPTIM.MAX_EPOCH, run.task.reported_k(run.cfg.TRAIN.TOPK), end,
+        lr=scheduled_lr(run),
         elapsed_s=time.perf_counter() - window.started, data_s=window.data_s, steps=len(window.losses),
         steps_left=steps_left, fp16=run.scaler.is_enabled(), global_step=run.global_step,
     )  # fmt: skip
@@ -327,7 +329,7 @@ def evaluate_epoch(run: Run, session: Session, epoch: int) -> tuple[dict, bool]:
             {"model": run.model} | ({"ema": run.ema.module} if run.ema else {}), run.precise_bn, run.cfg, run.env
         )
     weights = {"model": run.eval_model} | ({"ema": run.ema.module} if run.ema is not None else {})
-    folder, k = os.path.join(run.cfg.OUT_DIR, "evaluation"), reported_k(run.cfg)
+    folder, k = os.path.join(run.cfg.OUT_DIR, "evaluation"), run.task.reported_k(run.cfg.TRAIN.TOPK)
     is_best, val = False, {}
     for split_name, split in [("val", run.val), *run.extra_val.items()]:
         for name, module in weights.items():

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from distribuuuu.config import run_config_changes  # noqa: E402
 from distribuuuu.records.metrics_file import MetricsError  # noqa: E402
 from distribuuuu.records.summary import NOTHING_TO_DRAW, format_summary, summarize, write_summary  # noqa: E402
 
@@ -29,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only: no summary.md, no plot")
     args = parser.parse_args(argv)
     try:
-        text = _printed_only(args.out_dir) if args.no_write else write_summary(args.out_dir)
+        changes = run_config_changes(args.out_dir)
+        text = _printed_only(args.out_dir, changes) if args.no_write else write_summary(args.out_dir, True, changes)
     except (MetricsError, OSError) as e:
         print(f"summarize.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -37,8 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _printed_only(out_dir: str) -> str:
-    summary = summarize(out_dir)
+def _printed_only(out_dir: str, changes: list) -> str:
+    summary = summarize(out_dir, config_changes=changes)
     summary.no_plot = (
         f"--no-write; python tools/plot_metrics.py {out_dir} draws it" if summary.drawable else NOTHING_TO_DRAW
     )

@@ -16,24 +16,26 @@ import sys
 
 import torch
 import torchvision
-from yacs.config import CfgNode
 
-from distribuuuu.config import dump_cfg
 from distribuuuu.runtime.launcher import DistEnv
 
 STARTS_DIR = "starts"
 
 
-def record_start(cfg: CfgNode, env: DistEnv, table: list[dict], resumed_from: str | None) -> str:
-    """Write OUT_DIR/CFG_DEST and a new OUT_DIR/starts/NNN_<time>/ with the config and manifest (rank 0)."""
-    starts = os.path.join(cfg.OUT_DIR, STARTS_DIR)
+def record_start(
+    out_dir: str, config_yaml: str, cfg_dest: str, env: DistEnv, table: list[dict], resumed_from: str | None
+) -> str:
+    """Write OUT_DIR/``cfg_dest`` (the merged config, ``config_yaml``) and a new OUT_DIR/starts/NNN_<time>/
+    with the config and manifest (rank 0)."""
+    starts = os.path.join(out_dir, STARTS_DIR)
     os.makedirs(starts, exist_ok=True)
     number = 1 + sum(1 for name in os.listdir(starts) if name[:3].isdigit())
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     folder = os.path.join(starts, f"{number:03d}_{stamp}")
     os.makedirs(folder)
-    dump_cfg(cfg, cfg.OUT_DIR)
-    dump_cfg(cfg, folder)
+    for where in (out_dir, folder):
+        with open(os.path.join(where, cfg_dest), "w") as f:
+            f.write(config_yaml)
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump(manifest(env, table, resumed_from), f, indent=2)
     return folder

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from distribuuuu.config import ConfigError
+from distribuuuu.errors import ConfigError
 from distribuuuu.files import temporary_name
 from distribuuuu.logger import get_logger
 

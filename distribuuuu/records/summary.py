@@ -1,6 +1,7 @@
 """A run's summary from its OUT_DIR: best and last accuracy, time, images/s, config changes, plot.
 
-Read from what the run leaves behind (metrics.jsonl, config.yaml), so the same summary comes at
+Read from what the run leaves behind (metrics.jsonl; the config changes its caller reads from
+config.yaml, ``config.changes_from_defaults``), so the same summary comes at
 the end of training (summary.md, written by rank 0's metrics writer) and from
 ``tools/summarize.py OUT_DIR`` for any run, finished or not.
 """
@@ -10,9 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import yaml
-
-from distribuuuu.config import config_diff, get_cfg_defaults
 from distribuuuu.records.metrics_file import METRICS_FILE, Record, read_records
 from distribuuuu.records.plots import PLOT_INSTALL, dedupe, load_run, save_plot
 
@@ -45,8 +43,9 @@ class Summary:
 NOTHING_TO_DRAW = "no training or validation records to draw"
 
 
-def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
-    """Summarise OUT_DIR's metrics.jsonl (or its ``records``, if already read; last record per epoch wins) and its config.yaml."""
+def summarize(out_dir: str, records: list[Record] | None = None, config_changes: list | None = None) -> Summary:
+    """Summarise OUT_DIR's metrics.jsonl (or its ``records``, if already read; last record per epoch wins),
+    with the run's ``config_changes`` from the defaults ((key, default, value), ``config.changes_from_defaults``)."""
     records = read_records(os.path.join(out_dir, METRICS_FILE)) if records is None else records
     series = dedupe(records)
     train = series.get(("train", "model"), [])
@@ -59,7 +58,7 @@ def summarize(out_dir: str, records: list[Record] | None = None) -> Summary:
     s.train_s = sum(r["time_s"] for r in train)
     s.val_s = sum(r["time_s"] for recs in vals.values() for r in recs)
     s.images_per_s = sum(r["samples"] for r in train) / s.train_s if s.train_s else 0.0
-    s.config_changes = changes_from_defaults(os.path.join(out_dir, "config.yaml"))
+    s.config_changes = list(config_changes or [])
     return s
 
 
@@ -71,14 +70,6 @@ def best_record(val_records: list[Record]) -> Record:
     if marked:
         return marked[-1]
     return max((r for r in val_records if "top1" in r), key=lambda r: r["top1"], default={})
-
-
-def changes_from_defaults(path: str) -> list[tuple[str, object, object]]:
-    """(key, default, value) for every key of the run's config.yaml that differs from the defaults."""
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return config_diff(get_cfg_defaults(), yaml.safe_load(f) or {})
 
 
 def format_summary(s: Summary) -> str:
@@ -118,10 +109,10 @@ def _evaluation_line(what: str, weights: str, r: dict) -> str:
     return f"- {what} top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']})"
 
 
-def write_summary(out_dir: str, plot: bool = True) -> str:
+def write_summary(out_dir: str, plot: bool = True, config_changes: list | None = None) -> str:
     """Draw OUT_DIR/metrics.png (if ``plot`` and matplotlib is installed), write OUT_DIR/summary.md; return its text."""
     records = read_records(os.path.join(out_dir, METRICS_FILE))  # read once: a skipped line is one warning
-    s = summarize(out_dir, records)
+    s = summarize(out_dir, records, config_changes)
     if not plot:
         s.no_plot = f"LOG.PLOT False; python tools/plot_metrics.py {out_dir} draws it"
     elif not s.drawable:

@@ -13,12 +13,11 @@ import json
 import os
 import time
 import urllib.parse
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import yaml
-from yacs.config import CfgNode
 
-from distribuuuu.config import flatten
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
 
@@ -38,9 +37,24 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def cfg_dict(cfg: CfgNode) -> dict:
-    """The merged config as plain nested Python values (what the trackers store)."""
-    return yaml.safe_load(cfg.dump())
+@dataclass(frozen=True)
+class TrackerSettings:
+    """LOG.TRACKERS and their keys, and the run's config (plain nested values) the trackers record."""
+
+    names: tuple[str, ...] = ()
+    project: str = "distribuuuu"
+    run_name: str = ""  # "" : OUT_DIR's folder name
+    wandb_mode: str = "offline"
+    mlflow_uri: str = ""  # "" : a file store in OUT_DIR/mlruns
+    config: dict = field(default_factory=dict)
+
+
+def flat(config: dict, prefix: str = "") -> dict:
+    """``{"TRAIN": {"BATCH_SIZE": 32}}`` -> ``{"TRAIN.BATCH_SIZE": 32}``: MLflow's params are flat."""
+    out: dict = {}
+    for name, value in config.items():
+        out.update(flat(value, f"{prefix}{name}.") if isinstance(value, dict) else {f"{prefix}{name}": value})
+    return out
 
 
 class WandbTracker:
@@ -48,18 +62,18 @@ class WandbTracker:
 
     name = "wandb"
 
-    def __init__(self, cfg: CfgNode, out_dir: str, run_id: str | None):
+    def __init__(self, settings: TrackerSettings, out_dir: str, run_id: str | None):
         import wandb
 
         # console "off": W&B must not wrap stdout (the progress bar and the log own it); no
         # system-stats thread: the tracker only forwards what the trainer already measured.
-        settings = wandb.Settings(silent=True, console="off", x_disable_stats=True)
+        quiet = wandb.Settings(silent=True, console="off", x_disable_stats=True)
         self.run = wandb.init(
-            project=cfg.LOG.PROJECT, name=run_name(cfg, out_dir), id=run_id, resume="allow" if run_id else None,
-            dir=out_dir, mode=cfg.LOG.WANDB_MODE, config=cfg_dict(cfg), settings=settings,
+            project=settings.project, name=run_name(settings, out_dir), id=run_id, resume="allow" if run_id else None,
+            dir=out_dir, mode=settings.wandb_mode, config=settings.config, settings=quiet,
         )  # fmt: skip
         self.run_id = self.run.id
-        if cfg.LOG.WANDB_MODE == "offline":  # the folder `wandb sync` takes
+        if settings.wandb_mode == "offline":  # the folder `wandb sync` takes
             self.where = f"{self.run.sync_dir} (offline: upload it with `wandb sync {self.run.sync_dir}`)"
         else:
             self.where = self.run.url or self.run.sync_dir
@@ -83,8 +97,8 @@ class MlflowTracker:
 
     name = "mlflow"
 
-    def __init__(self, cfg: CfgNode, out_dir: str, run_id: str | None):
-        uri = cfg.LOG.MLFLOW_URI or "file:" + os.path.abspath(os.path.join(out_dir, "mlruns"))
+    def __init__(self, settings: TrackerSettings, out_dir: str, run_id: str | None):
+        uri = settings.mlflow_uri or "file:" + os.path.abspath(os.path.join(out_dir, "mlruns"))
         if uri.startswith("file:"):
             # MLflow 3 keeps the file store in maintenance mode and refuses it unless asked:
             # it is the one backend that needs no server and no database package.
@@ -97,16 +111,16 @@ class MlflowTracker:
             self.client.update_run(run_id, status="RUNNING")
             logged = self.client.get_run(run_id).data.params
         else:
-            experiment = self.client.get_experiment_by_name(cfg.LOG.PROJECT)
-            exp_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.LOG.PROJECT)
-            run_id, logged = self.client.create_run(exp_id, run_name=run_name(cfg, out_dir)).info.run_id, {}
+            experiment = self.client.get_experiment_by_name(settings.project)
+            exp_id = experiment.experiment_id if experiment else self.client.create_experiment(settings.project)
+            run_id, logged = self.client.create_run(exp_id, run_name=run_name(settings, out_dir)).info.run_id, {}
         self.run_id, self.where = run_id, _without_credentials(uri)
         # Params are immutable in MLflow: a resumed run adds the keys it lacks; config.yaml is the
         # artifact that always holds the latest merged config.
-        params = [Param(k, str(v)[:6000]) for k, v in flatten(cfg_dict(cfg)).items() if k not in logged]
+        params = [Param(k, str(v)[:6000]) for k, v in flat(settings.config).items() if k not in logged]
         for start in range(0, len(params), 100):  # log_batch takes at most 100 params per call
             self.client.log_batch(run_id, params=params[start : start + 100])
-        self.client.log_text(run_id, cfg.dump(), "config.yaml")
+        self.client.log_text(run_id, yaml.safe_dump(settings.config), "config.yaml")
 
     def log(self, scalars: dict[str, float], axis: str, step: int) -> None:
         from mlflow.entities import Metric
@@ -129,19 +143,19 @@ def _without_credentials(uri: str) -> str:
 _TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
-def run_name(cfg: CfgNode, out_dir: str) -> str:
-    return cfg.LOG.RUN_NAME or os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
+def run_name(settings: TrackerSettings, out_dir: str) -> str:
+    return settings.run_name or os.path.basename(os.path.normpath(os.path.abspath(out_dir)))
 
 
 class Trackers:
     """The configured trackers; every call is guarded, and a failing tracker is dropped with one warning."""
 
-    def __init__(self, cfg: CfgNode, out_dir: str):
+    def __init__(self, settings: TrackerSettings, out_dir: str):
         self.out_dir, self.active = out_dir, []
         ids = _read_run_ids(out_dir)
-        for name in cfg.LOG.TRACKERS:
+        for name in settings.names:
             try:
-                tracker = _TRACKERS[name](cfg, out_dir, ids.get(name))
+                tracker = _TRACKERS[name](settings, out_dir, ids.get(name))
             except ImportError as e:
                 logger.warning("LOG.TRACKERS: %s is not installed (%s); training goes on without it", name, e)
                 continue

@@ -9,50 +9,44 @@ from __future__ import annotations
 import json
 import os
 
-from yacs.config import CfgNode
-
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.progress import WINDOW
 from distribuuuu.records.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
 from distribuuuu.records.multilabel import FIELDS as MULTILABEL_FIELDS
+from distribuuuu.records.tracking import TrackerSettings
 
 logger = get_logger("trainer")  # the training log's own name: its lines read as the trainer's
 
 
 def log_train_window(
-    writer, totals: dict, epoch: int, step: int, cfg: CfgNode, last_step: int, *, lr: float, elapsed_s: float,
-    data_s: float, steps: int, steps_left: int, fp16: bool, global_step: int,
+    writer, totals: dict, epoch: int, step: int, max_epoch: int, k: int | None, last_step: int, *, lr: float,
+    elapsed_s: float, data_s: float, steps: int, steps_left: int, fp16: bool, global_step: int,
 ) -> None:  # fmt: skip
     """Log one PRINT_FREQ window of training (loss, accuracy, LR, speed, data wait, ETA) and plot it.
 
     Only host values of the sync point: the reduced ``totals`` and the host clock. The log record
     carries the window's numbers for the terminal's progress bar (progress.py). ``last_step``: the
-    step the epoch ends at (``step``/``last_step`` in the line).
+    step the epoch ends at (``step``/``last_step`` in the line); ``k``: the top-k reported (None: none).
     """
     eta_s = elapsed_s / max(steps, 1) * steps_left
     images_per_s = totals["samples"] / max(elapsed_s, 1e-9)
     skipped = int(totals["skipped_steps"])
     what = "fp16 overflow steps skipped" if fp16 else "non-finite steps skipped"
     bar = {
-        "epoch": epoch + 1, "max_epoch": cfg.OPTIM.MAX_EPOCH, "step": step, "last_step": last_step,
+        "epoch": epoch + 1, "max_epoch": max_epoch, "step": step, "last_step": last_step,
         "loss": totals["loss"], "images_per_s": images_per_s, "eta": hms(eta_s),
     }  # fmt: skip
     logger.info(
         "epoch %d/%d  step %d/%d  loss %.4f  top1 %.2f%s  lr %.5g  %.0f img/s  data %.3fs/step  eta %s%s",
-        epoch + 1, cfg.OPTIM.MAX_EPOCH, step, last_step, totals["loss"], totals["top1_acc"],
-        topk_text(reported_k(cfg), totals["topk_acc"]), lr, images_per_s,
+        epoch + 1, max_epoch, step, last_step, totals["loss"], totals["top1_acc"],
+        topk_text(k, totals["topk_acc"]), lr, images_per_s,
         data_s / max(steps, 1), hms(eta_s), f"  {what} {skipped}" if skipped else "", extra={WINDOW: bar},
     )  # fmt: skip
     writer.write_window({"loss": totals["loss"], "lr": lr, "images_per_s": images_per_s}, global_step)
 
 
-def reported_k(cfg: CfgNode) -> int | None:
-    """TRAIN.TOPK, or None when the model has no more classes than that: its top-k is always 100%."""
-    return cfg.TRAIN.TOPK if cfg.TRAIN.TOPK < cfg.MODEL.NUM_CLASSES else None
-
-
 def topk_text(k: int | None, accuracy: float, digits: int = 2) -> str:
-    """'  top5 93.10' for a log line, or '' when top-k is not reported (``reported_k``)."""
+    """'  top5 93.10' for a log line, or '' when top-k is not reported (``k`` None)."""
     return f"  top{k} {accuracy:.{digits}f}" if k else ""
 
 
@@ -160,9 +154,18 @@ def epoch_curves(record: dict) -> dict[str, float]:
 class MetricsWriter:
     """Appends one JSON object per line to OUT_DIR/metrics.jsonl; plots the curves in TensorBoard and trackers."""
 
-    def __init__(self, out_dir: str, tensorboard: bool = True, cfg: CfgNode | None = None):
+    def __init__(
+        self,
+        out_dir: str,
+        tensorboard: bool = True,
+        plot: bool = True,
+        trackers: TrackerSettings | None = None,
+        config_changes: list | None = None,
+    ):
+        """``plot``: draw metrics.png with the summary; ``trackers``: the ones to send the curves to;
+        ``config_changes``: the run's (key, default, value) that the summary lists."""
         self.path, self.out_dir = os.path.join(out_dir, METRICS_FILE), out_dir
-        self.plot = cfg is None or cfg.LOG.PLOT
+        self.plot, self.config_changes = plot, config_changes or []
         repair_torn_tail(self.path)  # a run that died mid-append: the next record must not join its half line
         self.tb = None
         if tensorboard:
@@ -170,10 +173,10 @@ class MetricsWriter:
 
             self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
         self.trackers = None
-        if cfg is not None and cfg.LOG.TRACKERS:
+        if trackers is not None and trackers.names:
             from distribuuuu.records.tracking import Trackers  # only a run that asks for trackers imports them
 
-            self.trackers = Trackers(cfg, out_dir)
+            self.trackers = Trackers(trackers, out_dir)
 
     def write(self, record: dict) -> None:
         """Append ``record`` to metrics.jsonl; an epoch record's curves also go to TensorBoard and the trackers."""
@@ -200,7 +203,7 @@ class MetricsWriter:
 
         summary_log = get_logger("summary")
         try:
-            summary_log.info("run summary:\n%s", write_summary(self.out_dir, self.plot))
+            summary_log.info("run summary:\n%s", write_summary(self.out_dir, self.plot, self.config_changes))
         except (MetricsError, OSError) as e:  # the run itself is done and saved: a summary never fails it
             summary_log.warning("no run summary: %s", e)
 
@@ -227,8 +230,6 @@ class NullWriter:
         pass
 
 
-def make_writer(
-    out_dir: str, is_main: bool, tensorboard: bool = True, cfg: CfgNode | None = None
-) -> MetricsWriter | NullWriter:
-    """A MetricsWriter on the main process (with the trackers of ``cfg.LOG``, if given), a NullWriter elsewhere."""
-    return MetricsWriter(out_dir, tensorboard, cfg) if is_main else NullWriter()
+def make_writer(out_dir: str, is_main: bool, **options) -> MetricsWriter | NullWriter:
+    """A MetricsWriter on the main process (with ``options``: MetricsWriter's), a NullWriter elsewhere."""
+    return MetricsWriter(out_dir, **options) if is_main else NullWriter()

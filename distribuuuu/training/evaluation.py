@@ -15,7 +15,7 @@ from distribuuuu.logger import get_logger
 from distribuuuu.models import model_source
 from distribuuuu.records.eval_outputs import EvalOutputs
 from distribuuuu.records.meters import MetricSums
-from distribuuuu.records.writer import multilabel_text, reported_k, topk_text, write_eval_record
+from distribuuuu.records.writer import multilabel_text, topk_text, write_eval_record
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import autocast, is_sharded, missing_forwards, to_device
 from distribuuuu.training.parallelize import build_model_for
@@ -131,7 +131,7 @@ def test_model(cfg: CfgNode) -> dict:
         writer = session.open_outputs()
         totals = evaluate_weights(model, val, bn_split, cfg, session.env)
         epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
-        k = reported_k(cfg)
+        k = build_task(cfg.MODEL, cfg.TEST).reported_k(cfg.TRAIN.TOPK)
         write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND)
         logger.info(
             "test %s: top1 %.3f%s%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",

@@ -15,14 +15,16 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+import yaml
 from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.names import CKPT_DIR
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, changes_from_defaults
 from distribuuuu.logger import attach_log_file, get_logger, setup_logging
 from distribuuuu.progress import show_progress_bar
 from distribuuuu.records.manifest import record_start
 from distribuuuu.records.out_dir_lock import OutDirLock, is_a_restart
+from distribuuuu.records.tracking import TrackerSettings
 from distribuuuu.records.writer import MetricsWriter, NullWriter, make_writer
 from distribuuuu.runtime.faults import naming_failed_collectives
 from distribuuuu.runtime.heartbeat import reporting_position, stall_seconds
@@ -107,8 +109,9 @@ class Session:
         if env.is_main_process:
             attach_log_file(cfg.OUT_DIR)
         if self.training:
-            rank0_decides(lambda: record_start(cfg, env, self.table, resumed_from))
-        self.writer = make_writer(cfg.OUT_DIR, env.is_main_process, cfg=cfg if self.training else None)
+            rank0_decides(lambda: record_start(cfg.OUT_DIR, cfg.dump(), cfg.CFG_DEST, env, self.table, resumed_from))
+        options = writer_options(cfg) if self.training else {}
+        self.writer = make_writer(cfg.OUT_DIR, env.is_main_process, **options)
         return self.writer
 
     def follow(self, run: Run) -> Run:
@@ -140,6 +143,16 @@ class Session:
                 "written; raise OPTIM.MAX_EPOCH to train on, or give another OUT_DIR to start a new run",
                 cfg.OUT_DIR, epochs_done, cfg.OPTIM.MAX_EPOCH,
             )  # fmt: skip
+
+
+def writer_options(cfg: CfgNode) -> dict:
+    """A training run's metrics writer: LOG.PLOT, LOG.TRACKERS (with the run's config) and what the
+    summary lists of the config."""
+    log = cfg.LOG
+    trackers = TrackerSettings(
+        tuple(log.TRACKERS), log.PROJECT, log.RUN_NAME, log.WANDB_MODE, log.MLFLOW_URI, yaml.safe_load(cfg.dump())
+    )
+    return {"plot": log.PLOT, "trackers": trackers, "config_changes": changes_from_defaults(cfg)}
 
 
 def start_process_group(cfg: CfgNode) -> tuple[DistEnv, list[dict]]:

@@ -32,6 +32,10 @@ class Task(abc.ABC):
         """What an export's output is (ONNX metadata)."""
         return {"task": self.name}
 
+    def reported_k(self, topk: int) -> int | None:
+        """TRAIN.TOPK, or None when the model has no more classes than that: its top-k is always 100%."""
+        return topk if topk < self.num_classes else None
+
     @abc.abstractmethod
     def criterion(
         self, loss: str, smoothing: float, bce_threshold: float | None, weights: torch.Tensor | None
