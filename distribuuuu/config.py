@@ -886,49 +886,6 @@ def _has_decode_jpeg() -> bool:
     return importlib.util.find_spec("torchcodec") is not None or hasattr(torchvision.io, "decode_jpeg")
 
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_remote(root: str) -> bool:
-    """A dataset root that is a URL (http(s)://, s3://, gs://, az://, ...), anything but a local path."""
-    return bool(_URL.match(root)) and not root.startswith("file://")
-
-
-def check_dataset_paths(c: CN) -> None:
-    """Raise ConfigError naming a dataset folder that does not exist (unless DUMMY_INPUT)."""
-    if c.MODEL.DUMMY_INPUT:
-        return
-    for key, root, split, ann_file in (
-        ("TRAIN.DATASET", c.TRAIN.DATASET, c.TRAIN.SPLIT, c.TRAIN.ANN_FILE),
-        ("TEST.DATASET", c.TEST.DATASET, c.TEST.SPLIT, c.TEST.ANN_FILE),
-        *(("TEST.EXTRA_DATASETS", extra, c.TEST.SPLIT, c.TEST.ANN_FILE) for extra in c.TEST.EXTRA_DATASETS),
-    ):
-        if ann_file:
-            _check_annotation_paths(key, root, ann_file)
-            continue
-        if is_remote(root):
-            continue  # a packed dataset's URL: its index is read (and named if it fails) when the data is built
-        kind, _, path = root.partition(":") if root.split(":", 1)[0] in ("cifar10", "cifar100") else ("", "", root)
-        if kind:
-            if not os.path.isdir(path):
-                raise ConfigError(f"{key}: CIFAR folder not found: {path}")
-            continue
-        folder = os.path.join(root, split)
-        if not os.path.isdir(folder):
-            raise ConfigError(f"{key}: dataset folder not found: {folder} (split {split!r})")
-
-
-def _check_annotation_paths(key: str, root: str, ann_file: str) -> None:
-    ann_key = key.split(".")[0] + ".ANN_FILE"
-    if is_remote(root) or not os.path.isdir(root):
-        raise ConfigError(
-            f"{key}: {ann_key} needs a local folder that its image paths are relative to, got {root!r} "
-            "(pack an annotated dataset with tools/pack_dataset.py --ann-files to read it from a URL)"
-        )
-    if not os.path.isfile(os.path.join(root, ann_file)):
-        raise ConfigError(f"{ann_key}: annotation file not found: {os.path.join(root, ann_file)}")
-
-
 def changes_from_defaults(config: dict) -> list[tuple[str, Any, Any]]:
     """(key, default, value) for every key of ``config`` (a CfgNode, or a config.yaml's dict) that
     differs from the defaults: what a run summary lists."""

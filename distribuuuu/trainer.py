@@ -18,7 +18,6 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.data.progressive import progressive_on, train_size
 from distribuuuu.logger import get_logger
 from distribuuuu.records.meters import MetricSums
 from distribuuuu.records.writer import (
@@ -33,6 +32,7 @@ from distribuuuu.runtime.preemption import stop_for_preemption
 from distribuuuu.runtime.process_group import broadcast_buffers
 from distribuuuu.training.evaluation import check_inputs, precise_bn, test_model, validate
 from distribuuuu.training.optim import lr_at, set_lr
+from distribuuuu.training.preprocessing import progressive
 from distribuuuu.training.resume import (
     ResumePoint,
     find_checkpoint_to_resume,
@@ -101,8 +101,9 @@ def train_epochs(run: Run, session: Session) -> dict:
 def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
     """Train ``epoch`` from the run's position, agree on BatchNorm statistics, record it, and move
     the run to the next epoch's start: an epoch of train_net.py, less evaluation and checkpoint."""
-    im_size = train_size(epoch, run.cfg.TRAIN)  # the epoch's crop: progressive resizing's, else TRAIN.IM_SIZE
-    if progressive_on(run.cfg.TRAIN):
+    schedule = progressive(run.cfg)
+    im_size = schedule.size_at(epoch)  # the epoch's crop: progressive resizing's, else TRAIN.IM_SIZE
+    if schedule.on:
         logger.info("epoch %d/%d trains at %d px (progressive resizing)", epoch + 1, run.cfg.OPTIM.MAX_EPOCH, im_size)
     totals = train_epoch(run, session, epoch)
     sync_buffers(run)

@@ -17,10 +17,11 @@ from distribuuuu import cli, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import load_cfg
-from distribuuuu.data import DataError, build_train_split, build_val_split
+from distribuuuu.data import DataError
 from distribuuuu.data.annotations import AnnotationSpec, read_annotations
 from distribuuuu.data.datasets import build_base_dataset
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.inputs import build_train_split, build_val_split
 
 DIGITS = REPO / "data" / "digits"
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).

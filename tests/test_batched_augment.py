@@ -17,12 +17,13 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_train_split, build_val_split
 from distribuuuu.data.datasets import seeded_cpu_rng
 from distribuuuu.data.prefetch import prefetched
 from distribuuuu.data.resample import EvalGeometry, TrainGeometry, resample_batched, resample_each, size_groups
 from distribuuuu.data.transforms import _after_crop_and_flip, _crop_and_flip
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.inputs import build_train_split, build_val_split
+from distribuuuu.training.preprocessing import train_augment
 
 
 def _float32_tolerance(height: int, width: int) -> float:
@@ -92,7 +93,7 @@ def test_the_workers_draws_leave_the_generator_where_the_per_sample_transforms_d
     # (auto-augment, erasing) draw what they draw today.
     cfg = load_cfg(None, ["DATA.HFLIP_PROB", str(hflip), "DATA.CROP_SCALE_MIN", "0.08"])
     geometry = TrainGeometry(v2.RandomResizedCrop(32, scale=(0.08, 1.0), antialias=True), hflip)
-    per_sample = v2.Compose(_crop_and_flip(cfg))
+    per_sample = v2.Compose(_crop_and_flip(train_augment(cfg)))
     for seed, (h, w) in enumerate([(375, 500), (20, 300), (64, 64)]):
         image = tv_tensors.Image(torch.rand(3, h, w) * 255)
         with seeded_cpu_rng(seed):
@@ -187,7 +188,7 @@ def test_auto_augment_and_erasing_run_per_sample_after_the_batched_crop(photo_tr
     batch = next(iter(split.loader.loader))
     images, _, _ = decoder(batch)
     assert images.dtype == torch.uint8
-    after_crop = v2.Compose(_after_crop_and_flip(_cfg(photo_tree, "batched", 0, *augment)))
+    after_crop = v2.Compose(_after_crop_and_flip(train_augment(_cfg(photo_tree, "batched", 0, *augment))))
     pixels = decoder.decode(batch)
     for i, image in enumerate(images):
         crop = resample_each([pixels[i]], batch.plans[i : i + 1], (32, 32)).to(torch.uint8)[0]

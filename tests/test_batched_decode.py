@@ -21,11 +21,12 @@ from PIL import Image
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.data import BadImageError, batched, build_train_split, build_val_split, jpeg
+from distribuuuu.data import BadImageError, batched, jpeg
 from distribuuuu.data.batched import BatchDecoder, EncodedSample, collate_encoded, decode_stats
 from distribuuuu.data.encoded import decode_image_bytes
 from distribuuuu.data.loader import DeviceLoader
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.inputs import build_train_split, build_val_split
 
 DIGITS = REPO / "data" / "digits"
 PER_CLASS = {"train": 24, "val": 6}

@@ -308,8 +308,8 @@ def test_config_diff_names_exactly_the_changed_keys_and_a_yaml_list_equals_a_yac
 
 @pytest.mark.parametrize("world_size, accum", [(1, 1), (2, 4)])
 def test_a_step_larger_than_a_ranks_share_of_the_data_is_one_line_naming_both_keys(world_size, accum):
-    from distribuuuu.data import build_train_split
     from distribuuuu.runtime.launcher import DistEnv
+    from distribuuuu.training.inputs import build_train_split
 
     digits = str(Path(__file__).resolve().parents[1] / "data" / "digits")
     per_rank = -(-1436 // world_size)  # DistributedSampler's share of the 1,436 training images

@@ -12,9 +12,10 @@ import torchvision
 from PIL import Image
 
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.data import DataError, build_train_split
+from distribuuuu.data import DataError
 from distribuuuu.data.datasets import build_base_dataset
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.inputs import build_train_split
 from distribuuuu.training.parallelize import build_configured_model
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -101,7 +102,7 @@ def test_pretrained_weights_load_and_a_new_class_count_gets_a_new_head(monkeypat
 def test_synthetic_images_are_uint8_pixels_normalised_by_the_loader_as_decoded_ones():
     """MODEL.DUMMY_INPUT hands the workers uint8 images (a quarter of float32's bytes to collate, pin
     and copy) and the loader normalises them on the device with the data's mean and std."""
-    from distribuuuu.data.transforms import build_normalize
+    from distribuuuu.training.preprocessing import build_normalize
 
     opts = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "32", "TRAIN.BATCH_SIZE", "8", "TRAIN.IM_SIZE", "16"]
     cfg = load_cfg(None, [*opts, "TRAIN.WORKERS", "0", "DATA.MEAN", "[0.2, 0.4, 0.6]", "DATA.STD", "[0.5, 0.25, 0.1]"])

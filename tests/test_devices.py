@@ -9,9 +9,9 @@ from __future__ import annotations
 from torch import nn
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_train_split
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training import parallelize
+from distribuuuu.training.inputs import build_train_split
 
 
 def _count(model: nn.Module, kind: type) -> int:

@@ -16,7 +16,7 @@ from distribuuuu.data.datasets import seeded_cpu_rng
 from distribuuuu.data.draft import decode_reduced
 from distribuuuu.data.encoded import decode_image_bytes, load_image
 from distribuuuu.data.errors import BadImageError
-from distribuuuu.data.transforms import build_train_transform, build_val_transform
+from distribuuuu.training.preprocessing import build_train_transform, build_val_transform
 
 
 def _photo(width: int, height: int) -> bytes:

@@ -34,9 +34,9 @@ from distribuuuu import trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError, map_classes
-from distribuuuu.data.loader import build_train_split, build_val_split
 from distribuuuu.runtime.launcher import DistEnv, find_free_port
 from distribuuuu.runtime.process_group import cleanup_distributed
+from distribuuuu.training.inputs import build_train_split, build_val_split
 from distribuuuu.training.resume import find_checkpoint_to_resume
 
 DIGITS = REPO / "data" / "digits"

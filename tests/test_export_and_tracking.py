@@ -263,7 +263,8 @@ def pytorch_logits(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = predict.build_cfg(state, None, ())
     model = predict.load_model(state, cfg, "model", torch.device("cpu"))
     images = predict.find_images([str(VAL)])
-    from distribuuuu.data import build_val_transform, load_image
+    from distribuuuu.data import load_image
+    from distribuuuu.training.preprocessing import build_val_transform
 
     transform = build_val_transform(cfg)
     inputs = torch.stack([transform(load_image(p, "pil")) for p in images])
@@ -457,7 +458,8 @@ def test_a_sharded_checkpoints_ema_weights_export_with_the_parity_check(eval_key
 
 @pytest.mark.slow
 def test_a_checkpoint_without_stored_preprocessing_resolves_it_from_its_config(eval_keys_run):
-    from distribuuuu.data.transforms import EvalPreprocessing, checkpoint_preprocessing, eval_preprocessing
+    from distribuuuu.data.transforms import EvalPreprocessing
+    from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing
 
     state = torch.load(eval_keys_run / "best.pth.tar", weights_only=True)
     stored = EvalPreprocessing.from_dict(state.pop("preprocessing"))

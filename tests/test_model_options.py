@@ -14,10 +14,9 @@ from torchvision.transforms import v2
 
 from distribuuuu import models
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.data import build_val_transform
-from distribuuuu.data.transforms import eval_preprocessing
 from distribuuuu.models import enable_grad_checkpointing
 from distribuuuu.training.parallelize import build_configured_model
+from distribuuuu.training.preprocessing import build_val_transform, eval_preprocessing
 
 
 def test_an_unknown_torchvision_weight_name_is_one_config_error_listing_the_valid_names():

@@ -20,10 +20,10 @@ from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_fr
 from distribuuuu.config import load_cfg
 from distribuuuu.data import load_image
 from distribuuuu.data.samplers import ExactEvalSampler
-from distribuuuu.data.transforms import build_batch_mixer, build_val_transform
 from distribuuuu.losses import MultiLabelBCE
 from distribuuuu.records.multilabel import MultiLabelSums, metrics_from_counts, score_levels
 from distribuuuu.training.parallelize import build_configured_model
+from distribuuuu.training.preprocessing import build_batch_mixer, build_val_transform
 
 # In-process runs on one thread: they run beside the background jobs (tests/background.py).
 pytestmark = pytest.mark.usefixtures("plain_logging")

@@ -33,13 +33,14 @@ from test_sampler_resume import RESUME_AT, config_sampler_keys, window_stretches
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
-from distribuuuu.data import DataError, build_train_split, build_val_split, remote
+from distribuuuu.data import DataError, remote
 from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
 from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.packed import BadShardError, PackedDataset, key_of
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
-from distribuuuu.data.transforms import build_normalize
 from distribuuuu.runtime.launcher import DistEnv, find_free_port
+from distribuuuu.training.inputs import build_train_split, build_val_split
+from distribuuuu.training.preprocessing import build_normalize
 
 pytest.importorskip("wids")
 DIGITS = REPO / "data" / "digits"

@@ -15,10 +15,10 @@ from torch import nn
 
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
-from distribuuuu.data import build_precise_bn_split
 from distribuuuu.data.loader import precise_bn_indices
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.evaluation import precise_bn
+from distribuuuu.training.inputs import build_precise_bn_split
 from distribuuuu.training.precise_bn import bn_layers, bn_moment_sums, recompute_bn_stats, set_bn_stats
 
 DIGITS = str(REPO / "data" / "digits")

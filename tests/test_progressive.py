@@ -20,13 +20,12 @@ from helpers import REPO, TINY_TRAIN, assert_ok, in_process, read_metrics
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.config import load_cfg
 from distribuuuu.data.datasets import sample_seed, seeded_cpu_rng
-from distribuuuu.data.loader import build_train_split
 from distribuuuu.data.pack import PackOptions, pack_split
-from distribuuuu.data.progressive import schedule_sizes, schedule_text, train_size
-from distribuuuu.data.transforms import build_normalize, build_train_transform
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training import parallelize
 from distribuuuu.training import run as run_setup
+from distribuuuu.training.inputs import build_train_split
+from distribuuuu.training.preprocessing import build_normalize, build_train_transform, progressive
 
 DIGITS = str(REPO / "data" / "digits")
 # Epochs 0, 1, 2 (from 0) train at 8, 12 and 16 px.
@@ -64,22 +63,22 @@ def _ramp(start_size: int, end_size: int, start_epoch: int, end_epoch: int, epoc
 def test_the_size_of_each_epoch_is_ffcvs_get_resolution(start_size, end_size, start_epoch, end_epoch, epochs):
     cfg = _ramp(start_size, end_size, start_epoch, end_epoch, epochs)
     expected = [ffcv_get_resolution(e, start_size, end_size, end_epoch, start_epoch) for e in range(epochs)]
-    assert [train_size(e, cfg.TRAIN) for e in range(epochs)] == expected
-    assert schedule_sizes(cfg) == list(dict.fromkeys(expected))
+    assert [progressive(cfg).size_at(e) for e in range(epochs)] == expected
+    assert progressive(cfg).sizes() == list(dict.fromkeys(expected))
 
 
 def test_ffcvs_resnet50_ramp_switches_where_the_line_crosses_the_midpoint_of_the_two_sizes():
     """160 -> 192 over epochs 65-76: 160 + 32 (e - 65) / 11 reaches 176, halfway, at e = 70.5."""
     cfg = _ramp(160, 192, 65, 76, 88)
-    assert [train_size(e, cfg.TRAIN) for e in range(88)] == [160] * 71 + [192] * 17
+    assert [progressive(cfg).size_at(e) for e in range(88)] == [160] * 71 + [192] * 17
     off = load_cfg(None, ["TRAIN.IM_SIZE", "48", "TEST.IM_SIZE", "48"])
-    assert {train_size(e, off.TRAIN) for e in range(20)} == {48}
+    assert {progressive(off).size_at(e) for e in range(20)} == {48}
 
 
 @pytest.mark.usefixtures("plain_logging")
 def test_the_run_logs_its_sizes_by_epoch_and_warns_when_it_ends_inside_the_ramp(caplog):
-    assert schedule_text(load_cfg(None, RAMP)) == "8 px: epoch 1; 12 px: epoch 2; 16 px: epoch 3"
-    assert schedule_text(_ramp(160, 192, 65, 76, 88)) == "160 px: epochs 1-71; 192 px: epochs 72-88"
+    assert progressive(load_cfg(None, RAMP)).text() == "8 px: epoch 1; 12 px: epoch 2; 16 px: epoch 3"
+    assert progressive(_ramp(160, 192, 65, 76, 88)).text() == "160 px: epochs 1-71; 192 px: epochs 72-88"
     # A run shorter than the ramp is valid (test_net.py reads these keys from a checkpoint, and not
     # OPTIM.MAX_EPOCH), and says where it ends.
     with caplog.at_level("WARNING", logger="distribuuuu"):
@@ -224,7 +223,7 @@ def test_compile_under_progressive_resizing_makes_one_static_graph_per_size_past
     ramp = _ramp(8, 80, 0, 9, 10, multiple=8)  # 10 sizes: more than dynamo's default 8 graphs per function
     ramp.defrost()
     ramp.TRAIN.COMPILE = True
-    sizes = schedule_sizes(ramp)
+    sizes = progressive(ramp).sizes()
     assert sizes == list(range(8, 81, 8))
     assert _graphs_for_sizes(ramp, sizes, monkeypatch) == len(sizes)
     # Without the ramp torch's default applies: the second size recompiles with a symbolic height

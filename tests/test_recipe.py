@@ -35,13 +35,13 @@ from helpers import REPO, assert_ok, in_process, python, read_metrics, run, run_
 from distribuuuu import cli, trainer  # noqa: E402
 from distribuuuu.checkpointing import checkpoint  # noqa: E402
 from distribuuuu.config import get_cfg_defaults, load_cfg  # noqa: E402
-from distribuuuu.data import build_batch_mixer  # noqa: E402
 from distribuuuu.ema import ModelEMA  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.runtime.process_group import cleanup_distributed  # noqa: E402
 from distribuuuu.training import parallelize  # noqa: E402
 from distribuuuu.training.optim import LARS, build_optimizer, lr_at, optimizer_groups, scaled_base_lr  # noqa: E402
+from distribuuuu.training.preprocessing import build_batch_mixer  # noqa: E402
 
 DIGITS = REPO / "data" / "digits"
 
@@ -344,7 +344,8 @@ def test_the_training_loss_accepts_mixed_soft_targets(tmp_path):
 def test_auto_augment_and_random_erasing_are_in_the_train_transform(policy):
     from torchvision.transforms import v2
 
-    from distribuuuu.data import build_train_transform, load_image
+    from distribuuuu.data import load_image
+    from distribuuuu.training.preprocessing import build_train_transform
 
     cfg = load_cfg(None, ["DATA.AUTO_AUGMENT", policy, "DATA.RANDOM_ERASING", "1.0", "TRAIN.IM_SIZE", "32"])
     wanted = {"randaugment": v2.RandAugment, "trivialaugment": v2.TrivialAugmentWide, "autoaugment": v2.AutoAugment}
@@ -366,7 +367,7 @@ def test_random_erasing_makes_its_fill_once_and_erases_as_torchvision_does(monke
     from torchvision import tv_tensors
     from torchvision.transforms import v2
 
-    from distribuuuu.data import build_train_transform
+    from distribuuuu.training.preprocessing import build_train_transform
 
     cfg = load_cfg(None, ["DATA.RANDOM_ERASING", "1.0", "TRAIN.IM_SIZE", "32"])
     [erasing] = [t for t in build_train_transform(cfg, normalize=False).transforms if isinstance(t, v2.RandomErasing)]

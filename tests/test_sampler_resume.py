@@ -11,9 +11,9 @@ import pytest
 from torch.utils.data import DistributedSampler
 
 from distribuuuu.config import load_cfg
-from distribuuuu.data import build_train_split
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.inputs import build_train_split
 
 SEED = 7
 SHARD = 7  # samples per shard in the windowed cases; the last shard holds the rest

@@ -39,11 +39,11 @@ from helpers import (
 from test_sampler_resume import window_stretches
 
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
-from distribuuuu.data import build_train_split
 from distribuuuu.data.packed import PackedDataset, _ShardFiles
 from distribuuuu.data.samplers import ShardWindowSampler
 from distribuuuu.data.shard_cache import LOCKS, ShardOrder
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.inputs import build_train_split
 
 pytest.importorskip("wids")
 DIGITS = REPO / "data" / "digits"

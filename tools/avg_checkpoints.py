@@ -32,12 +32,13 @@ from distribuuuu.checkpointing.average import (  # noqa: E402
 from distribuuuu.checkpointing.checkpoint import save_checkpoint  # noqa: E402
 from distribuuuu.checkpointing.stored_config import cfg_from_checkpoint, run_keys  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
-from distribuuuu.data import DataError, build_precise_bn_split  # noqa: E402
+from distribuuuu.data import DataError  # noqa: E402
 from distribuuuu.errors import CheckpointError  # noqa: E402
 from distribuuuu.logger import setup_logging  # noqa: E402
 from distribuuuu.models import load_model_weights  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.training.evaluation import precise_bn  # noqa: E402
+from distribuuuu.training.inputs import build_precise_bn_split  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 
 

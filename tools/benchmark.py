@@ -41,8 +41,7 @@ from yacs.config import CfgNode  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
 from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
-from distribuuuu.data import DataError, build_train_split, build_train_transform, jpeg, load_image  # noqa: E402
-from distribuuuu.data.transforms import build_normalize  # noqa: E402
+from distribuuuu.data import DataError, jpeg, load_image  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv, LaunchError  # noqa: E402
@@ -56,8 +55,13 @@ from distribuuuu.runtime.process_group import (  # noqa: E402
 )
 from distribuuuu.training import run as run_setup  # noqa: E402
 from distribuuuu.training.evaluation import validate  # noqa: E402
+from distribuuuu.training.inputs import build_train_split  # noqa: E402
 from distribuuuu.training.optim import LAMB, LARS, freeze, lr_at, optimizer_groups, set_lr  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
+from distribuuuu.training.preprocessing import (
+    build_normalize,  # noqa: E402
+    build_train_transform,  # noqa: E402
+)
 from distribuuuu.training.rng import seed_everything  # noqa: E402
 from distribuuuu.training.session import Session  # noqa: E402
 from distribuuuu.training.state import Run, global_batch  # noqa: E402

@@ -48,9 +48,10 @@ from yacs.config import CfgNode  # noqa: E402
 from distribuuuu.checkpointing.checkpoint import CheckpointError  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError  # noqa: E402
-from distribuuuu.data.loader import annotation_spec  # noqa: E402
-from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform, checkpoint_preprocessing  # noqa: E402
+from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
+from distribuuuu.training.inputs import annotation_spec  # noqa: E402
+from distribuuuu.training.preprocessing import checkpoint_preprocessing  # noqa: E402
 
 EXIT_DISAGREE, EXIT_BAD_INPUT = 1, 2
 INPUT, OUTPUT = "images", "logits"

@@ -53,8 +53,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from distribuuuu import trainer  # noqa: E402
 from distribuuuu.checkpointing import checkpoint as ckpt  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
-from distribuuuu.data import batched, build_train_split, build_val_split  # noqa: E402
-from distribuuuu.data.transforms import build_normalize  # noqa: E402
+from distribuuuu.data import batched  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
@@ -70,6 +69,8 @@ from distribuuuu.runtime.process_group import (  # noqa: E402
 )
 from distribuuuu.training import parallelize  # noqa: E402
 from distribuuuu.training import run as run_setup  # noqa: E402
+from distribuuuu.training.inputs import build_train_split, build_val_split  # noqa: E402
+from distribuuuu.training.preprocessing import build_normalize  # noqa: E402
 from distribuuuu.training.resume import resume_or_load_weights, save_training_checkpoint  # noqa: E402
 from distribuuuu.training.rng import seed_everything  # noqa: E402
 from distribuuuu.training.state import Run  # noqa: E402

@@ -36,14 +36,10 @@ from distribuuuu.data.annotations import AnnotationSpec  # noqa: E402
 from distribuuuu.data.datasets import build_base_dataset  # noqa: E402
 from distribuuuu.data.hf import is_saved_hf  # noqa: E402
 from distribuuuu.data.packed import is_packed  # noqa: E402
-from distribuuuu.data.transforms import (  # noqa: E402
-    EvalPreprocessing,
-    build_eval_transform,
-    checkpoint_preprocessing,
-    eval_preprocessing,
-)
+from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
 from distribuuuu.records.multilabel import predicted  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
+from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing  # noqa: E402
 from distribuuuu.training.resume import check_weights_fit, load_full_weights  # noqa: E402
 
 EXIT_BAD_INPUT = 2

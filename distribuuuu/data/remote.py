@@ -21,6 +21,7 @@ import hashlib
 import http.client
 import os
 import random
+import re
 import time
 import urllib.error
 import urllib.request
@@ -29,7 +30,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from distribuuuu import files
-from distribuuuu.config import is_remote  # defined with the keys it checks; used here for every URL
 from distribuuuu.data.errors import BadImageError, DataError
 from distribuuuu.errors import first_line
 
@@ -68,6 +68,14 @@ class Retry:
 
 
 RETRY = Retry()  # tests swap in a tiny backoff
+
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_remote(root: str) -> bool:
+    """A dataset root that is a URL (http(s)://, s3://, gs://, az://, ...), anything but a local path."""
+    return bool(_URL.match(root)) and not root.startswith("file://")
 
 
 def join(base: str, name: str) -> str:

@@ -23,12 +23,12 @@ from yacs.config import CfgNode
 from distribuuuu.checkpointing import sharded as shards
 from distribuuuu.checkpointing.single_file import model_state_from
 from distribuuuu.config import ConfigError
-from distribuuuu.data.transforms import eval_preprocessing
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.logger import get_logger
 from distribuuuu.models import load_model_weights
 from distribuuuu.runtime.process_group import all_gather_object, is_main_process
+from distribuuuu.training.preprocessing import eval_preprocessing
 from distribuuuu.training.rng import capture_rng_state, restore_rng_state
 from distribuuuu.training.state import global_batch
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError, check_dataset_paths, eval_crop_size
-from distribuuuu.data import Split, build_precise_bn_split, build_val_split, sample_paths
+from distribuuuu.config import ConfigError, eval_crop_size
+from distribuuuu.data import Split, sample_paths
 from distribuuuu.logger import get_logger
 from distribuuuu.models import model_source
 from distribuuuu.records.eval_outputs import EvalOutputs
@@ -18,6 +18,7 @@ from distribuuuu.records.meters import MetricSums
 from distribuuuu.records.writer import multilabel_text, topk_text, write_eval_record
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import autocast, is_sharded, missing_forwards, to_device
+from distribuuuu.training.inputs import build_precise_bn_split, build_val_split, check_dataset_paths
 from distribuuuu.training.parallelize import build_model_for
 from distribuuuu.training.precise_bn import recompute_bn_stats
 from distribuuuu.training.resume import load_configured_weights, warn_if_evaluated_otherwise

@@ -13,7 +13,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError, parse_model_kwargs
-from distribuuuu.data.progressive import progressive_on, schedule_sizes
 from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
@@ -21,6 +20,7 @@ from distribuuuu.models import NotFetched, build_model, find_blocks, has_batchno
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
 from distribuuuu.training.optim import freeze
+from distribuuuu.training.preprocessing import progressive
 
 logger = get_logger("run")
 
@@ -145,7 +145,7 @@ def compile_model(model: nn.Module, cfg: CfgNode) -> nn.Module:
     Static shapes instead pay one compile per size, a handful of sizes known from the config, each
     used for whole epochs, and keep every size's kernels specialised, as without the ramp.
     """
-    if not progressive_on(cfg.TRAIN):
+    if not progressive(cfg).on:
         return torch.compile(model)
     allow_a_graph_per_size(cfg)
     return torch.compile(model, dynamic=False)
@@ -154,7 +154,7 @@ def compile_model(model: nn.Module, cfg: CfgNode) -> nn.Module:
 def allow_a_graph_per_size(cfg: CfgNode) -> None:
     """Let dynamo keep as many graphs per function for each size of the schedule as torch's default
     (8) allows for one: past its recompile limit it runs the function eagerly, with one warning."""
-    needed = _DYNAMO_DEFAULT_RECOMPILE_LIMIT * len(schedule_sizes(cfg))
+    needed = _DYNAMO_DEFAULT_RECOMPILE_LIMIT * len(progressive(cfg).sizes())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, needed)
 
 
@@ -179,7 +179,7 @@ def shard_for_training(
         # be dynamic, whose backward Inductor fails to build ("Cannot convert expression to float",
         # torch 2.14 on the CPU; compiling the sharded root fails the same way).
         blocks = find_blocks(model)
-        if progressive_on(cfg.TRAIN):
+        if progressive(cfg).on:
             allow_a_graph_per_size(cfg)
         for block in blocks:
             block.compile(dynamic=False)

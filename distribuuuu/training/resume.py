@@ -21,7 +21,6 @@ from distribuuuu.checkpointing import sharded as shards
 from distribuuuu.checkpointing.background_write import BackgroundWriter, host_copy
 from distribuuuu.checkpointing.stored_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
 from distribuuuu.config import ConfigError, config_changes
-from distribuuuu.data.transforms import checkpoint_preprocessing, eval_preprocessing
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.runtime.parallel import is_sharded
@@ -35,6 +34,7 @@ from distribuuuu.training.components import (
     start_saving_sharded_state,
     to_restore,
 )
+from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing
 from distribuuuu.training.state import Run, writes_sharded_checkpoints
 
 logger = get_logger("state")

@@ -8,15 +8,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.background_write import BackgroundWriter
 from distribuuuu.config import ConfigError
-from distribuuuu.data import (
-    Split,
-    build_batch_mixer,
-    build_extra_val_splits,
-    build_precise_bn_split,
-    build_train_split,
-    build_val_split,
-)
-from distribuuuu.data.progressive import progressive_on, schedule_text, train_size
+from distribuuuu.data import Split
 from distribuuuu.logger import get_logger
 from distribuuuu.losses import DistillationLoss
 from distribuuuu.models import count_parameters, find_blocks
@@ -24,6 +16,12 @@ from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import shard_model
 from distribuuuu.runtime.process_group import is_dist
 from distribuuuu.training.distillation import Teacher, load_teacher
+from distribuuuu.training.inputs import (
+    build_extra_val_splits,
+    build_precise_bn_split,
+    build_train_split,
+    build_val_split,
+)
 from distribuuuu.training.optim import build_optimizer, scaled_base_lr
 from distribuuuu.training.parallelize import (
     build_model_for,
@@ -32,6 +30,7 @@ from distribuuuu.training.parallelize import (
     parallelize,
     shards,
 )
+from distribuuuu.training.preprocessing import build_batch_mixer, progressive
 from distribuuuu.training.state import Best, Run, global_batch
 from distribuuuu.training.task import Task, build_task
 
@@ -102,14 +101,15 @@ def log_run(
         steps_per_epoch, base_lr,
         f" (OPTIM.BASE_LR x {batch}/{cfg.OPTIM.REFERENCE_BATCH})" if cfg.OPTIM.REFERENCE_BATCH else "",
     )  # fmt: skip
-    if progressive_on(t):
+    if progressive(cfg).on:
         log_progressive_schedule(cfg)
 
 
 def log_progressive_schedule(cfg: CfgNode) -> None:
     """Log the training crop of each epoch; warn when the run ends inside the ramp, below TRAIN.IM_SIZE."""
-    logger.info("progressive resizing (TRAIN.PROGRESSIVE_*): %s", schedule_text(cfg))
-    last = train_size(cfg.OPTIM.MAX_EPOCH - 1, cfg.TRAIN)
+    schedule = progressive(cfg)
+    logger.info("progressive resizing (TRAIN.PROGRESSIVE_*): %s", schedule.text())
+    last = schedule.size_at(cfg.OPTIM.MAX_EPOCH - 1)
     if last != cfg.TRAIN.IM_SIZE:
         logger.warning(
             "TRAIN.PROGRESSIVE_END_EPOCH %d is not below OPTIM.MAX_EPOCH %d: the last epoch trains at %d px, "

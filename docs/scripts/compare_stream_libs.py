@@ -28,7 +28,7 @@ from distribuuuu.data.datasets import seeded_cpu_rng  # noqa: E402
 from distribuuuu.data.encoded import decode_image_bytes  # noqa: E402
 from distribuuuu.data.pack import PackOptions, pack_split  # noqa: E402
 from distribuuuu.data.packed import PackedDataset  # noqa: E402
-from distribuuuu.data.transforms import build_train_transform  # noqa: E402
+from distribuuuu.training.preprocessing import build_train_transform  # noqa: E402
 
 
 def samples(photos: str) -> list[tuple[bytes, int]]:

@@ -28,9 +28,9 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from distribuuuu.config import get_cfg_defaults  # noqa: E402
-from distribuuuu.data import build_train_split  # noqa: E402
 from distribuuuu.data.pack import PackOptions, pack_split  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
+from distribuuuu.training.inputs import build_train_split  # noqa: E402
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
