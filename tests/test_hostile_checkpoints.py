@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import EVAL_TINY, REPO, TEST, TRAIN, Payload, PlainState, in_process, lone_env, read_metrics
-from models import tiny_cnn
+from models import CONV_BN_HEAD, TINY_ARCH, conv_bn_head, tiny_cnn
 from PIL import Image
+from torch import nn
 
 from distribuuuu.checkpointing.checkpoint import (
     CheckpointError,
@@ -34,6 +35,7 @@ from distribuuuu.checkpointing.checkpoint import (
 from distribuuuu.checkpointing.dcp_reader import read_metadata
 from distribuuuu.checkpointing.sharded import MANIFEST, METADATA, load_states, save_sharded, save_states
 from distribuuuu.ema import ModelEMA
+from distribuuuu.training.resume import load_weights
 
 PREDICT, EXPORT = str(REPO / "tools" / "predict.py"), str(REPO / "tools" / "export.py")
 CONVERT, AVG = str(REPO / "tools" / "convert_checkpoint.py"), str(REPO / "tools" / "avg_checkpoints.py")
@@ -341,3 +343,68 @@ def test_metadata_mutated_at_random_loads_or_is_one_checkpoint_error(small_dcp, 
             outcomes["unreadable"] += 1
     assert not (tmp_path / "PWNED").exists()
     assert all(outcomes.values()), f"each outcome reached: {outcomes}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights that do not fit: MODEL.WEIGHTS must fill at least half of the model's values
+# ------------------------------------------------------------------------------------------------
+def test_another_models_weights_are_refused_naming_how_many_tensors_matched(tmp_path):
+    path = tmp_path / "conv_bn_head.pth.tar"
+    save_checkpoint({"model": conv_bn_head(10).state_dict(), "arch": CONV_BN_HEAD}, str(path))
+    own = tiny_cnn(10).state_dict()
+    result = in_process(
+        TRAIN, "OUT_DIR", str(tmp_path / "out"), *RUN_OPTS, "OPTIM.MAX_EPOCH", "1", "MODEL.WEIGHTS", str(path)
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(
+        f"distribuuuu: error: MODEL.WEIGHTS: {path} fills 0 of the {len(own)} tensors of MODEL.ARCH {TINY_ARCH}"
+    ), line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists(), "nothing trained"
+
+
+def test_a_teacher_of_another_model_is_refused_naming_how_many_tensors_matched(tmp_path):
+    path = tmp_path / "conv_bn_head.pth.tar"
+    save_checkpoint({"model": conv_bn_head(10).state_dict(), "arch": CONV_BN_HEAD}, str(path))
+    teacher = ["DISTILL.TEACHER", str(path), "DISTILL.ARCH", TINY_ARCH]
+    result = in_process(TRAIN, "OUT_DIR", str(tmp_path / "out"), *RUN_OPTS, "OPTIM.MAX_EPOCH", "1", *teacher)
+    assert result.returncode == 2, result.stderr[-3000:]
+    [line] = result.stderr.strip().splitlines()
+    own = len(tiny_cnn(10).state_dict())
+    assert line.startswith(
+        f"distribuuuu: error: DISTILL.TEACHER: {path} does not fit {TINY_ARCH} (it fills 0 of its {own} tensors"
+    ), line
+
+
+def _two_layers(second_out: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(10, 10), nn.Linear(10, second_out))
+
+
+@pytest.mark.parametrize("second_out", [10, 11])
+def test_weights_load_when_they_fill_at_least_half_of_the_models_values(tmp_path, second_out):
+    """The file holds the first of two layers: 110 of 220 values (loaded), or of 231 (refused)."""
+    path = tmp_path / "first_layer.pth.tar"
+    first = _two_layers(10)[0]
+    save_checkpoint({"model": {f"0.{k}": v for k, v in first.state_dict().items()}}, str(path))
+    model = _two_layers(second_out)
+    values = sum(v.numel() for v in model.state_dict().values())
+    if 110 / values >= 0.5:
+        load_weights(model, str(path), strict=False)
+        assert torch.equal(model[0].weight, first.weight) and torch.equal(model[0].bias, first.bias)
+    else:
+        with pytest.raises(
+            CheckpointError, match=rf"fills 2 of the 4 tensors of the model \({110 / values:.0%} of its values;"
+        ):
+            load_weights(model, str(path), strict=False)
+
+
+def test_fine_tuning_with_a_new_head_still_loads_every_other_tensor(tmp_path):
+    """The documented case (docs/fine-tuning.md): a 10-class checkpoint into a 3-class model of its architecture."""
+    path = tmp_path / "ten.pth.tar"
+    ten = tiny_cnn(10)
+    save_checkpoint({"model": ten.state_dict(), "arch": TINY_ARCH}, str(path))
+    three = tiny_cnn(3)
+    head = {k: v.clone() for k, v in three.state_dict().items() if k.startswith("fc.")}
+    load_weights(three, str(path), strict=False)
+    for k, v in three.state_dict().items():
+        assert torch.equal(v, head[k] if k.startswith("fc.") else ten.state_dict()[k]), k
