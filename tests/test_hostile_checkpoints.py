@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 from helpers import EVAL_TINY, REPO, TEST, TRAIN, Payload, PlainState, in_process, lone_env, read_metrics
 from models import CONV_BN_HEAD, TINY_ARCH, conv_bn_head, tiny_cnn
 from PIL import Image
@@ -34,7 +35,9 @@ from distribuuuu.checkpointing.checkpoint import (
 )
 from distribuuuu.checkpointing.dcp_reader import read_metadata
 from distribuuuu.checkpointing.sharded import MANIFEST, METADATA, load_states, save_sharded, save_states
+from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.ema import ModelEMA
+from distribuuuu.training.parallelize import build_configured_model
 from distribuuuu.training.resume import load_weights
 
 PREDICT, EXPORT = str(REPO / "tools" / "predict.py"), str(REPO / "tools" / "export.py")
@@ -408,3 +411,33 @@ def test_fine_tuning_with_a_new_head_still_loads_every_other_tensor(tmp_path):
     load_weights(three, str(path), strict=False)
     for k, v in three.state_dict().items():
         assert torch.equal(v, head[k] if k.startswith("fc.") else ten.state_dict()[k]), k
+
+
+# ------------------------------------------------------------------------------------------------
+# Pretrained weights: a file in torch.hub's cache is a file handed to us too
+# ------------------------------------------------------------------------------------------------
+def test_pretrained_weights_that_would_run_code_are_refused(tmp_path, monkeypatch):
+    """torchvision loads its weights with weights_only=False unless told otherwise, and checks their
+    hash only when it downloads them: a file placed in the hub's cache (as the docs say to do
+    offline) ran its code."""
+    marker = tmp_path / "PWNED"
+    monkeypatch.setattr(torch.hub, "_hub_dir", str(tmp_path / "hub"))
+    cached = tmp_path / "hub" / "checkpoints" / os.path.basename(torchvision.models.ResNet18_Weights.DEFAULT.url)
+    cached.parent.mkdir(parents=True)
+    torch.save({"conv1.weight": _touch(marker)}, cached)
+    cfg = load_cfg(None, ["MODEL.ARCH", "resnet18", "MODEL.PRETRAINED", "True"])
+    with pytest.raises(ConfigError, match=r"^MODEL\.PRETRAINED: refusing .*\(GLOBAL posix\.system\)"):
+        build_configured_model(cfg.MODEL)
+    assert not marker.exists()
+
+
+def test_a_python_config_is_refused_in_one_line_and_never_run(tmp_path):
+    """yacs runs a .py config (merge_from_file, its _load_cfg_py_source); ours are YAML, read with safe_load."""
+    marker, config = tmp_path / "PWNED", tmp_path / "evil.py"
+    config.write_text(f"import os\nos.system('touch {marker}')\ncfg = {{}}\n")
+    result = in_process(TEST, "--cfg", str(config), "MODEL.WEIGHTS", str(tmp_path / "x.pth.tar"))
+    assert result.returncode == 2 and not marker.exists(), result.stderr
+    assert (
+        result.stderr.strip()
+        == f"distribuuuu: error: {config}: a Python file; configs are YAML, and no config file is ever run"
+    )
