@@ -255,7 +255,7 @@ def verify_sharded(path: str, checksums: bool = True) -> None:
         if name not in files:
             raise CheckpointError(f"{manifest_path} does not list {name}")
     for name, expected in sorted(files.items()):
-        if not is_plain_name(name):  # hashing "/dev/zero" or "../x" would read outside the folder, or forever
+        if not is_plain_name(name):  # "/etc/shadow" or "../x": verifying would read files elsewhere
             raise CheckpointError(f"{manifest_path} names {name!r}, not a file of {path}")
         file = os.path.join(path, name)
         if not os.path.isfile(file):
