@@ -18,7 +18,7 @@ from yacs.config import CfgNode
 from distribuuuu.checkpointing.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, DataError
-from distribuuuu.errors import EXIT_INTERRUPTED, first_line
+from distribuuuu.errors import EXIT_INTERRUPTED, RefusedCheckpointError, first_line
 from distribuuuu.runtime.faults import CollectiveError, NonFiniteLossError
 from distribuuuu.runtime.launcher import SPAWN_ERROR_VAR, LaunchError, RankLaunchError, detect_env_rank, find_free_port
 from distribuuuu.runtime.preemption import INTERRUPT, PREEMPT_SIGNALS, Preempted
@@ -102,7 +102,9 @@ def run_main(main: Callable[[CfgNode], object], cfg: CfgNode) -> int:
 
 
 def _exit_code(e: Exception) -> int:
-    return EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError)) else EXIT_FAILED
+    return (
+        EXIT_BAD_INPUT if isinstance(e, (ConfigError, DataError, LaunchError, RefusedCheckpointError)) else EXIT_FAILED
+    )
 
 
 def _print_error(message: str, every_rank: bool = False) -> None:

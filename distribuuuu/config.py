@@ -474,6 +474,8 @@ def load_cfg(cfg_file: str | None = None, opts: Sequence[str] = (), base: CN | N
 
 def _read_yaml(path: str) -> dict:
     """The mapping in a YAML file, or a ConfigError naming the file, the problem and its position."""
+    if path.endswith(".py"):  # yacs's merge_from_file would run it (its _load_cfg_py_source): a config is data
+        raise ConfigError(f"{path}: a Python file; configs are YAML, and no config file is ever run")
     try:
         with open(path) as f:
             data = yaml.safe_load(f)

@@ -4,6 +4,8 @@ No dependencies: imported by all."""
 
 from __future__ import annotations
 
+import re
+
 # Exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it.
 EXIT_INTERRUPTED = 130
 # A terminal's Ctrl-C reaches every process of its group, and a launcher may pass the same one on:
@@ -17,6 +19,11 @@ class ConfigError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, read, verified or trusted; the message names the file."""
+
+
+class RefusedCheckpointError(CheckpointError):
+    """A file handed us as a checkpoint that is none (an image, a config) or that would run code if
+    loaded: bad input (exit 2), never moved aside as a torn checkpoint is, nothing of it run."""
 
 
 def first_line(e: BaseException) -> str:
@@ -38,3 +45,10 @@ def os_error_in(e: BaseException) -> OSError | None:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return None
+
+
+def refused_global(e: BaseException) -> str:
+    """What ``weights_only=True`` refused, as torch names it ("GLOBAL posix.system"), else its first
+    line without the terminal escapes of torch's text."""
+    refused = re.search(r"\bGLOBAL [\w.]+", str(e))
+    return refused.group(0) if refused else re.sub(r"\x1b\[[0-9;]*m", "", first_line(e))[:200]

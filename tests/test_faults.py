@@ -32,6 +32,8 @@ from helpers import (
     FAST,
     REPO,
     TINY_TRAIN,
+    Payload,
+    PlainState,
     Started,
     assert_ok,
     clean_env,
@@ -595,20 +597,10 @@ def test_find_resumable_moves_broken_newest_aside_and_falls_back(tmp_path, caplo
     assert find_resumable(str(tmp_path / "none")) is None
 
 
-class _Payload:
-    """Unpickling this runs ``fn(*args)``: what a malicious checkpoint does with weights_only=False."""
-
-    def __init__(self, fn, args):
-        self.fn, self.args = fn, args
-
-    def __reduce__(self):
-        return self.fn, self.args
-
-
 @pytest.mark.parametrize("kind", ["os.system", "open"])
 def test_checkpoint_that_would_run_code_is_refused(tmp_path, kind):
     marker = tmp_path / "pwned"
-    payload = _Payload(os.system, (f"touch {marker}",)) if kind == "os.system" else _Payload(open, (str(marker), "w"))
+    payload = Payload(os.system, (f"touch {marker}",)) if kind == "os.system" else Payload(open, (str(marker), "w"))
     path = tmp_path / "evil.pth.tar"
     torch.save({"model": {"w": torch.zeros(2)}, "extra": payload}, path)
     with pytest.raises(CheckpointError, match=f"refusing to load {re.escape(str(path))}") as refused:
@@ -623,12 +615,12 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused(tmp_path, read):
     """DCP itself unpickles a checkpoint's non-tensor entries with weights_only=False: read whole
     (evaluation, MODEL.WEIGHTS, the converter) or resumed, a .dcp is refused as a file is."""
     marker, path = tmp_path / "pwned", tmp_path / "evil.dcp"
-    save_states(str(path), {"model": _Plain({"w": torch.zeros(2), "note": _Payload(open, (str(marker), "w"))})}, {})
+    save_states(str(path), {"model": PlainState({"w": torch.zeros(2), "note": Payload(open, (str(marker), "w"))})}, {})
     with pytest.raises(CheckpointError, match=f"^refusing to load {re.escape(str(path))}: .*weights_only=True"):
         if read == "whole":
             load_checkpoint(str(path))
         else:
-            load_states(str(path), {"model": _Plain({"w": torch.ones(2), "note": None})})
+            load_states(str(path), {"model": PlainState({"w": torch.ones(2), "note": None})})
     assert not marker.exists()
 
 
@@ -636,7 +628,7 @@ def test_train_net_refuses_malicious_weights_in_one_line(tmp_path, capsys):
     """train_net.py's own entry point (cli.run_tool(train_model)), in this process."""
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pth.tar"
-    torch.save({"model": _Payload(os.system, (f"touch {marker}",))}, path)
+    torch.save({"model": Payload(os.system, (f"touch {marker}",))}, path)
     args = ["OUT_DIR", str(tmp_path / "out"), *FAST, "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS]
     assert cli.run_tool(trainer.train_model, [*args, "MODEL.WEIGHTS", str(path)]) != 0
     err = capsys.readouterr().err
@@ -835,20 +827,7 @@ def test_a_sharded_checkpoint_is_read_whole_with_no_room_in_tmpdir(small_disk, t
 
 def save_states_of(state: dict, path: str) -> None:
     """Write ``state``'s model dict as a one-rank sharded (DCP) checkpoint."""
-    save_states(path, {"model": _Plain(state["model"])}, {"epoch": state["epoch"]})
-
-
-class _Plain:
-    """A Stateful over a plain dict of tensors."""
-
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
-
-    def state_dict(self) -> dict:
-        return self.tensors
-
-    def load_state_dict(self, state: dict) -> None:
-        self.tensors.update(state)
+    save_states(path, {"model": PlainState(state["model"])}, {"epoch": state["epoch"]})
 
 
 def test_unwritable_out_dir_fails_before_training_with_exit_2(tmp_path, capsys):

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from distribuuuu.checkpointing import sharded as shards
+from distribuuuu.checkpointing.file_kind import describe_non_checkpoint
 from distribuuuu.checkpointing.names import (  # noqa: F401  (re-exported)
     BEST_NAME,
     BEST_SHARDED,
@@ -33,7 +34,7 @@ from distribuuuu.checkpointing.names import (  # noqa: F401  (re-exported)
 )
 from distribuuuu.checkpointing.single_file import load_file, model_state_from, save_checkpoint, state_checksum  # noqa: F401
 from distribuuuu.config import ConfigError
-from distribuuuu.errors import CheckpointError  # noqa: F401  (re-exported)
+from distribuuuu.errors import CheckpointError, RefusedCheckpointError
 from distribuuuu.runtime.process_group import is_main_process
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ def load_checkpoint(path: str, map_location: str | torch.device = "cpu", verify:
             f"{os.path.join(path, CKPT_DIR)}"
         )
     if os.path.isdir(path):
+        what = describe_non_checkpoint(path)
+        if what is not None:
+            raise RefusedCheckpointError(f"{path} is not a checkpoint ({what})")
         return shards.read_full_state(path, verify=verify)
     return load_file(path, map_location, verify)
 
@@ -87,12 +91,16 @@ def find_resumable(
     that ``verify`` accepts; broken newer ones moved aside.
 
     ``verify`` (by default: it loads and verifies) raises CheckpointError on a checkpoint that does
-    not load or verify. Called on the main process only; the caller shares the chosen path.
+    not load or verify. One it refuses (RefusedCheckpointError: it would run code, or is no
+    checkpoint) is no torn write: it stops the run there, left in place. Called on the main process
+    only; the caller shares the chosen path.
     """
     for path in reversed(list_checkpoints(ckpt_dir, fmt, prefer)):
         try:
             verify(path)
             return path
+        except RefusedCheckpointError:
+            raise
         except CheckpointError as e:
             aside = path + ".corrupt"
             os.replace(path, aside)

@@ -36,9 +36,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from distribuuuu.checkpointing.dcp_reader import METADATA, CheckedReader, is_plain_name, read_metadata
 from distribuuuu.checkpointing.single_file import load_file, model_state_from, refusal, save_checkpoint
 from distribuuuu.ema import ModelEMA
-from distribuuuu.errors import CheckpointError, first_line
+from distribuuuu.errors import CheckpointError, RefusedCheckpointError, first_line
 from distribuuuu.files import atomic_write, replace_dir, temporary_name, write_failure
 from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.runtime.process_group import (
@@ -51,7 +52,7 @@ from distribuuuu.runtime.process_group import (
 
 logger = logging.getLogger(__name__)
 
-MANIFEST, EXTRA, METADATA = "manifest.json", "extra.pt", ".metadata"
+MANIFEST, EXTRA = "manifest.json", "extra.pt"
 
 
 def _file_digest(path: str) -> dict:
@@ -236,7 +237,12 @@ def _finish(tmp: str, path: str, manifest: dict, extra: dict) -> list[str]:
 
 
 def verify_sharded(path: str, checksums: bool = True) -> None:
-    """Raise CheckpointError naming the first file of ``path`` that is missing or differs from the manifest."""
+    """Raise CheckpointError naming the first file of ``path`` that is missing or differs from the manifest,
+    or a metadata that is no DCP metadata (a RefusedCheckpointError: one that would run code).
+
+    The checksums find a torn or damaged file, not a crafted one: whoever can write the folder can
+    rewrite the manifest. What keeps a crafted folder from running code is how it is read
+    (``dcp_reader.read_metadata``, ``weights_only=True``)."""
     manifest_path = os.path.join(path, MANIFEST)
     try:
         with open(manifest_path) as f:
@@ -249,6 +255,8 @@ def verify_sharded(path: str, checksums: bool = True) -> None:
         if name not in files:
             raise CheckpointError(f"{manifest_path} does not list {name}")
     for name, expected in sorted(files.items()):
+        if not is_plain_name(name):  # "/etc/shadow" or "../x": verifying would read files elsewhere
+            raise CheckpointError(f"{manifest_path} names {name!r}, not a file of {path}")
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise CheckpointError(f"sharded checkpoint {path}: {file} is missing")
@@ -257,11 +265,12 @@ def verify_sharded(path: str, checksums: bool = True) -> None:
             raise CheckpointError(f"{file} holds {size} bytes, the manifest {expected['bytes']}: truncated or damaged")
         if checksums and _file_digest(file)["sha256"] != expected["sha256"]:
             raise CheckpointError(f"{file} fails its SHA-256 checksum: the file is corrupt")
+    read_metadata(path)
 
 
 def read_extra(path: str) -> dict:
-    """The non-tensor state of a sharded checkpoint (weights_only: no code from the file runs)."""
-    return torch.load(os.path.join(path, EXTRA), map_location="cpu", weights_only=True)
+    """The non-tensor state of a sharded checkpoint, read as a checkpoint file is (weights_only: no code from it runs)."""
+    return load_file(os.path.join(path, EXTRA), verify=False)
 
 
 def load_states(path: str, states: dict[str, Stateful]) -> dict:
@@ -271,8 +280,9 @@ def load_states(path: str, states: dict[str, Stateful]) -> dict:
     shard, the pieces of the saved shards that overlap it. Verify first (``verify_sharded``, on
     rank 0 when the checkpoint to resume is chosen): DCP itself does not notice a damaged shard.
     """
+    reader = CheckedReader(path)  # its metadata checked (a refusal raised) before DCP reads anything
     try:
-        dcp.load(states, checkpoint_id=path, planner=_WeightsOnlyLoadPlanner())
+        dcp.load(states, storage_reader=reader, planner=_WeightsOnlyLoadPlanner())
     except (Exception, CheckpointException) as e:  # DCP gathers the ranks' errors in a BaseException
         raise _read_failure(e, path, "load") from None
     return read_extra(path)
@@ -300,7 +310,7 @@ def _read_failure(e: BaseException, path: str, verb: str) -> CheckpointError:
     if isinstance(e, CheckpointException) and e.failures:  # every rank's error, gathered by DCP
         e = next(iter(e.failures.values()))[0]
     if isinstance(e, pickle.UnpicklingError):
-        return CheckpointError(refusal(path, e))
+        return RefusedCheckpointError(refusal(path, e))
     return CheckpointError(f"could not {verb} sharded checkpoint {path}: {type(e).__name__}: {first_line(e)}")
 
 
@@ -327,8 +337,9 @@ def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
     """
     if verify:
         verify_sharded(dcp_dir)
+    reader = CheckedReader(dcp_dir)  # its metadata checked (a refusal raised) before DCP reads anything
     try:
-        tensors = _read_whole(dcp_dir)
+        tensors = _read_whole(reader)
     except (Exception, CheckpointException) as e:
         raise _read_failure(e, dcp_dir, "read") from None
     extra = read_extra(dcp_dir)
@@ -340,7 +351,7 @@ def read_full_state(dcp_dir: str, verify: bool = True) -> dict:
     return state
 
 
-def _read_whole(dcp_dir: str) -> dict:
+def _read_whole(reader: CheckedReader) -> dict:
     """Every entry of a DCP checkpoint as a nested dict of plain tensors, read into this process.
 
     The body of torch's public ``format_utils.dcp_to_torch_save`` without its ``torch.save``: that
@@ -355,7 +366,7 @@ def _read_whole(dcp_dir: str) -> dict:
         """The planner of torch's converter, with the non-tensor entries unpickled by ``weights_only=True``."""
 
     state: dict = {}
-    _load_state_dict(state, dcp.FileSystemReader(dcp_dir), planner=WholeStatePlanner(), no_dist=True)
+    _load_state_dict(state, reader, planner=WholeStatePlanner(), no_dist=True)
     return state
 
 

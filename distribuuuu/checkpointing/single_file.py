@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from distribuuuu.errors import CheckpointError, first_line
+from distribuuuu.checkpointing.file_kind import describe_non_checkpoint
+from distribuuuu.errors import CheckpointError, RefusedCheckpointError, refused_global
 from distribuuuu.files import atomic_write, write_failure
 from distribuuuu.runtime.process_group import is_main_process
 
@@ -71,19 +72,29 @@ def _raise_write_failure(e: Exception, path: str, folder: str) -> None:
 def refusal(path: str, e: pickle.UnpicklingError) -> str:
     """Why ``path`` is not loaded: ``weights_only=True`` refused an object (a file's or a DCP entry's),
     named as torch names it ("GLOBAL posix.system"), without the terminal escapes of torch's text."""
-    refused = re.search(r"\bGLOBAL [\w.]+", str(e))
-    what = refused.group(0) if refused else re.sub(r"\x1b\[[0-9;]*m", "", first_line(e))[:200]
-    return f"refusing to load {path}: it holds objects that weights_only=True does not allow ({what})"
+    return f"refusing to load {path}: it holds objects that weights_only=True does not allow ({refused_global(e)})"
+
+
+def no_pickle(e: pickle.UnpicklingError) -> str | None:
+    """The byte torch's weights-only unpickler met that is no pickle opcode (a damaged file, not a
+    refused object), as torch names it ("Unsupported operand 120"); None for a refusal."""
+    found = re.search(r"Unsupported operand \d+", str(e))
+    return found.group(0) if found else None
 
 
 def load_file(path: str, map_location: str | torch.device = "cpu", verify: bool = True) -> dict:
     """Load a checkpoint file with ``weights_only=True`` (no code from the file runs) and verify its checksum."""
+    what = describe_non_checkpoint(path)
+    if what is not None:  # before torch.load, whose refusal would suggest an unsafe load of it
+        raise RefusedCheckpointError(f"{path} is not a checkpoint ({what})")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint not found: {path}") from None
     except pickle.UnpicklingError as e:
-        raise CheckpointError(
+        if no_pickle(e):
+            raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt?): {no_pickle(e)}") from None
+        raise RefusedCheckpointError(
             f"{refusal(path, e)}; if you trust its source, convert it once as docs/fault-tolerance.md ('Safe loading') shows"
         ) from None
     except Exception as e:

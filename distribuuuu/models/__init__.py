@@ -12,7 +12,7 @@ from distribuuuu.models.anatomy import (
     unwrap_model,
     zero_init_residual,
 )
-from distribuuuu.models.weights import load_model_weights, versioned
+from distribuuuu.models.weights import WeightsFit, load_model_weights, versioned, weights_fit
 from distribuuuu.models.zoo import (
     NotFetched,
     build_model,
@@ -38,5 +38,7 @@ __all__ = [
     "torchvision_weights",
     "unwrap_model",
     "versioned",
+    "weights_fit",
+    "WeightsFit",
     "zero_init_residual",
 ]

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
+import pickle
 from typing import Callable
 
 import torch
 import torchvision
 from torch import nn
 
-from distribuuuu.errors import ConfigError, first_line
+from distribuuuu.errors import ConfigError, first_line, refused_global
 from distribuuuu.models.anatomy import enable_grad_checkpointing, model_num_classes, zero_init_residual
 
 logger = logging.getLogger(__name__)
@@ -142,7 +144,15 @@ def _load_torchvision_pretrained(model: nn.Module, arch: str, name: str = "DEFAU
     """Copy the pretrained weights of matching shape (a different class count keeps a new head)."""
     weights = torchvision_weights(arch, name)
     try:
-        state = weights.get_state_dict(progress=False, check_hash=True)
+        # weights_only: torchvision's default is False, and it checks the hash of a file only as it
+        # downloads it: a file placed in the hub's cache (as offline machines do) is anyone's.
+        state = weights.get_state_dict(progress=False, check_hash=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        cached = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
+        raise NotFetched(
+            f"refusing to load {cached}: it holds objects that weights_only=True does not allow "
+            f"({refused_global(e)}); remove it"
+        ) from None
     except Exception as e:
         raise NotFetched(
             f"could not load pretrained weights for {arch!r} ({type(e).__name__}: {first_line(e)}); place the "

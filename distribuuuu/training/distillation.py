@@ -20,7 +20,7 @@ from distribuuuu.checkpointing.stored_config import SHAPE_KEYS, cfg_from_checkpo
 from distribuuuu.config import ConfigError
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
-from distribuuuu.models import load_model_weights, model_num_classes, model_source
+from distribuuuu.models import load_model_weights, model_num_classes, model_source, weights_fit
 from distribuuuu.training.parallelize import build_configured_model
 
 logger = get_logger("distillation")
@@ -71,6 +71,13 @@ def load_teacher(cfg: CfgNode, classes: Sequence[str], device: torch.device) -> 
     # augmentation and mixup draw what they draw without a teacher (DISTILL.ALPHA 0 is bit-identical).
     with torch.random.fork_rng(devices=[]):
         model = build_configured_model(model_cfg)
+    own = model.state_dict()
+    fit = weights_fit(own, weights)
+    if fit.missing or fit.unexpected or fit.other_shape:  # all or nothing: a teacher is never fine-tuned
+        raise ConfigError(
+            f"DISTILL.TEACHER: {d.TEACHER} does not fit {model_cfg.ARCH} (it fills {len(fit.filled)} of its "
+            f"{len(own)} tensors: {fit.shortfall()}): set DISTILL.ARCH to the teacher's architecture"
+        )
     try:
         load_model_weights(model, weights)
     except RuntimeError as e:
