@@ -22,6 +22,7 @@ from torch.utils.data import Dataset
 
 from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import DataError
+from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
 
 Target = int | tuple[int, ...]  # a class index, or the sorted class indices of a multi-label sample
 
@@ -111,17 +112,19 @@ class AnnotatedImages(Dataset):
     """The images an annotation file lists, shaped like CheckedImageFolder: ``samples`` (path, target),
     ``targets``, ``classes``, ``encoded`` (the batched decoder's input)."""
 
-    def __init__(self, root: str, spec: AnnotationSpec, decoder: str = "auto"):
+    def __init__(
+        self, root: str, spec: AnnotationSpec, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    ):
         self.samples, self.classes = read_annotations(root, spec)
         self.targets = [t for _, t in self.samples]
-        self.decoder = decoder
+        self.decoder, self.max_pixels = decoder, max_pixels
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, index: int):
         path, target = self.samples[index]
-        return load_image(path, self.decoder), target
+        return load_image(path, self.decoder, self.max_pixels), target
 
     def encoded(self, index: int) -> tuple[bytes, str, Target]:
         """Sample ``index``'s file bytes, its path, its target."""

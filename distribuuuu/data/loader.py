@@ -126,7 +126,9 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = Fals
         seed = cfg.RNG_SEED + (0 if train else 1)
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
     spec = annotation_spec(cfg, train)
-    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec)
+    base, classes = build_base_dataset(
+        root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec, cfg.DATA.MAX_IMAGE_PIXELS
+    )
     if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
         raise ConfigError(
             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {_location(cfg, root, split, train)} has "
@@ -180,9 +182,9 @@ def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str) -
         transform = None if geometry is not None else transform
     decoder = BatchDecoder(
         transform, env.device, skip_bad, geometry=geometry, normalize=build_normalize(cfg),
-        channels_last=cfg.TRAIN.CHANNELS_LAST,
+        channels_last=cfg.TRAIN.CHANNELS_LAST, max_pixels=cfg.DATA.MAX_IMAGE_PIXELS,
     )  # fmt: skip
-    return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad, worker_geometry), decoder
+    return EncodedImageDataset(base, cfg.RNG_SEED, skip_bad, worker_geometry, cfg.DATA.MAX_IMAGE_PIXELS), decoder
 
 
 def _loader(
