@@ -932,8 +932,11 @@ def _check_annotation_paths(key: str, root: str, ann_file: str) -> None:
             f"{key}: {ann_key} needs a local folder that its image paths are relative to, got {root!r} "
             "(pack an annotated dataset with tools/pack_dataset.py --ann-files to read it from a URL)"
         )
-    if not os.path.isfile(os.path.join(root, ann_file)):
-        raise ConfigError(f"{ann_key}: annotation file not found: {os.path.join(root, ann_file)}")
+    path = os.path.join(root, ann_file)
+    if os.path.isdir(path):
+        raise ConfigError(f"{ann_key}: annotation file is a directory: {path}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{ann_key}: annotation file not found: {path}")
 
 
 def dump_cfg(c: CN, out_dir: str) -> str:

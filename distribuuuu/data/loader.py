@@ -360,7 +360,8 @@ def build_val_split(
     base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
         where = _location(cfg, root, cfg.TEST.SPLIT, train=False)
-        remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
+        lines = getattr(base, "label_lines", None)  # an annotation file's: its messages name the line
+        remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where, lines))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "val")
