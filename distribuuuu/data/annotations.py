@@ -111,12 +111,12 @@ def _image_and_labels(path: str, n: int, fields: list[str], whitespace: bool, se
     if whitespace and len(rest) > 1:
         raise DataError(
             f"{path}:{n}: expected an image path and one label separated by whitespace, got {len(fields)} fields "
-            f"{fields!r} (a path or label holding spaces needs a .csv or .tsv file, its fields quoted as needed)"
+            f"{_clipped(fields)} (a path or label holding spaces needs a .csv or .tsv file, its fields quoted as needed)"
         )
     field = rest[0] if rest else ""
     complete = len(fields) == 2 or (whitespace and sep)  # a lone path in a whitespace file: the empty field
     if not image or not complete or not (field or sep):
-        raise DataError(f"{path}:{n}: expected an image path and a label, got {fields!r}")
+        raise DataError(f"{path}:{n}: expected an image path and a label, got {_clipped(fields)}")
     return image, _labels(path, n, field, sep)
 
 
@@ -128,8 +128,14 @@ def _labels(path: str, lineno: int, field: str, sep: str) -> list[str]:
         return field.split()  # a run of whitespace is one separator
     labels = [label.strip() for label in field.split(sep)] if field else []
     if not all(labels):
-        raise DataError(f"{path}:{lineno}: an empty label in {field!r} (labels joined by {sep!r})")
+        raise DataError(f"{path}:{lineno}: an empty label in {_clipped([field])[1:-1]} (labels joined by {sep!r})")
     return labels
+
+
+def _clipped(fields: list[str], most: int = 200) -> str:
+    """The fields as a message shows them: their repr, each cut to ``most`` characters (a line of a
+    binary file can be megabytes long)."""
+    return repr([f if len(f) <= most else f[:most] + "..." for f in fields])
 
 
 def _shown(text: str) -> str:
