@@ -226,6 +226,10 @@ _C.DATA.MIX_PROB = 1.0
 _C.DATA.MIX_SWITCH_PROB = 0.5
 # Unreadable or truncated image: "error" (stop naming its path) or "skip" (skip, count, warn)
 _C.DATA.BAD_IMAGE = "error"
+# An image whose header declares more pixels (width x height) is refused by every decoder before it
+# is decoded, as a bad image (DATA.BAD_IMAGE; a 3 KB JPEG can declare 20000x20000, 1.2 GB decoded);
+# 0: no limit. The default is PIL's Image.MAX_IMAGE_PIXELS, where PIL only warns (it refuses at twice)
+_C.DATA.MAX_IMAGE_PIXELS = 89_478_485
 # Image decoding: "auto" (JPEG with TorchCodec if installed, else torchvision.io while it has its
 # deprecated decoders, else PIL; PIL for the rest), "pil", "torchvision" (torchvision.io for JPEG
 # and PNG), or "batched" (workers read JPEG bytes; the training process decodes each batch's JPEGs
@@ -741,6 +745,7 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DATA.MIX_SWITCH_PROB", _PROBABILITY),
     ("DATA.BAD_IMAGE", _choice(("error", "skip"))),
     ("DATA.DECODER", _choice(DECODERS)),
+    ("DATA.MAX_IMAGE_PIXELS", ((lambda v, c: v >= 0), "must be >= 0 (0: no limit)")),
     ("DATA.DECODER", ((lambda v, c: v != "batched" or _has_decode_jpeg()), _NO_DECODE_JPEG)),
     ("DATA.DUMMY_SIZE", _POSITIVE),
     ("DATA.SHUFFLE_WINDOW", _NON_NEGATIVE),

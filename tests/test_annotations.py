@@ -195,3 +195,96 @@ def test_pack_tool_packs_an_annotation_file_with_its_targets(small_digits, tmp_p
         assert all(by_name[os.path.relpath(p, root)] == t for p, t in listed)
         image, target = packed[0]
         assert image.size == Image.open(root / packed.samples[0][0]).size and target == by_name[packed.samples[0][0]]
+
+
+def _digit_lines(sep: str = ",") -> list[str]:
+    return [f"train/{c}/{_first_image('train', c).name}{sep}{c}" for c in range(10)]
+
+
+@pytest.mark.parametrize("name", ["list.csv", "list.txt"])
+def test_a_utf8_bom_before_a_headerless_file_is_no_part_of_its_first_path(tmp_path, name):
+    # Windows editors (Notepad, Excel's "CSV UTF-8") start a file with U+FEFF: it is no character of the path.
+    (tmp_path / name).write_bytes(
+        "\ufeff".encode() + "\n".join(_digit_lines("," if name.endswith("csv") else " ")).encode()
+    )
+    (tmp_path / "classes.txt").write_bytes("\ufeff".encode() + "\n".join(str(c) for c in range(10)).encode())
+    samples, classes = read_annotations(str(DIGITS), AnnotationSpec(str(tmp_path / name)))
+    assert samples[0] == (str(_first_image("train", 0)), 0) and classes == [str(c) for c in range(10)]
+    spec = AnnotationSpec(str(tmp_path / name), classes_file=str(tmp_path / "classes.txt"))
+    assert read_annotations(str(DIGITS), spec) == (samples, classes)
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["train/0/my image.png 0", "train/0/0000.png 0 extra"],
+    ids=["a-space-in-the-path", "a-third-field"],
+)
+def test_a_whitespace_line_with_more_than_two_fields_is_refused_naming_its_line(tmp_path, line):
+    # Read as path then label, "my image.png 0" was the image "my" (not found) and "0 extra" a class.
+    (tmp_path / "list.txt").write_text("\n".join([*_digit_lines(" ")[:2], line]) + "\n")
+    fields = line.split()
+    with pytest.raises(DataError) as refused:
+        read_annotations(str(DIGITS), AnnotationSpec(str(tmp_path / "list.txt")))
+    assert str(refused.value) == (
+        f"{tmp_path / 'list.txt'}:3: expected an image path and one label separated by whitespace, got "
+        f"{len(fields)} fields {fields!r} (a path or label holding spaces needs a .csv or .tsv file, its fields "
+        "quoted as needed)"
+    )
+
+
+def test_a_directory_as_the_annotation_file_is_named_a_directory(tmp_path, capsys):
+    (tmp_path / "train.csv").mkdir()
+    with pytest.raises(DataError, match=f"^annotation file is a directory: {tmp_path / 'train.csv'}$"):
+        read_annotations(str(tmp_path), AnnotationSpec("train.csv"))
+    args = [*EVAL_TINY, "OUT_DIR", str(tmp_path / "out"), "TRAIN.DATASET", str(tmp_path), "TRAIN.ANN_FILE", "train.csv"]
+    assert cli.run_tool(trainer.train_model, args) == cli.EXIT_BAD_INPUT
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("distribuuuu: error:")]
+    assert errors == [f"distribuuuu: error: TRAIN.ANN_FILE: annotation file is a directory: {tmp_path / 'train.csv'}"]
+
+
+def test_a_val_label_outside_the_training_classes_names_the_file_and_line(tmp_path):
+    (tmp_path / "train.csv").write_text("\n".join(_digit_lines()) + "\n")
+    val = [f"val/{c}/{_first_image('val', c).name},{c}" for c in range(10)]
+    val[4] = f"val/4/{_first_image('val', 4).name},four"
+    (tmp_path / "val.csv").write_text("image,label\n" + "\n".join(val) + "\n")
+    opts = ["TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS), "DATA.ANN_HEADER", "False"]
+    opts += [
+        "TRAIN.BATCH_SIZE",
+        "5",
+        "TRAIN.ANN_FILE",
+        str(tmp_path / "train.csv"),
+        "TEST.ANN_FILE",
+        str(tmp_path / "val.csv"),
+    ]
+    classes = build_train_split(load_cfg(None, opts), DistEnv()).classes
+    with pytest.raises(DataError) as refused:
+        build_val_split(load_cfg(None, [*opts, "DATA.ANN_HEADER", "True"]), DistEnv(), classes)
+    assert str(refused.value) == (
+        f"{tmp_path / 'val.csv'}:6: label 'four' is not one of the model's classes (labels not among them: "
+        "['four']; no line labels ['4']); set TEST.CLASS_OVERLAP True to evaluate the classes both have"
+    )
+
+
+def test_a_multilabel_line_may_have_an_empty_label_field_a_negative_image(tmp_path):
+    paths = [f"train/{c}/{_first_image('train', c).name}" for c in range(3)]
+    (tmp_path / "list.csv").write_text(f"{paths[0]},0 2\n{paths[1]},\n{paths[2]},1\n")
+    (tmp_path / "list.txt").write_text(f"{paths[0]} 0 2\n{paths[1]}\n{paths[2]}  1\n")
+    (tmp_path / "semicolons.txt").write_text(f"{paths[0]} 0;2\n{paths[1]}\n{paths[2]} 1\n")
+    expected = [(str(DIGITS / p), t) for p, t in zip(paths, [(0, 2), (), (1,)])]
+    for name, sep in (("list.csv", " "), ("list.txt", " "), ("semicolons.txt", ";")):
+        assert read_annotations(str(DIGITS), AnnotationSpec(str(tmp_path / name), label_sep=sep)) == (
+            expected,
+            ["0", "1", "2"],
+        ), name
+    # As a run reads it: the negative's target is the all-zero row.
+    opts = ["TRAIN.DATASET", str(DIGITS), "TRAIN.ANN_FILE", str(tmp_path / "list.csv"), "MODEL.TASK", "multilabel"]
+    opts += ["MODEL.NUM_CLASSES", "3", "TRAIN.TOPK", "1", "TRAIN.BATCH_SIZE", "3", "TRAIN.SAMPLER", "default"]
+    split = build_train_split(load_cfg(None, opts), DistEnv())
+    rows = {tuple(target.tolist()) for _, targets, _ in split.loader for target in targets}
+    assert rows == {(1.0, 0.0, 1.0), (0.0, 0.0, 0.0), (0.0, 1.0, 0.0)}
+    # A single-label file still needs its label, and a multi-label file some label somewhere.
+    with pytest.raises(DataError, match=r":2: expected an image path and a label, got \["):
+        read_annotations(str(DIGITS), AnnotationSpec(str(tmp_path / "list.csv")))
+    (tmp_path / "none.csv").write_text(f"{paths[0]},\n")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'none.csv'}: no line labels its image with a class$"):
+        read_annotations(str(DIGITS), AnnotationSpec(str(tmp_path / "none.csv"), label_sep=" "))

@@ -124,6 +124,19 @@ def test_multilabel_metrics_equal_scikit_learns_on_the_gathered_predictions():
     assert {k: ours[k] for k in expected} == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
+def test_negative_images_all_zero_target_rows_count_as_negatives_in_every_metric():
+    # An annotation line with an empty label field (docs/annotations.md) is such a row: it adds false
+    # positives where a class is predicted, and to each class's ranking, as scikit-learn counts it.
+    logits, targets = _predictions()
+    targets[::3] = 0.0
+    sums = MultiLabelSums(C, BINS, THRESHOLD, torch.device("cpu"))
+    sums.add(logits, targets)
+    negatives_only = MultiLabelSums(C, BINS, THRESHOLD, torch.device("cpu"))
+    negatives_only.add(logits[::3], targets[::3])
+    assert sums.reduce() == pytest.approx(_reference(logits, targets), rel=1e-12, abs=1e-12)
+    assert negatives_only.reduce()["map"] == 0.0 and negatives_only.reduce()["f1_micro"] == 0.0
+
+
 def test_average_precision_of_untied_scores_is_the_exact_ap_once_levels_separate_them():
     scores = torch.tensor([[2.0], [1.0], [0.5], [-1.0], [-3.0]])
     y = torch.tensor([[1.0], [0.0], [1.0], [1.0], [0.0]])

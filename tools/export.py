@@ -205,13 +205,13 @@ def checked_samples(args: argparse.Namespace, state: dict, cfg: CfgNode) -> list
     """--check's images, else the checkpoint's own val split (TEST.DATASET at TEST.SPLIT, in whichever
     form, or its TEST.ANN_FILE)."""
     if args.check:
-        images = find_samples(args.check, args.split)
+        images = find_samples(args.check, args.split, max_pixels=cfg.DATA.MAX_IMAGE_PIXELS)
     else:
         run_cfg = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
         saved = run_cfg.get("TEST", {})
         spec = annotation_spec(run_cfg, train=False) if saved.get("ANN_FILE") else None
         root, split = saved.get("DATASET", cfg.TEST.DATASET), saved.get("SPLIT", cfg.TEST.SPLIT)
-        images = dataset_samples(root, split, annotations=spec)
+        images = dataset_samples(root, split, annotations=spec, max_pixels=cfg.DATA.MAX_IMAGE_PIXELS)
     return images[: args.max_check] if args.max_check > 0 else images
 
 

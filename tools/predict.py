@@ -35,6 +35,7 @@ from distribuuuu.data import BadImageError, DataError, load_image  # noqa: E402
 from distribuuuu.data.annotations import AnnotationSpec  # noqa: E402
 from distribuuuu.data.datasets import build_base_dataset  # noqa: E402
 from distribuuuu.data.hf import is_saved_hf  # noqa: E402
+from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
 from distribuuuu.data.packed import is_packed  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
 from distribuuuu.records.multilabel import predicted  # noqa: E402
@@ -98,24 +99,30 @@ class Sample(NamedTuple):
     load: Callable[[], Any]
 
 
-def find_samples(paths: Sequence[str], split: str = "val", decoder: str = "auto") -> list[Sample]:
+def find_samples(
+    paths: Sequence[str], split: str = "val", decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+) -> list[Sample]:
     """The images of ``paths``: files and folders (``find_images``), and every sample of ``split``
     of a dataset root in TEST.DATASET's other forms, read as training reads it (build_base_dataset)."""
     samples: list[Sample] = []
     for path in paths:
         if is_packed(path, split) or is_saved_hf(path, split):
-            samples += dataset_samples(path, split, decoder)
+            samples += dataset_samples(path, split, decoder, max_pixels=max_pixels)
         else:
-            samples += [Sample(p, partial(load_image, p, decoder)) for p in find_images([path])]
+            samples += [Sample(p, partial(load_image, p, decoder, max_pixels)) for p in find_images([path])]
     return samples
 
 
 def dataset_samples(
-    root: str, split: str, decoder: str = "auto", annotations: AnnotationSpec | None = None
+    root: str,
+    split: str,
+    decoder: str = "auto",
+    annotations: AnnotationSpec | None = None,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> list[Sample]:
     """Every sample of ``split`` of a dataset root in any of TEST.DATASET's forms (or the images
     ``annotations`` lists under it), in its order."""
-    dataset, _ = build_base_dataset(root, split, decoder, annotations=annotations)
+    dataset, _ = build_base_dataset(root, split, decoder, annotations=annotations, max_pixels=max_pixels)
     return [Sample(name, partial(_image, dataset, i)) for i, (name, _) in enumerate(dataset.samples)]
 
 
@@ -225,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PredictError("--topk and --batch-size must be >= 1")
         state = load_state(args.weights)
         cfg = build_cfg(state, args.cfg_file, args.opts)
-        images = find_samples(args.paths, args.split, cfg.DATA.DECODER)
+        images = find_samples(args.paths, args.split, cfg.DATA.DECODER, cfg.DATA.MAX_IMAGE_PIXELS)
         transform = build_eval_transform(resolve_preprocessing(state, args.cfg_file, args.opts), cfg.DATA.DECODER)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = load_model(state, cfg, "ema" if args.ema else "model", device, args.weights)

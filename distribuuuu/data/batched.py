@@ -1,7 +1,8 @@
 """DATA.DECODER "batched": JPEGs decoded and augmented a batch at a time, on the training device.
 
-DataLoader workers only read each JPEG's bytes and its header (other formats they decode as "auto"
-does), and draw the sample's crop and flip from its seed (RNG_SEED, epoch, index): resample.py.
+DataLoader workers only read each JPEG's bytes and its header (refusing one that declares more than
+DATA.MAX_IMAGE_PIXELS: data/image_size.py; other formats they decode as "auto" does), and draw
+the sample's crop and flip from its seed (RNG_SEED, epoch, index): resample.py.
 The training process then decodes the whole batch's JPEGs with one ``decode_jpeg`` call (TorchCodec's,
 else torchvision's: data/jpeg.py) on its own device (nvJPEG's batched decoder on CUDA; libjpeg-turbo
 on CPU), crops, resizes, flips and normalises the batch in one ``resample`` (two batched matmuls),
@@ -34,6 +35,7 @@ from distribuuuu.data import jpeg, resample
 from distribuuuu.data.datasets import CheckedImageFolder, readable, sample_seed, seeded_cpu_rng
 from distribuuuu.data.encoded import JPEG_SUFFIXES, EncodedSamples, decode_image_bytes
 from distribuuuu.data.errors import BadImageError
+from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS, open_image
 from distribuuuu.data.progressive import for_key_epoch
 
 logger = logging.getLogger("distribuuuu.data")
@@ -57,14 +59,22 @@ class EncodedImageDataset(Dataset):
     (resample.TrainGeometry or EvalGeometry) each sample's plan is drawn here, from the image's
     size (a JPEG's header) under the sample's seed; under progressive resizing ``geometry`` is an
     EpochTransforms of geometries, one per size, and the key's epoch picks one (``rounds_per_epoch``
-    as for SeededTransformDataset). With ``skip_bad`` an unreadable file yields ``None``, which the
-    collate function drops and counts.
+    as for SeededTransformDataset). With ``skip_bad`` an unreadable file, or one whose header declares
+    more than ``max_pixels`` pixels, yields ``None``, which the collate function drops and counts.
     """
 
     rounds_per_epoch = 1
 
-    def __init__(self, base: CheckedImageFolder | EncodedSamples, seed: int, skip_bad: bool = False, geometry=None):
+    def __init__(
+        self,
+        base: CheckedImageFolder | EncodedSamples,
+        seed: int,
+        skip_bad: bool = False,
+        geometry=None,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ):
         self.base, self.seed, self.skip_bad, self.geometry = base, seed, skip_bad, geometry
+        self.max_pixels = max_pixels
 
     def __len__(self) -> int:
         return len(self.base)
@@ -74,10 +84,12 @@ class EncodedImageDataset(Dataset):
         try:
             raw, name, target = self.base.encoded(index)  # a file's or a packed sample's bytes
             if name.lower().endswith(JPEG_SUFFIXES):
-                data, encoded = torch.frombuffer(bytearray(raw), dtype=torch.uint8), True
-                size = resample.header_size(raw, name) if self.geometry is not None else None
+                # The header, read here: the training process decodes only what it lets through.
+                width, height = open_image(raw, name, self.max_pixels).size
+                data, encoded, size = torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
             else:
-                data, encoded = to_image(decode_image_bytes(raw, name, "auto")).as_subclass(torch.Tensor), False
+                decoded = decode_image_bytes(raw, name, "auto", self.max_pixels)
+                data, encoded = to_image(decoded).as_subclass(torch.Tensor), False
                 size = tuple(data.shape[1:])
         except BadImageError:
             if self.skip_bad:
@@ -234,8 +246,9 @@ class BatchDecoder:
         geometry=None,
         normalize: Callable | None = None,
         channels_last: bool = False,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ):
-        self.transform, self.device, self.skip_bad = transform, device, skip_bad
+        self.transform, self.device, self.skip_bad, self.max_pixels = transform, device, skip_bad, max_pixels
         self.decode_jpegs = decode_jpegs or jpeg.decode_jpegs
         self.geometry, self.normalize, self.channels_last = geometry, normalize, channels_last
         # The last device failure's first line, not the exception: its traceback would hold the
@@ -343,7 +356,8 @@ class BatchDecoder:
     def _on_cpu(self, data: torch.Tensor, path: str) -> torch.Tensor | None:
         """A JPEG the device decoder failed on, decoded on the CPU by its format, as "auto" does."""
         try:
-            image = to_image(decode_image_bytes(data.numpy().tobytes(), path, "auto")).as_subclass(torch.Tensor)
+            decoded = decode_image_bytes(data.numpy().tobytes(), path, "auto", self.max_pixels)
+            image = to_image(decoded).as_subclass(torch.Tensor)
         except BadImageError:
             if self.skip_bad:
                 return None

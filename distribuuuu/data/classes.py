@@ -11,6 +11,7 @@ any other difference is an error (or, on request, the overlap is evaluated).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from torch.utils.data import Dataset
 
@@ -19,31 +20,33 @@ from distribuuuu.data.errors import DataError
 logger = logging.getLogger("distribuuuu.data")
 
 
-def map_classes(folder: list[str], model: list[str], overlap: bool = False, where: str = "") -> dict[int, int]:
+def map_classes(
+    folder: list[str],
+    model: list[str],
+    overlap: bool = False,
+    where: str = "",
+    label_lines: Mapping[str, int] | None = None,
+) -> dict[int, int]:
     """For each of the folder's class indices, the model's class index of the same class.
 
     By name when every folder name is a model class; else, when every name is a number below the
     model's class count, as that index. Folders the model does not know, or a folder that lacks
     some of the model's classes, raise DataError unless ``overlap``: then only the classes both
-    have are evaluated.
+    have are evaluated. ``label_lines``: the classes are an annotation file's labels (``where``),
+    and the line where each first appears, which the messages name.
     """
+    what = "class folders" if label_lines is None else "labels"
     index = {name: i for i, name in enumerate(model)}
     if not set(folder) <= set(index) and all(n.isdigit() and int(n) < len(model) for n in folder):
-        logger.info("%s: class folders are numbers, read as indices into the model's %d classes", where, len(model))
+        logger.info("%s: %s are numbers, read as indices into the model's %d classes", where, what, len(model))
         index = {str(i): i for i in range(len(model))}
     unknown = [n for n in folder if n not in index]
     known = {index[n] for n in folder if n in index}
     missing = [name for i, name in enumerate(model) if i not in known]
     if (unknown or missing) and not overlap:
-        raise DataError(
-            f"{where}: class folders differ from the model's classes: "
-            f"not among the model's {_names(unknown)}, no folder for {_names(missing)}; "
-            "set TEST.CLASS_OVERLAP True to evaluate the classes both have"
-        )
+        raise DataError(_mismatch(where, unknown, missing, label_lines))
     if unknown:
-        logger.warning(
-            "%s: leaving out %d class folder(s) the model does not know: %s", where, len(unknown), unknown[:8]
-        )
+        logger.warning("%s: leaving out %d %s the model does not know: %s", where, len(unknown), what, unknown[:8])
     return {i: index[name] for i, name in enumerate(folder) if name in index}
 
 
@@ -69,6 +72,25 @@ def _mapped(target, mapping: dict[int, int]):
     if isinstance(target, tuple):
         return tuple(sorted(mapping[t] for t in target if t in mapping))
     return mapping.get(target)
+
+
+def _mismatch(where: str, unknown: list[str], missing: list[str], label_lines: Mapping[str, int] | None) -> str:
+    """What a split whose classes differ from the model's is told: an annotation file's first line
+    with an unknown label, or the class folders (or labels) on either side."""
+    overlap = "set TEST.CLASS_OVERLAP True to evaluate the classes both have"
+    if label_lines is None:
+        return (
+            f"{where}: class folders differ from the model's classes: "
+            f"not among the model's {_names(unknown)}, no folder for {_names(missing)}; {overlap}"
+        )
+    lacking = f"no line labels {_names(missing)}"
+    if not unknown:
+        return f"{where}: {lacking} (the model's classes); {overlap}"
+    first = min(unknown, key=lambda label: label_lines[label])
+    return (
+        f"{where}:{label_lines[first]}: label {first!r} is not one of the model's classes (labels not among "
+        f"them: {_names(unknown)}{'; ' + lacking if missing else ''}); {overlap}"
+    )
 
 
 def _names(names: list[str]) -> str:

@@ -20,6 +20,7 @@ from distribuuuu.data import hf, packed
 from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
 from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import BadImageError, DataError
+from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
 from distribuuuu.data.progressive import for_key_epoch
 
 CIFAR_FILES = {
@@ -31,9 +32,9 @@ CIFAR_FILES = {
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
     """ImageFolder that names the file that fails to decode and decodes as DATA.DECODER says."""
 
-    def __init__(self, root: str, decoder: str = "auto"):
+    def __init__(self, root: str, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         # allow_empty: empty class folders are reported by check_classes with a clearer message
-        super().__init__(root, loader=lambda p: load_image(p, decoder), allow_empty=True)
+        super().__init__(root, loader=lambda p: load_image(p, decoder, max_pixels), allow_empty=True)
 
     def encoded(self, index: int) -> tuple[bytes, str, int]:
         """Sample ``index``'s file bytes, its path, its target (the batched decoder's input)."""
@@ -52,26 +53,32 @@ def check_classes(root: str, dataset: CheckedImageFolder) -> None:
 
 
 def build_base_dataset(
-    root: str, split: str, decoder: str = "auto", cache_dir: str = "", annotations: AnnotationSpec | None = None
+    root: str,
+    split: str,
+    decoder: str = "auto",
+    cache_dir: str = "",
+    annotations: AnnotationSpec | None = None,
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> tuple[Dataset, list[str]]:
     """Return an untransformed dataset of (image, target) and its class names: ``annotations``'s
-    file under ``root`` when given, else ``root``'s ``split`` in whichever format it is."""
+    file under ``root`` when given, else ``root``'s ``split`` in whichever format it is. Images
+    declaring more than ``max_pixels`` pixels (0: no limit) are refused as bad (data/image_size.py)."""
     if annotations is not None:
-        dataset = AnnotatedImages(root, annotations, decoder)
+        dataset = AnnotatedImages(root, annotations, decoder, max_pixels)
         return dataset, dataset.classes
     kind, _, path = root.partition(":")
     if kind in CIFAR_FILES:
         return _build_cifar(kind, path, split)
     if packed.is_packed(root, split):
-        dataset = packed.PackedDataset(root, split, decoder, cache_dir)
+        dataset = packed.PackedDataset(root, split, decoder, cache_dir, max_pixels)
         return dataset, dataset.classes
     if hf.is_saved_hf(root, split):
-        dataset = hf.HFImageDataset(root, split, decoder)
+        dataset = hf.HFImageDataset(root, split, decoder, max_pixels)
         return dataset, dataset.classes
     folder = os.path.join(root, split)
     if not os.path.isdir(folder):
         raise DataError(f"dataset folder not found: {folder}")
-    dataset = CheckedImageFolder(folder, decoder)
+    dataset = CheckedImageFolder(folder, decoder, max_pixels)
     check_classes(folder, dataset)
     return dataset, list(dataset.classes)
 

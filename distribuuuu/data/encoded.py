@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import io
 
 import numpy as np
 import torch
@@ -18,6 +17,7 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 
 from distribuuuu.data.errors import BadImageError
+from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS, open_image
 from distribuuuu.data.jpeg import decode_jpeg, jpeg_library
 
 # Which files each DATA.DECODER decodes with a tensor decoder (the rest go through PIL). "auto" and
@@ -36,9 +36,10 @@ _TENSOR_SUFFIXES = {
 }
 
 
-def load_image(path: str, decoder: str = "auto"):
-    """Decode an image file to RGB: a PIL image, or a uint8 tv_tensors.Image via torchvision.io."""
-    return decode_image_bytes(read_image_file(path), path, decoder)
+def load_image(path: str, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    """Decode an image file to RGB: a PIL image, or a uint8 tv_tensors.Image via torchvision.io;
+    refused (ImageTooLargeError) when its header declares more than ``max_pixels`` pixels (0: no limit)."""
+    return decode_image_bytes(read_image_file(path), path, decoder, max_pixels)
 
 
 def read_image_file(path: str) -> bytes:
@@ -50,8 +51,9 @@ def read_image_file(path: str) -> bytes:
         raise BadImageError(f"unreadable image {path}: {e}") from None
 
 
-def decode_image_bytes(data: bytes, name: str, decoder: str = "auto"):
+def decode_image_bytes(data: bytes, name: str, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
     """Decode an encoded image (``name`` ends in its format and names it in errors) as load_image does."""
+    img = open_image(data, name, max_pixels)  # the header alone: a size over the limit is refused here
     try:
         tensor_decoded = name.lower().endswith(_TENSOR_SUFFIXES[decoder])
         if tensor_decoded and decoder == "torchvision":
@@ -60,7 +62,6 @@ def decode_image_bytes(data: bytes, name: str, decoder: str = "auto"):
         if tensor_decoded and jpeg_library():
             with contextlib.suppress(RuntimeError):  # not a JPEG after all (a PNG named .jpg): PIL, by content
                 return tv_tensors.Image(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)))
-        img = Image.open(io.BytesIO(data))
         if decoder == "draft" and img.format == "JPEG":
             img.source_name = name  # for draft.py's error message
             return img  # decoded later, at a reduced DCT scale where the crop allows (data/draft.py)
@@ -79,8 +80,14 @@ class EncodedSamples(Dataset, abc.ABC):
     (data/classes.py) rewrites ``samples``; each name keeps its row in ``rows``. Subclasses read a
     row's bytes with ``read_row(row, name) -> (bytes, name for messages ending in the format)``."""
 
-    def __init__(self, samples: list[tuple[str, int]], classes: list[str], decoder: str):
-        self.samples, self.classes, self.decoder = samples, classes, decoder
+    def __init__(
+        self,
+        samples: list[tuple[str, int]],
+        classes: list[str],
+        decoder: str,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ):
+        self.samples, self.classes, self.decoder, self.max_pixels = samples, classes, decoder, max_pixels
         self.targets = [t for _, t in samples]
         self.rows = {name: i for i, (name, _) in enumerate(samples)}
 
@@ -99,4 +106,4 @@ class EncodedSamples(Dataset, abc.ABC):
 
     def __getitem__(self, index: int):
         data, name, target = self.encoded(index)
-        return decode_image_bytes(data, name, self.decoder), target
+        return decode_image_bytes(data, name, self.decoder, self.max_pixels), target

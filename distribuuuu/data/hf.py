@@ -13,6 +13,7 @@ import os
 
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.errors import BadImageError, DataError
+from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
 
 _MAGIC = ((b"\xff\xd8", "jpg"), (b"\x89PNG", "png"), (b"RIFF", "webp"), (b"GIF8", "gif"), (b"BM", "bmp"))
 
@@ -24,7 +25,7 @@ def is_saved_hf(root: str, split: str) -> bool:
 
 
 class HFImageDataset(EncodedSamples):
-    def __init__(self, root: str, split: str, decoder: str = "auto"):
+    def __init__(self, root: str, split: str, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
         import datasets
 
         folder = os.path.join(root, split)
@@ -36,7 +37,9 @@ class HFImageDataset(EncodedSamples):
         self.folder, self.image = folder, image
         self.data = ds.cast_column(image, datasets.Image(decode=False))
         targets = [int(t) for t in ds[label]]
-        super().__init__([(f"{split}[{i}]", t) for i, t in enumerate(targets)], list(ds.features[label].names), decoder)
+        super().__init__(
+            [(f"{split}[{i}]", t) for i, t in enumerate(targets)], list(ds.features[label].names), decoder, max_pixels
+        )
 
     def read_row(self, row: int, name: str) -> tuple[bytes, str]:
         record = self.data[row][self.image]

@@ -39,6 +39,7 @@ import numpy as np
 
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.errors import DataError, import_extra
+from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
 from distribuuuu.data.remote import BadShardError, download, is_remote, join, read_bytes
 from distribuuuu.data.shard_cache import ShardCache, ShardCacheError, ShardFile, fetch_once
 
@@ -201,14 +202,21 @@ class PackedDataset(EncodedSamples):
     sampler work unchanged. Sample i is read from the shards' global row ``rows[name]``.
     """
 
-    def __init__(self, root: str, split: str, decoder: str = "auto", cache_dir: str = ""):
+    def __init__(
+        self,
+        root: str,
+        split: str,
+        decoder: str = "auto",
+        cache_dir: str = "",
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ):
         wids = import_extra("wids", f"reading the packed dataset {root}", "data")  # only when one is read
 
         self.location = index_location(root, split)
         index = load_index(self.location)
         # A target is a class index, or a list of them (a multi-label annotation file's sample).
         samples = [(name, tuple(t) if isinstance(t, list) else int(t)) for name, t in index["samples"]]
-        super().__init__(samples, list(index["classes"]), decoder)
+        super().__init__(samples, list(index["classes"]), decoder, max_pixels)
         base = self.location.rsplit("/", 1)[0]
         shards = [dict(s, url=join(base, s["url"])) for s in index["shardlist"]]
         self.remote = is_remote(root)

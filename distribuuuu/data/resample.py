@@ -25,27 +25,12 @@ to flip horizontally.
 
 from __future__ import annotations
 
-import io
-
 import torch
-from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import to_image
 
-from distribuuuu.data.errors import BadImageError
-
 PLAN_FIELDS = 11
 _PADDING_WASTE = 1.5  # images share a padded buffer while it holds at most 1.5x their pixels
-
-
-def header_size(raw: bytes, name: str) -> tuple[int, int]:
-    """An encoded image's (height, width), read from its header alone (PIL opens files lazily)."""
-    try:
-        with Image.open(io.BytesIO(raw)) as image:
-            width, height = image.size
-    except Exception as e:
-        raise BadImageError(f"unreadable image {name}: {e}") from None
-    return height, width
 
 
 def _size_stub(height: int, width: int) -> torch.Tensor:

@@ -86,8 +86,11 @@ def _check_annotation_paths(key: str, root: str, ann_file: str) -> None:
             f"{key}: {ann_key} needs a local folder that its image paths are relative to, got {root!r} "
             "(pack an annotated dataset with tools/pack_dataset.py --ann-files to read it from a URL)"
         )
-    if not os.path.isfile(os.path.join(root, ann_file)):
-        raise ConfigError(f"{ann_key}: annotation file not found: {os.path.join(root, ann_file)}")
+    path = os.path.join(root, ann_file)
+    if os.path.isdir(path):
+        raise ConfigError(f"{ann_key}: annotation file is a directory: {path}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{ann_key}: annotation file not found: {path}")
 
 
 def annotation_spec(cfg: CfgNode, train: bool) -> AnnotationSpec | None:
@@ -121,7 +124,9 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = Fals
         seed = cfg.RNG_SEED + (0 if train else 1)
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
     spec = annotation_spec(cfg, train)
-    base, classes = build_base_dataset(root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec)
+    base, classes = build_base_dataset(
+        root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec, cfg.DATA.MAX_IMAGE_PIXELS
+    )
     if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
         raise ConfigError(
             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {_location(cfg, root, split, train)} has "
@@ -166,7 +171,7 @@ def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str):
         batched = _batched_decode(cfg, transform, split)
     return sampled_dataset(
         base, transform, cfg.RNG_SEED, cfg.DATA.BAD_IMAGE == "skip", env.device, build_normalize(cfg), batched,
-        cfg.TRAIN.CHANNELS_LAST,
+        cfg.TRAIN.CHANNELS_LAST, cfg.DATA.MAX_IMAGE_PIXELS,
     )  # fmt: skip
 
 
@@ -300,7 +305,8 @@ def build_val_split(
     base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
         where = _location(cfg, root, cfg.TEST.SPLIT, train=False)
-        remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where))
+        lines = getattr(base, "label_lines", None)  # an annotation file's: its messages name the line
+        remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where, lines))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "val")
