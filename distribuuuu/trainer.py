@@ -29,9 +29,9 @@ from distribuuuu.records.writer import (
 from distribuuuu.runtime.faults import check_finite, collective_error, is_comm_failure
 from distribuuuu.runtime.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.runtime.preemption import stop_for_preemption
-from distribuuuu.runtime.process_group import broadcast_buffers
 from distribuuuu.training.evaluation import check_inputs, precise_bn, test_model, validate
 from distribuuuu.training.optim import lr_at, set_lr
+from distribuuuu.training.parallelize import agree_on_buffers
 from distribuuuu.training.preprocessing import progressive
 from distribuuuu.training.resume import (
     ResumePoint,
@@ -39,20 +39,17 @@ from distribuuuu.training.resume import (
     log_config_changes,
     resume_or_load_weights,
     save_training_checkpoint,
-    writing_checkpoints,
 )
 from distribuuuu.training.run import build_run
 from distribuuuu.training.session import Session
-from distribuuuu.training.state import Run
+from distribuuuu.training.state import Run, Window
 
 __all__ = ["test_model", "train_epoch", "train_model", "train_one_epoch", "train_step", "validate"]
 
 logger = get_logger("trainer")
 
 
-# ------------------------------------------------------------------------------------------------
-# The run
-# ------------------------------------------------------------------------------------------------
+# --- The run ------------------------------------------------------------
 def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
     """Train MODEL.ARCH as configured; return the last validation totals.
 
@@ -62,7 +59,7 @@ def train_model(cfg: CfgNode, cleanup: bool = True) -> dict:
     check_inputs(cfg)  # dataset folders and the architecture: before any set-up
     with Session(cfg, cleanup=cleanup) as session:  # the process group and OUT_DIR's lock
         # Before anything is written to OUT_DIR: a checkpoint of another experiment stops the run here.
-        resume = session.decide(lambda: find_checkpoint_to_resume(cfg))
+        resume = session.decide(lambda: find_checkpoint_to_resume(cfg, session.checkpoints))
         if resume.epochs_done >= cfg.OPTIM.MAX_EPOCH:
             session.report_finished(resume.epochs_done)  # a finished run is read, not written
             return {}
@@ -75,7 +72,7 @@ def train_run(session: Session, resume: ResumePoint) -> dict:
     log_config_changes(resume.path, resume.changes)
     with session.watching():  # a failed collective or a stalled rank is named with the run's position
         run = session.follow(build_run(session.cfg, session.env))
-        resume_or_load_weights(run, resume.path)
+        resume_or_load_weights(run, session.checkpoints, resume.path)
         session.open_outputs(resumed_from=resume.path)  # only now: bad data, batch or weights left OUT_DIR as it was
         with session.preemptible():
             last_val = train_epochs(run, session)
@@ -86,13 +83,13 @@ def train_run(session: Session, resume: ResumePoint) -> dict:
 def train_epochs(run: Run, session: Session) -> dict:
     """From the resumed epoch on: train, agree on BatchNorm statistics, evaluate, checkpoint."""
     cfg, last_val, first_epoch = run.cfg, {}, run.state.epoch
-    with writing_checkpoints(run):  # the run ends (or fails) with its last checkpoint written
+    with session.checkpoints.writing():  # the run ends (or fails) with its last checkpoint written
         for epoch in range(first_epoch, cfg.OPTIM.MAX_EPOCH):
             train_one_epoch(run, session, epoch)
             is_best = False
             if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
                 last_val, is_best = evaluate_epoch(run, session, epoch)
-            save_training_checkpoint(run, is_best, background=True)
+            save_training_checkpoint(run, session.checkpoints, is_best, background=True)
             if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
                 break
     return last_val
@@ -106,7 +103,7 @@ def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
     if schedule.on:
         logger.info("epoch %d/%d trains at %d px (progressive resizing)", epoch + 1, run.cfg.OPTIM.MAX_EPOCH, im_size)
     totals = train_epoch(run, session, epoch)
-    sync_buffers(run)
+    agree_on_buffers(run.model, run.ema)
     fp16 = run.scaler.is_enabled()
     lr = scheduled_lr(run)
     write_train_record(
@@ -116,30 +113,7 @@ def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
     return totals
 
 
-# ------------------------------------------------------------------------------------------------
-# An epoch
-# ------------------------------------------------------------------------------------------------
-class Window:
-    """One PRINT_FREQ window of training steps: their metric sums on the device, their losses (to
-    name a non-finite step), how long they took and how long they waited for data."""
-
-    def __init__(self, device: torch.device, k: int):
-        self.sums, self.losses = MetricSums(device, k), []
-        self.data_s, self.started = 0.0, time.perf_counter()
-
-    def next_batches(self, batches, count: int) -> list:
-        """The next ``count`` (micro-)batches, the wait for them counted as data time."""
-        tic = time.perf_counter()
-        micro_batches = [next(batches) for _ in range(count)]
-        self.data_s += time.perf_counter() - tic
-        return micro_batches
-
-    def reset(self) -> None:
-        self.sums.reset()
-        self.losses.clear()
-        self.data_s, self.started = 0.0, time.perf_counter()
-
-
+# --- An epoch ------------------------------------------------------------
 def train_epoch(run: Run, session: Session, epoch: int) -> dict:
     """Train one epoch (from run.state.step_in_epoch on); return the epoch's reduced totals.
 
@@ -162,18 +136,16 @@ def train_epoch(run: Run, session: Session, epoch: int) -> dict:
         if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == end or checkpoint_due:  # a checkpoint's weights pass the check
             epoch_sums.add_totals(sync_point(run, session, window, epoch, step + 1, end))
         if checkpoint_due:
-            save_training_checkpoint(run, background=True)
+            save_training_checkpoint(run, session.checkpoints, background=True)
     return dict(epoch_sums.totals(), time_s=time.perf_counter() - started)
 
 
 def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
     """Point the train sampler at the epoch's resumed position; return the range of step numbers to run.
 
-    Steps count the optimizer steps taken in the epoch (checkpoint names, EMA period); the
-    sampler and the LR follow the global sample position. On the run's own world size the range
-    is (step_in_epoch, steps_per_epoch) as always; resumed with another global batch, the epoch
-    continues at the saved position and ends when fewer samples than one global batch (per
-    rank: BATCH_SIZE x ACCUM_STEPS) are left, as drop_last ends every epoch.
+    Steps count the optimizer steps (checkpoint names, EMA period); the sampler and the LR follow
+    the global sample position. Resumed with another global batch, the epoch continues at the saved
+    position and ends when fewer samples than one global batch are left, as drop_last ends every epoch.
     """
     sampler, start, rank_batch = run.train.sampler, run.state.step_in_epoch, run.global_batch // run.env.world_size
     sampler.set_epoch(epoch)
@@ -185,12 +157,9 @@ def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
 
 
 def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int, end: int) -> dict:
-    """Reduce the window's metrics over ranks (one all-reduce), check them, log them, reset the
-    window; stop here if a rank was asked to (preemption, Ctrl-C), with a checkpoint on disk first.
-
-    ``step``: the step just taken; ``end``: the epoch's last, steps_per_epoch except in an epoch
-    resumed with another global batch, whose step numbers go on from the checkpoint's.
-    """
+    """Reduce the window's metrics over ranks (one all-reduce), check, log and reset them; stop here if
+    a rank was asked to (preemption, Ctrl-C), a checkpoint on disk first. ``step``: the step just
+    taken; ``end``: the epoch's last (another global batch's resume continues the saved numbers)."""
     preempt = session.preempt
     window.sums.add_field("stop", float(preempt is not None and preempt.requested))
     window.sums.add_field("interrupt", float(preempt is not None and preempt.interrupted))
@@ -203,7 +172,7 @@ def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int
     log_window(run, session, window, totals, epoch, step, end)
     window.reset()
     if totals["stop"]:
-        save = functools.partial(save_training_checkpoint, run)  # on disk before the exit
+        save = functools.partial(save_training_checkpoint, run, session.checkpoints)  # on disk before the exit
         stop_for_preemption(preempt, run.position(), save, run.cfg.DIST.REQUEUE, interrupted=bool(totals["interrupt"]))
     return totals
 
@@ -213,9 +182,8 @@ def log_window(run: Run, session: Session, window: Window, totals: dict, epoch: 
     steps_left = end - step + (run.cfg.OPTIM.MAX_EPOCH - epoch - 1) * run.steps_per_epoch
     log_train_window(
         session.writer, totals, epoch, step, run.cfg.OPTIM.MAX_EPOCH, run.task.reported_k(run.cfg.TRAIN.TOPK), end,
-        lr=scheduled_lr(run),
-        elapsed_s=time.perf_counter() - window.started, data_s=window.data_s, steps=len(window.losses),
-        steps_left=steps_left, fp16=run.scaler.is_enabled(), global_step=run.global_step,
+        lr=scheduled_lr(run), elapsed_s=time.perf_counter() - window.started, data_s=window.data_s,
+        steps=len(window.losses), steps_left=steps_left, fp16=run.scaler.is_enabled(), global_step=run.global_step,
     )  # fmt: skip
 
 
@@ -224,9 +192,7 @@ def scheduled_lr(run: Run) -> float:
     return lr_at(max(run.schedule_step - 1, 0), run.steps_per_epoch, run.cfg.OPTIM, run.base_lr)
 
 
-# ------------------------------------------------------------------------------------------------
-# A step
-# ------------------------------------------------------------------------------------------------
+# --- A step ------------------------------------------------------------
 def guarded_step(run: Run, micro_batches: list, sums: MetricSums, epoch: int, step: int) -> torch.Tensor:
     """``train_step``; a failed collective is named with the rank, epoch and step (and the stalled peers)."""
     try:
@@ -305,22 +271,7 @@ def gradient_norm(run: Run) -> torch.Tensor | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------------
-# The epoch's end
-# ------------------------------------------------------------------------------------------------
-def sync_buffers(run: Run) -> None:
-    """Give every rank rank 0's BatchNorm statistics (raw and EMA), so all evaluate what is saved.
-
-    DDP broadcasts rank 0's buffers before each forward, and the forward then updates each rank's
-    running statistics from its own batch: after an epoch's last step they differ across ranks
-    (SyncBatchNorm aside), and a rank validating its shard would score other weights than the
-    checkpoint holds. Once per epoch, before evaluation and the checkpoint.
-    """
-    broadcast_buffers(run.model)
-    if run.ema is not None:
-        broadcast_buffers(run.ema.module)
-
-
+# --- The epoch's end ------------------------------------------------------------
 def evaluate_epoch(run: Run, session: Session, epoch: int) -> tuple[dict, bool]:
     """Recompute BatchNorm statistics (BN.PRECISE_IMAGES), validate the raw weights (and the EMA
     weights) on val and TEST.EXTRA_DATASETS, record each; the best is chosen from val alone.

@@ -9,7 +9,6 @@ events, never a timing. A kill during a write, which needs a process, is in test
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from collections import OrderedDict
 
@@ -20,8 +19,8 @@ from helpers import DUMMY_OPTS, TINY_ARCH
 from distribuuuu import cli, trainer
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.background_write import BackgroundWriter, host_copy
+from distribuuuu.checkpointing.manager import Checkpointer
 from distribuuuu.runtime.preemption import EXIT_PREEMPTED, PreemptionHandler
-from distribuuuu.training import resume as state
 
 pytestmark = pytest.mark.usefixtures("plain_logging")
 
@@ -80,12 +79,12 @@ class GatedWrites:
         self.cond = threading.Condition()
         self.steps = 0
         self.waiting = False
-        real_writes = {"write_files": state.write_files, "finish_sharded": state.finish_sharded}
+        real_complete = Checkpointer._complete  # a file's write, or the finish of a DCP folder, then the pruning
         real_step, real_save, real_wait = trainer.train_step, trainer.save_training_checkpoint, BackgroundWriter.wait
 
-        def gated(name: str, first, path, *args):  # a file's write, or the finish of a DCP folder
+        def gated(checkpoints: Checkpointer, finish, path: str, *args):
             if threading.current_thread() is threading.main_thread():  # written at once: nothing to hold
-                return real_writes[name](first, path, *args)
+                return real_complete(checkpoints, finish, path, *args)
             with self.cond:
                 self.event("write starts", path)
                 self.in_flight += 1
@@ -95,7 +94,7 @@ class GatedWrites:
                     lambda: self.steps - started >= self.steps_per_write or self.waiting, timeout=60
                 )
             assert released, "the gate was never released: training stopped while the write was in flight"
-            real_writes[name](first, path, *args)
+            real_complete(checkpoints, finish, path, *args)
             with self.cond:
                 self.in_flight -= 1
                 self.event("write ends", path)
@@ -126,8 +125,7 @@ class GatedWrites:
             finally:
                 self.waiting = False
 
-        for name in real_writes:
-            monkeypatch.setattr(state, name, functools.partial(gated, name))
+        monkeypatch.setattr(Checkpointer, "_complete", gated)
         monkeypatch.setattr(trainer, "train_step", train_step)
         monkeypatch.setattr(trainer, "save_training_checkpoint", save_training_checkpoint)
         monkeypatch.setattr(BackgroundWriter, "wait", wait)

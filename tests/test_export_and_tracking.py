@@ -335,7 +335,7 @@ EVAL_KEYS_OPTS = [
 @pytest.fixture(scope="module")
 def eval_keys_run(tmp_path_factory) -> Path:
     """The run's OUT_DIR, with best.dcp converted to a single file too (best.pth.tar)."""
-    from distribuuuu.checkpointing.sharded import to_single_file
+    from distribuuuu.training.convert import to_single_file
 
     out = tmp_path_factory.mktemp("eval_keys")
     assert_ok(in_process(TINY_TRAIN, *EVAL_KEYS_OPTS, "OUT_DIR", str(out), env=lone_env()))

@@ -54,7 +54,6 @@ from distribuuuu.files import write_failure
 from distribuuuu.runtime import preemption
 from distribuuuu.runtime.launcher import find_free_port
 from distribuuuu.runtime.preemption import PreemptionHandler
-from distribuuuu.training import resume as state
 
 DIGITS = str(REPO / "data" / "digits")
 # Mixup draws from the global RNG and EMA has its own state: an exact resume must restore both.
@@ -734,9 +733,9 @@ def test_disk_full_during_a_checkpoint_stops_the_run_in_one_line_and_loses_nothi
     disk = _fill_disk_in_torch_save(monkeypatch)
     real_save_checkpoint = trainer.save_training_checkpoint
 
-    def first_fits(run, *args, **kwargs):  # the disk fills up after the first checkpoint
-        path = real_save_checkpoint(run, *args, **kwargs)
-        state.wait_for_checkpoint(run)  # the first one is on disk: the next (background) write fails
+    def first_fits(run, checkpoints, *args, **kwargs):  # the disk fills up after the first checkpoint
+        path = real_save_checkpoint(run, checkpoints, *args, **kwargs)
+        checkpoints.wait()  # the first one is on disk: the next (background) write fails
         disk["full"] = True
         return path
 

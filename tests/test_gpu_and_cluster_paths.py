@@ -86,12 +86,14 @@ def test_resume_hands_the_rng_restore_cpu_states_whatever_the_runs_device(tmp_pa
     cfg = load_cfg(None, ["MODEL.ARCH", "paths_tiny", "OUT_DIR", str(tmp_path), *TINY[2:]])
     saved = run_setup.build_run(cfg, DistEnv())
     saved.state.step_in_epoch = 3
-    state.save_training_checkpoint(saved)
+    state.save_training_checkpoint(saved, state.checkpointer(saved.cfg))
     handed: list[dict] = []
     monkeypatch.setattr(components, "restore_rng_state", handed.append)
     # A GPU run names its device "cuda"; "meta" stands in for any device that is not the CPU.
     on_another_device = dataclasses.replace(saved, env=DistEnv(device=torch.device("meta")))
-    state.resume_or_load_weights(on_another_device, state.find_checkpoint_to_resume(saved.cfg)[0])
+    state.resume_or_load_weights(
+        on_another_device, state.checkpointer(on_another_device.cfg), state.find_checkpoint_to_resume(saved.cfg)[0]
+    )
     assert len(handed) == 1 and {t.device.type for t in _tensors(handed[0])} == {"cpu"}
     rng.restore_rng_state(handed[0])  # and the real restore takes them
 

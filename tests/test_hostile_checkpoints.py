@@ -34,9 +34,10 @@ from distribuuuu.checkpointing.checkpoint import (
     save_checkpoint,
 )
 from distribuuuu.checkpointing.dcp_reader import read_metadata
-from distribuuuu.checkpointing.sharded import MANIFEST, METADATA, load_states, save_sharded, save_states
+from distribuuuu.checkpointing.sharded import MANIFEST, METADATA, load_states, save_states
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.ema import ModelEMA
+from distribuuuu.training.convert import save_sharded
+from distribuuuu.training.ema import ModelEMA
 from distribuuuu.training.parallelize import build_configured_model
 from distribuuuu.training.resume import load_weights
 

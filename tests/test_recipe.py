@@ -35,11 +35,11 @@ from helpers import REPO, assert_ok, in_process, python, read_metrics, run, run_
 from distribuuuu import cli, trainer  # noqa: E402
 from distribuuuu.checkpointing import checkpoint  # noqa: E402
 from distribuuuu.config import get_cfg_defaults, load_cfg  # noqa: E402
-from distribuuuu.ema import ModelEMA  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.runtime.process_group import cleanup_distributed  # noqa: E402
 from distribuuuu.training import parallelize  # noqa: E402
+from distribuuuu.training.ema import ModelEMA  # noqa: E402
 from distribuuuu.training.optim import LARS, build_optimizer, lr_at, optimizer_groups, scaled_base_lr  # noqa: E402
 from distribuuuu.training.preprocessing import build_batch_mixer  # noqa: E402
 

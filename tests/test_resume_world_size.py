@@ -248,14 +248,15 @@ def test_a_checkpoint_without_a_sample_position_resumes_at_its_steps_times_its_g
 
 
 def test_a_single_file_checkpoint_is_refused_by_a_sharded_run_with_the_conversion_to_run(tmp_path):
-    path = state.save_training_checkpoint(_edge_run(tmp_path))  # a ddp run's single file
+    run = _edge_run(tmp_path)
+    path = state.save_training_checkpoint(run, state.checkpointer(run.cfg))  # a ddp run's single file
     assert path.endswith(".pth.tar") and ckpt.list_checkpoints(str(tmp_path / ckpt.CKPT_DIR)) == [path]
     sharded = _edge_run(tmp_path, "DIST.STRATEGY", "fsdp")  # one process trains its plain model...
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         fully_shard(sharded.model)  # ...so shard it here, as shard_for_training does with several ranks
         with pytest.raises(ckpt.CheckpointError) as refused:
-            state.restore_training_state(sharded, ckpt.load_checkpoint(path), path)
+            state.resume_or_load_weights(sharded, state.checkpointer(sharded.cfg), path)
     finally:
         dist.destroy_process_group()
     message = str(refused.value)
@@ -283,7 +284,8 @@ def test_an_epoch_resumed_with_another_global_batch_counts_to_its_own_last_step(
 def test_a_checkpoint_converted_beside_its_file_is_the_one_a_sharded_run_resumes_from(tmp_path, strategy, taken):
     """The conversion the refusal above asks for leaves both formats of one epoch in checkpoints/:
     a run resumes from the one its DIST.STRATEGY writes, whichever the folder lists first."""
-    path = state.save_training_checkpoint(_edge_run(tmp_path))
+    run = _edge_run(tmp_path)
+    path = state.save_training_checkpoint(run, state.checkpointer(run.cfg))
     assert_ok(in_process(str(REPO / "tools" / "convert_checkpoint.py"), path, path.replace(".pth.tar", ".dcp")))
     cfg = _edge_run(tmp_path, "DIST.STRATEGY", strategy).cfg
     assert state.find_checkpoint_to_resume(cfg).path == path.replace(".pth.tar", taken)

@@ -13,10 +13,10 @@ from helpers import REPO
 from torch import nn
 
 from distribuuuu.checkpointing import checkpoint as ckpt
-from distribuuuu.checkpointing import sharded as shards
 from distribuuuu.config import load_cfg
 from distribuuuu.models import register_model
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training import convert
 from distribuuuu.training import resume as state
 from distribuuuu.training import run as run_setup
 from distribuuuu.training.parallelize import build_configured_model
@@ -53,13 +53,13 @@ def test_a_component_registered_on_a_run_comes_back_from_either_format(tmp_path,
     saved = _run(tmp_path, fmt, seed=0)
     saved.registered_state["counter"] = Counter(7)
     saved.state.epoch, saved.state.step_in_epoch = 1, 3
-    path = state.save_training_checkpoint(saved)
+    path = state.save_training_checkpoint(saved, state.checkpointer(saved.cfg))
     assert os.path.isdir(path) == (fmt == "sharded")
     assert ckpt.load_checkpoint(path)["counter"] == {"count": 7}, "the tools see it too, as a flat key"
 
     resumed = _run(tmp_path, fmt, seed=1)  # other initial weights: what comes back is the checkpoint's
     resumed.registered_state["counter"] = Counter()
-    state.resume_or_load_weights(resumed, path)
+    state.resume_or_load_weights(resumed, state.checkpointer(resumed.cfg), path)
     assert resumed.registered_state["counter"].count == 7
     assert (resumed.state.epoch, resumed.state.step_in_epoch) == (1, 3)
     for name, tensor in saved.model.state_dict().items():
@@ -69,10 +69,11 @@ def test_a_component_registered_on_a_run_comes_back_from_either_format(tmp_path,
 
 
 def test_a_checkpoint_written_before_a_component_was_registered_still_resumes(tmp_path):
-    path = state.save_training_checkpoint(_run(tmp_path, "file", seed=0))
+    saved = _run(tmp_path, "file", seed=0)
+    path = state.save_training_checkpoint(saved, state.checkpointer(saved.cfg))
     resumed = _run(tmp_path, "file", seed=1)
     resumed.registered_state["counter"] = Counter(5)
-    state.resume_or_load_weights(resumed, path)
+    state.resume_or_load_weights(resumed, state.checkpointer(resumed.cfg), path)
     assert resumed.registered_state["counter"].count == 5, "nothing saved: the component keeps its own"
 
 
@@ -86,17 +87,17 @@ def test_a_model_that_reads_its_module_versions_on_load_resumes_loads_and_conver
     with torch.no_grad():  # EMA weights unlike the raw ones: each load below must pick its kind
         for p in saved.ema.module.parameters():
             p.add_(1.0)
-    path = state.save_training_checkpoint(saved)
+    path = state.save_training_checkpoint(saved, state.checkpointer(saved.cfg))
     resumed = _run(tmp_path / "resumed", fmt, seed=1, arch="mnasnet0_5")
-    state.resume_or_load_weights(resumed, path)
+    state.resume_or_load_weights(resumed, state.checkpointer(resumed.cfg), path)
     _assert_same_weights(resumed.model, saved.model)
     _assert_same_weights(resumed.ema.module, saved.ema.module)
 
     other = str(tmp_path / ("converted.dcp" if fmt == "file" else "converted.pth.tar"))
     if fmt == "file":
-        shards.from_single_file(path, other, build_configured_model(saved.cfg.MODEL), None)
+        convert.from_single_file(path, other, build_configured_model(saved.cfg.MODEL), None)
     else:
-        shards.to_single_file(path, other)
+        convert.to_single_file(path, other)
     # As a DDP model's state_dict() from elsewhere (the original Distribuuuu's checkpoints): every
     # key and module version under "module.".
     wrapper = nn.Module()
@@ -127,7 +128,7 @@ BEST_KEYS |= {"best_metric", "best_value"}  # TRAIN.BEST_METRIC and the best's v
 @pytest.mark.parametrize("fmt", ["file", "sharded"])
 def test_the_best_weights_hold_what_the_tools_read_and_no_training_state(tmp_path, fmt):
     run = _run(tmp_path, fmt, seed=0)
-    state.save_training_checkpoint(run, is_best=True)
+    state.save_training_checkpoint(run, state.checkpointer(run.cfg), is_best=True)
     best = ckpt.load_checkpoint(str(tmp_path / (ckpt.BEST_NAME if fmt == "file" else ckpt.BEST_SHARDED)))
     assert set(best) - {"checksum", "optimizer"} == BEST_KEYS and best.get("optimizer") is None
     assert best["classes"] == run.train.classes and best["cfg"] == run.cfg.dump()

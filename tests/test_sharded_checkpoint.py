@@ -21,15 +21,9 @@ from distribuuuu.checkpointing.checkpoint import (
     load_checkpoint,
     prune_checkpoints,
 )
-from distribuuuu.checkpointing.sharded import (
-    from_single_file,
-    load_states,
-    save_sharded,
-    tensor_states,
-    to_single_file,
-    verify_sharded,
-)
-from distribuuuu.ema import ModelEMA
+from distribuuuu.checkpointing.sharded import load_states, verify_sharded
+from distribuuuu.training.convert import from_single_file, save_sharded, tensor_states, to_single_file
+from distribuuuu.training.ema import ModelEMA
 from tests.scripts.fsdp_job import TinyResNet
 
 

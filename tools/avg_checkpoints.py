@@ -30,7 +30,6 @@ from distribuuuu.checkpointing.average import (  # noqa: E402
     last_checkpoints,
 )
 from distribuuuu.checkpointing.checkpoint import save_checkpoint  # noqa: E402
-from distribuuuu.checkpointing.stored_config import cfg_from_checkpoint, run_keys  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import DataError  # noqa: E402
 from distribuuuu.errors import CheckpointError  # noqa: E402
@@ -40,6 +39,7 @@ from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
 from distribuuuu.training.evaluation import precise_bn  # noqa: E402
 from distribuuuu.training.inputs import build_precise_bn_split  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
+from distribuuuu.training.stored_config import cfg_from_checkpoint, run_keys  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from distribuuuu.checkpointing.sharded import from_single_file, to_single_file  # noqa: E402
 from distribuuuu.config import get_cfg_defaults  # noqa: E402
+from distribuuuu.training.convert import from_single_file, to_single_file  # noqa: E402
 from distribuuuu.training.optim import build_optimizer  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 

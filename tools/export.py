@@ -52,6 +52,7 @@ from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform 
 from distribuuuu.errors import first_line  # noqa: E402
 from distribuuuu.training.inputs import annotation_spec  # noqa: E402
 from distribuuuu.training.preprocessing import checkpoint_preprocessing  # noqa: E402
+from distribuuuu.training.task import build_task  # noqa: E402
 
 EXIT_DISAGREE, EXIT_BAD_INPUT = 1, 2
 INPUT, OUTPUT = "images", "logits"
@@ -82,10 +83,10 @@ def preprocessing(p: EvalPreprocessing, arch: str, classes: list, weights: str) 
 def task_of(cfg) -> dict:
     """The task the logits serve: one class (softmax) or, multi-label, each class whose sigmoid
     score reaches the run's threshold."""
-    if cfg.MODEL.TASK == "multilabel":
-        meaning = "logits (sigmoid per class; a class is predicted when its score >= threshold)"
-        return {"task": "multilabel", "threshold": cfg.TEST.THRESHOLD, "output": {"name": OUTPUT, "meaning": meaning}}
-    return {"task": "multiclass"}
+    meaning = build_task(cfg.MODEL, cfg.TEST).head_meaning()
+    if "output" in meaning:
+        meaning["output"] = {"name": OUTPUT, "meaning": meaning["output"]}
+    return meaning
 
 
 def export_onnx(program: torch.export.ExportedProgram, path: str, meta: dict) -> None:

@@ -71,7 +71,7 @@ from distribuuuu.training import parallelize  # noqa: E402
 from distribuuuu.training import run as run_setup  # noqa: E402
 from distribuuuu.training.inputs import build_train_split, build_val_split  # noqa: E402
 from distribuuuu.training.preprocessing import build_normalize  # noqa: E402
-from distribuuuu.training.resume import resume_or_load_weights, save_training_checkpoint  # noqa: E402
+from distribuuuu.training.resume import checkpointer, resume_or_load_weights, save_training_checkpoint  # noqa: E402
 from distribuuuu.training.rng import seed_everything  # noqa: E402
 from distribuuuu.training.state import Run  # noqa: E402
 
@@ -366,7 +366,7 @@ def check_fp16_scaler(ctx: Context) -> str:
     scale = run.scaler.get_scale()
     expect(scale < 2.0**40, f"the scale did not back off after an overflow ({scale:g})")
     run.move_to(0, 4)  # as after 4 steps of epoch 1: what the checkpoint records
-    path = save_training_checkpoint(run)
+    path = save_training_checkpoint(run, checkpointer(run.cfg))
     if ctx.env.is_main_process:  # the one that wrote it
         state = ckpt.load_checkpoint(path)
         expect(state["scaler"] is not None and state["scaler"]["scale"] == scale, f"checkpoint holds {state['scaler']}")
@@ -521,11 +521,11 @@ def check_fsdp_sharded_checkpoint(ctx: Context) -> str:
     losses = train_steps(run, batch, 4)
     expect(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"loss did not fall under fsdp: {losses}")
     run.move_to(0, 4)  # as after 4 steps of epoch 1: what the checkpoint records
-    path = save_training_checkpoint(run)
+    path = save_training_checkpoint(run, checkpointer(run.cfg))
     expect(path.endswith(".dcp"), f"DIST.CKPT_FORMAT sharded wrote {path}, not a DCP folder")
     trained = full_weights(run.model)
     fresh, _ = build_tiny_run(ctx, "fsdp_dcp", *opts)  # seeded alike: the untrained weights
-    resume_or_load_weights(fresh, path)
+    resume_or_load_weights(fresh, checkpointer(fresh.cfg), path)
     loaded = full_weights(fresh.model)
     differ = [k for k in trained if not torch.equal(trained[k], loaded[k])]
     expect(not differ, f"{len(differ)} of {len(trained)} tensors differ after the DCP load, e.g. {differ[:2]}")

@@ -29,7 +29,6 @@ from torchvision.datasets.folder import IMG_EXTENSIONS  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoint, model_state_from  # noqa: E402
-from distribuuuu.checkpointing.stored_config import MODEL_KEYS, cfg_from_checkpoint, fit_hint, stored_cfg  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError, load_image  # noqa: E402
 from distribuuuu.data.annotations import AnnotationSpec  # noqa: E402
@@ -42,6 +41,7 @@ from distribuuuu.records.multilabel import predicted  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing  # noqa: E402
 from distribuuuu.training.resume import check_weights_fit, load_full_weights  # noqa: E402
+from distribuuuu.training.stored_config import MODEL_KEYS, cfg_from_checkpoint, fit_hint, stored_cfg  # noqa: E402
 
 EXIT_BAD_INPUT = 2
 

@@ -15,5 +15,5 @@ from distribuuuu.startup import imported  # noqa: E402  (before torch: a Ctrl-C 
 if __name__ == "__main__":
     run_tool = imported("distribuuuu.cli", "run_tool")
     test_model = imported("distribuuuu.training.evaluation", "test_model")
-    evaluation_cfg = imported("distribuuuu.checkpointing.stored_config", "evaluation_cfg")
+    evaluation_cfg = imported("distribuuuu.training.stored_config", "evaluation_cfg")
     sys.exit(run_tool(test_model, description=__doc__, build_cfg=evaluation_cfg))

@@ -1,11 +1,11 @@
 """Checkpoints of either format, as the trainer and the tools take them: one file or a ``.dcp`` folder.
 
-Above both formats (``single_file.py``, ``sharded.py``) and the checkpoints folder
-(``names.py``), none of which imports this module. The one front door for each
-operation on a checkpoint, whatever its format: ``save_checkpoint`` (a single file; sharded ones
-are saved collectively by ``training/components.py``), ``load_checkpoint``, ``verify_checkpoint``,
-``find_resumable``, ``prune_checkpoints``, ``list_checkpoints``; ``sharded_checkpoint.to_single_file``
-and ``from_single_file`` convert. The names the package has always exported from here stay here.
+Above both formats' files (``single_file.py``, ``sharded.py``) and the checkpoints folder
+(``names.py``), none of which imports this module. The one front door for each operation on a
+checkpoint as a tool takes it, whatever its format: ``save_checkpoint`` (a single file),
+``load_checkpoint``, ``verify_checkpoint``, ``find_resumable``, ``prune_checkpoints``,
+``list_checkpoints``. A run's checkpoints go through its Checkpointer (``manager.py``). The names
+the package has always exported from here stay here.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from distribuuuu.checkpointing.names import (  # noqa: F401  (re-exported)
     stale_temporaries,
 )
 from distribuuuu.checkpointing.single_file import load_file, model_state_from, save_checkpoint, state_checksum  # noqa: F401
-from distribuuuu.config import ConfigError
-from distribuuuu.errors import CheckpointError, RefusedCheckpointError
+from distribuuuu.errors import CheckpointError, ConfigError, RefusedCheckpointError
 from distribuuuu.runtime.process_group import is_main_process
 
 logger = logging.getLogger(__name__)

@@ -25,26 +25,16 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distribuuuu.checkpointing.dcp_reader import METADATA, CheckedReader, is_plain_name, read_metadata
-from distribuuuu.checkpointing.single_file import load_file, model_state_from, refusal, save_checkpoint
-from distribuuuu.ema import ModelEMA
+from distribuuuu.checkpointing.single_file import load_file, refusal
 from distribuuuu.errors import CheckpointError, RefusedCheckpointError, first_line
 from distribuuuu.files import atomic_write, replace_dir, temporary_name, write_failure
-from distribuuuu.models import load_model_weights, versioned
 from distribuuuu.runtime.process_group import (
     all_gather_object,
-    broadcast_buffers,
     broadcast_object,
     get_rank,
     is_main_process,
@@ -64,78 +54,11 @@ def _file_digest(path: str) -> dict:
     return {"bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
 
 
-# ------------------------------------------------------------------------------------------------
-# What DCP saves of a model, an optimizer, an EMA: Stateful views, as torchtitan's ModelWrapper.
-# DCP calls state_dict() on each (on save, and on load for the tensors to load into), then
-# load_state_dict() with what it read. Keys are parameter names: a checkpoint loads on any sharding.
-# ------------------------------------------------------------------------------------------------
-class ModelShards(Stateful):
-    """A model's weights as DCP saves them: each rank its shards (FSDP2 DTensors), or whole tensors."""
-
-    def __init__(self, model: nn.Module):
-        # Buffers (BatchNorm statistics) are not sharded and differ per rank; DCP would keep any one
-        # rank's copy. Rank 0's, as in a single-file checkpoint; training-mode forwards never read them.
-        broadcast_buffers(model)
-        self.model = model
-
-    def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        set_model_state_dict(self.model, versioned(state_dict, self.model))
-
-
-class OptimizerShards(Stateful):
-    """An optimizer's state keyed by parameter name (not by position), each rank its shards."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
-
-
-class EMAShards(Stateful):
-    """The EMA's averaged weights, sharded as the model's (its update count is small state: ``ema_updates``)."""
-
-    def __init__(self, ema: ModelEMA):
-        broadcast_buffers(ema.module)
-        self.ema = ema
-
-    def state_dict(self) -> dict:
-        return self.ema.module.state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        load_model_weights(self.ema.module, state_dict)
-
-
-def tensor_states(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema: ModelEMA | None = None
-) -> dict[str, Stateful]:
-    """The DCP views of a model and, if given, its optimizer and EMA, under the keys a checkpoint holds."""
-    states: dict[str, Stateful] = {"model": ModelShards(model)}
-    if optimizer is not None:
-        states["optimizer"] = OptimizerShards(model, optimizer)
-    if ema is not None:
-        states["ema"] = EMAShards(ema)
-    return states
-
-
 def _own_files(directory: str, rank: int) -> dict[str, dict]:
     """Digests of the shard files this rank wrote (DCP names them ``__<rank>_<n>.distcp``)."""
     prefix = f"__{rank}_"
     names = sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".distcp"))
     return {n: _file_digest(os.path.join(directory, n)) for n in names}
-
-
-def save_sharded(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict, ema: ModelEMA | None = None
-) -> None:
-    """Write ``model``, ``optimizer`` and ``ema`` (if given) and ``extra`` to the directory ``path`` (collective)."""
-    save_states(path, tensor_states(model, optimizer, ema), dict(extra, ema_updates=ema.updates if ema else 0))
 
 
 def save_states(path: str, states: dict[str, Stateful], extra: dict) -> None:
@@ -368,26 +291,3 @@ def _read_whole(reader: CheckedReader) -> dict:
     state: dict = {}
     _load_state_dict(state, reader, planner=WholeStatePlanner(), no_dist=True)
     return state
-
-
-def to_single_file(dcp_dir: str, out_path: str) -> None:
-    """Convert a sharded checkpoint to today's single checksummed file (one process, no process group)."""
-    save_checkpoint(read_full_state(dcp_dir), out_path)
-
-
-def from_single_file(path: str, dcp_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Convert today's single-file checkpoint to a sharded one through ``model`` and ``optimizer``.
-
-    They must be built as the run that wrote ``path`` built them (its cfg is in the file): the
-    file numbers optimizer state by position, and only the optimizer knows each position's name.
-    """
-    state = load_file(path)
-    load_model_weights(model, model_state_from(state))
-    if optimizer is not None and state.get("optimizer"):
-        optimizer.load_state_dict(state["optimizer"])
-    ema = None
-    if state.get("ema"):
-        ema = ModelEMA(model, 0.0)
-        ema.load_state_dict(state["ema"])
-    tensor_keys = ("model", "optimizer", "ema", "checksum")
-    save_sharded(dcp_dir, model, optimizer, {k: v for k, v in state.items() if k not in tensor_keys}, ema)

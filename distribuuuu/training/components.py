@@ -1,8 +1,8 @@
-"""A run's state defined once: the components a checkpoint holds, written and read in either format.
+"""A run's state defined once: the components a checkpoint holds, and what DCP saves of each.
 
-Each component is a ``torch.distributed.checkpoint.stateful.Stateful`` (``state_dict()`` /
+Each component is a ``checkpointing.formats.Component`` (a ``Stateful``: ``state_dict()`` /
 ``load_state_dict()``), as torchtitan's checkpointer keeps its ``states``: ``run_components``
-lists them, and both formats are written and read from that one list. A single file is the
+lists them, and the Checkpointer writes and reads both formats from that one list. A single file is the
 components' ``state_dict()`` entries merged into one flat dict (the keys the package has always
 written: "model", "epoch", "cfg", ...: the tools read them, and old files load unchanged). A DCP
 folder holds the tensors each rank has a shard of (a component's ``shards()``: model, optimizer,
@@ -12,22 +12,27 @@ component in ``run_components`` (or, from outside the package, one entry of ``Ru
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 from yacs.config import CfgNode
 
-from distribuuuu.checkpointing import sharded as shards
+from distribuuuu.checkpointing.formats import Component
 from distribuuuu.checkpointing.single_file import model_state_from
 from distribuuuu.config import ConfigError
-from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.logger import get_logger
-from distribuuuu.models import load_model_weights
-from distribuuuu.runtime.process_group import all_gather_object, is_main_process
+from distribuuuu.models import load_model_weights, versioned
+from distribuuuu.runtime.process_group import all_gather_object, broadcast_buffers, is_main_process
+from distribuuuu.training.ema import ModelEMA
 from distribuuuu.training.preprocessing import eval_preprocessing
 from distribuuuu.training.rng import capture_rng_state, restore_rng_state
 from distribuuuu.training.state import global_batch
@@ -36,26 +41,6 @@ if TYPE_CHECKING:
     from distribuuuu.training.state import Run
 
 logger = get_logger("state")
-
-
-class Component(Stateful):
-    """One piece of a run's state. ``state_dict()`` returns its entries of a checkpoint's flat dict;
-    ``load_state_dict()`` takes the whole dict and reads its entries (older checkpoints may lack some)."""
-
-    sharded = False  # its tensors are sharded over the ranks: a DCP folder holds them in DCP's shards
-    in_weights = False  # also in the best weights (best.pth.tar / best.dcp), which evaluation and fine-tuning read
-    resumes_training = False  # put back only under TRAIN.LOAD_OPT; the weights and the position always are
-
-    def shards(self) -> Stateful | None:
-        """A sharded component: what DCP saves of it, each rank its shard (None: nothing to save)."""
-        return None
-
-    def extra_state_dict(self) -> dict:
-        """A sharded component's small state, kept in extra.pt beside its shards."""
-        return {}
-
-    def load_extra_state_dict(self, extra: dict) -> None:
-        """Read what ``extra_state_dict`` kept (called before the shards are loaded)."""
 
 
 class Registered(Component):
@@ -87,7 +72,7 @@ class Model(Component):
         load_model_weights(self.model, model_state_from(state_dict))
 
     def shards(self) -> Stateful:
-        return shards.ModelShards(self.model)
+        return ModelShards(self.model)
 
 
 _LOAD_OPT_HINT = "set TRAIN.LOAD_OPT False to resume from its weights only"
@@ -128,7 +113,7 @@ class Optimizer(Component):
             )
 
     def shards(self) -> Stateful:
-        return shards.OptimizerShards(self.model, self.optimizer)
+        return OptimizerShards(self.model, self.optimizer)
 
     def load_extra_state_dict(self, extra: dict) -> None:
         self.check_name(extra)  # before DCP reads another optimizer's state into this one
@@ -150,7 +135,7 @@ class EMA(Component):
             self.ema.load_state_dict(state_dict["ema"])
 
     def shards(self) -> Stateful | None:
-        return shards.EMAShards(self.ema) if self.ema is not None else None
+        return EMAShards(self.ema) if self.ema is not None else None
 
     def extra_state_dict(self) -> dict:
         return {"ema_updates": self.ema.updates if self.ema is not None else 0}
@@ -324,66 +309,61 @@ def run_components(run: Run) -> dict[str, Component]:
     return components
 
 
-def to_restore(components: dict[str, Component], load_opt: bool) -> dict[str, Component]:
-    """The components a resume puts back: all of them under TRAIN.LOAD_OPT, else all but the training ones."""
-    return {name: c for name, c in components.items() if load_opt or not c.resumes_training}
-
-
 # ------------------------------------------------------------------------------------------------
-# The two formats, from the one list
+# What DCP saves of a model, an optimizer, an EMA: Stateful views, as torchtitan's ModelWrapper.
+# DCP calls state_dict() on each (on save, and on load for the tensors to load into), then
+# load_state_dict() with what it read. Keys are parameter names: a checkpoint loads on any sharding.
 # ------------------------------------------------------------------------------------------------
-def file_states(components: dict[str, Component]) -> tuple[dict, dict]:
-    """A single file's flat dict of every component, and of the best weights' (collective: RNG, ZeRO)."""
-    parts = {name: c.state_dict() for name, c in components.items()}
-    full = {k: v for part in parts.values() for k, v in part.items()}
-    best = {k: v for name, part in parts.items() if components[name].in_weights for k, v in part.items()}
-    return full, best
+class ModelShards(Stateful):
+    """A model's weights as DCP saves them: each rank its shards (FSDP2 DTensors), or whole tensors."""
+
+    def __init__(self, model: nn.Module):
+        # Buffers (BatchNorm statistics) are not sharded and differ per rank; DCP would keep any one
+        # rank's copy. Rank 0's, as in a single-file checkpoint; training-mode forwards never read them.
+        broadcast_buffers(model)
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_model_state_dict(self.model, versioned(state_dict, self.model))
 
 
-def load_file_state(components: dict[str, Component], state: dict, path: str) -> None:
-    """Load a single file's flat dict into ``components``; a CheckpointError names ``path``."""
-    for component in components.values():
-        try:
-            component.load_state_dict(state)
-        except CheckpointError as e:
-            raise CheckpointError(f"{path}: {e}") from None
+class OptimizerShards(Stateful):
+    """An optimizer's state keyed by parameter name (not by position), each rank its shards."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
-def save_sharded_state(components: dict[str, Component], path: str) -> None:
-    """Write a DCP folder: the components' shards by DCP, everything else into extra.pt (collective)."""
-    shards.save_states(path, *_sharded_parts(components))
+class EMAShards(Stateful):
+    """The EMA's averaged weights, sharded as the model's (its update count is small state: ``ema_updates``)."""
+
+    def __init__(self, ema: ModelEMA):
+        broadcast_buffers(ema.module)
+        self.ema = ema
+
+    def state_dict(self) -> dict:
+        return self.ema.module.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_model_weights(self.ema.module, state_dict)
 
 
-def start_saving_sharded_state(components: dict[str, Component], path: str, group) -> Callable[[], None]:
-    """``save_sharded_state`` in the background: the shards copied now, written by DCP's ``async_save``
-    over ``group``; returns what finishes the folder (collective over ``group``), for a writer thread."""
-    return shards.start_saving_states(path, *_sharded_parts(components), group)
-
-
-def _sharded_parts(components: dict[str, Component]) -> tuple[dict[str, Stateful], dict]:
-    """The Stateful shard views DCP writes, and the small state extra.pt holds."""
-    states, extra = {}, {}
-    for name, c in components.items():
-        if not c.sharded:
-            extra.update(c.state_dict())
-            continue
-        extra.update(c.extra_state_dict())
-        if (view := c.shards()) is not None:
-            states[name] = view
-    return states, extra
-
-
-def load_sharded_state(components: dict[str, Component], path: str) -> None:
-    """Load a DCP folder into ``components``: small state first (checks before DCP reads), then the shards."""
-    extra, states = shards.read_extra(path), {}
-    for name, c in components.items():
-        try:
-            if c.sharded:
-                c.load_extra_state_dict(extra)
-            else:
-                c.load_state_dict(extra)
-        except CheckpointError as e:
-            raise CheckpointError(f"{path}: {e}") from None
-        if c.sharded and (view := c.shards()) is not None:
-            states[name] = view
-    shards.load_states(path, states)
+def tensor_states(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema: ModelEMA | None = None
+) -> dict[str, Stateful]:
+    """The DCP views of a model and, if given, its optimizer and EMA, under the keys a checkpoint holds."""
+    states: dict[str, Stateful] = {"model": ModelShards(model)}
+    if optimizer is not None:
+        states["optimizer"] = OptimizerShards(model, optimizer)
+    if ema is not None:
+        states["ema"] = EMAShards(ema)
+    return states

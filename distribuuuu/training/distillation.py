@@ -16,12 +16,12 @@ from torch.distributed.fsdp import FSDPModule
 from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from, named_by, state_checksum
-from distribuuuu.checkpointing.stored_config import SHAPE_KEYS, cfg_from_checkpoint
 from distribuuuu.config import ConfigError
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
 from distribuuuu.models import load_model_weights, model_num_classes, model_source, weights_fit
 from distribuuuu.training.parallelize import build_configured_model
+from distribuuuu.training.stored_config import SHAPE_KEYS, cfg_from_checkpoint
 
 logger = get_logger("distillation")
 

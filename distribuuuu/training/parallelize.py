@@ -13,12 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError, parse_model_kwargs
-from distribuuuu.ema import ModelEMA
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
 from distribuuuu.models import NotFetched, build_model, find_blocks, has_batchnorm
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
+from distribuuuu.runtime.process_group import broadcast_buffers
+from distribuuuu.training.ema import ModelEMA
 from distribuuuu.training.optim import freeze
 from distribuuuu.training.preprocessing import progressive
 
@@ -206,3 +207,16 @@ def build_scaler(cfg: CfgNode, env: DistEnv) -> torch.amp.GradScaler:
 
         return ShardedGradScaler(env.device.type, enabled=enabled)
     return torch.amp.GradScaler(env.device.type, enabled=enabled)
+
+
+def agree_on_buffers(model: nn.Module, ema: ModelEMA | None) -> None:
+    """Give every rank rank 0's BatchNorm statistics (raw and EMA), so all evaluate what is saved.
+
+    DDP broadcasts rank 0's buffers before each forward, and the forward then updates each rank's
+    running statistics from its own batch: after an epoch's last step they differ across ranks
+    (SyncBatchNorm aside), and a rank validating its shard would score other weights than the
+    checkpoint holds. Once per epoch, before evaluation and the checkpoint.
+    """
+    broadcast_buffers(model)
+    if ema is not None:
+        broadcast_buffers(ema.module)

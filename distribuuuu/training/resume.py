@@ -1,41 +1,29 @@
-"""Saving a run and putting it back: save_training_checkpoint, find_checkpoint_to_resume, resume, load_weights.
+"""Saving a run and putting it back: the run's Checkpointer (its format decided once), the checkpoint
+a run resumes and what changed since it, what TRAIN.LOAD_OPT puts back, and MODEL.WEIGHTS loaded.
 
-What a checkpoint holds is defined once, in components.py; this module decides when, where and in
-which format it is written, which checkpoint a run resumes, and what TRAIN.LOAD_OPT puts back.
+What a checkpoint holds is defined once, in components.py; how it lies on disk, in
+checkpointing/formats.py; saving, pruning, finding and loading, in checkpointing/manager.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 from yacs.config import CfgNode
 
 from distribuuuu.checkpointing import checkpoint as ckpt
-from distribuuuu.checkpointing import sharded as shards
-from distribuuuu.checkpointing.background_write import BackgroundWriter, host_copy
-from distribuuuu.checkpointing.stored_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
+from distribuuuu.checkpointing.formats import FORMATS, file_states, load_file_state, to_restore
+from distribuuuu.checkpointing.manager import Checkpointer
 from distribuuuu.config import ConfigError, config_changes
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.models import load_model_weights, versioned, weights_fit
 from distribuuuu.runtime.parallel import is_sharded
-from distribuuuu.runtime.process_group import rank0_decides
-from distribuuuu.training.components import (
-    file_states,
-    load_file_state,
-    load_sharded_state,
-    run_components,
-    save_sharded_state,
-    start_saving_sharded_state,
-    to_restore,
-)
+from distribuuuu.training.components import run_components
 from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing
-from distribuuuu.training.state import Run, writes_sharded_checkpoints
+from distribuuuu.training.state import Run
+from distribuuuu.training.stored_config import EXPERIMENT_KEYS, RUNTIME_KEYS, fit_hint
 
 logger = get_logger("state")
 
@@ -47,125 +35,25 @@ logger = get_logger("state")
 MIN_FILLED_SHARE = 0.5
 
 
+def checkpointer(cfg: CfgNode) -> Checkpointer:
+    """The run's Checkpointer, its format decided here once: DIST.CKPT_FORMAT ("": sharded DCP folders
+    under fsdp/hsdp, single files under ddp), TRAIN.KEEP_CKPTS, TRAIN.CKPT_ASYNC."""
+    sharded = cfg.DIST.CKPT_FORMAT == "sharded" or (not cfg.DIST.CKPT_FORMAT and cfg.DIST.STRATEGY != "ddp")
+    fmt = FORMATS["sharded" if sharded else "file"]()
+    return Checkpointer(cfg.OUT_DIR, fmt, cfg.TRAIN.KEEP_CKPTS, cfg.TRAIN.CKPT_ASYNC)
+
+
 def training_state(run: Run) -> dict:
     """Everything continuing needs, as one flat dict; collective (ZeRO consolidation, RNG gather): all ranks."""
     return file_states(run_components(run))[0]
 
 
-def save_training_checkpoint(run: Run, is_best: bool = False, background: bool = False) -> str:
-    """Write the current state to OUT_DIR/checkpoints (and the best weights); all ranks call this.
-
-    Returns once it is on disk, unless ``background`` and the run has a background writer
-    (TRAIN.CKPT_ASYNC): the state is then copied to host memory and written while training goes
-    on. Either way the write in flight is waited for first (one at a time), its error raised here
-    on every rank.
-    """
+def save_training_checkpoint(
+    run: Run, checkpoints: Checkpointer, is_best: bool = False, background: bool = False
+) -> str:
+    """Write the run's state where it is (and, ``is_best``, its weights as the best); all ranks call this."""
     epoch_1based = run.state.epoch + (1 if run.state.step_in_epoch else 0)
-    ckpt_dir = os.path.join(run.cfg.OUT_DIR, ckpt.CKPT_DIR)
-    path = os.path.join(ckpt_dir, ckpt.checkpoint_name(epoch_1based, run.state.step_in_epoch, run.sharded_checkpoints))
-    components = run_components(run)
-    wait_for_checkpoint(run)
-    writer = run.checkpoint_writer if background else None
-    if run.sharded_checkpoints:  # each rank writes its own shard (DCP), never the whole model on one rank
-        save_shards(run, components, path, is_best, writer)
-    else:
-        save_file(run, components, path, is_best, writer)
-    return path
-
-
-def save_file(run: Run, components: dict, path: str, is_best: bool, writer: BackgroundWriter | None) -> None:
-    """A single file (and best.pth.tar), written by rank 0: now, or by ``writer`` from a host copy."""
-    state, best = file_states(components)  # on all ranks: the RNG gather, ZeRO's consolidation
-    best_path = os.path.join(run.cfg.OUT_DIR, ckpt.BEST_NAME) if is_best else None
-    keep = run.cfg.TRAIN.KEEP_CKPTS
-    if writer is None:
-        rank0_decides(lambda: write_files(state, path, best, best_path, keep))  # every rank stops on a failed write
-        return
-    if run.env.is_main_process:  # the one rank that writes files: copied before the next step changes them
-        state, best = host_copy((state, best))
-        writer.submit(lambda: write_files(state, path, best, best_path, keep))
-    logger.info("writing %s%s in the background", path, " (best)" if is_best else "")
-
-
-def save_shards(run: Run, components: dict, path: str, is_best: bool, writer: BackgroundWriter | None) -> None:
-    """A DCP folder, every rank its shards: now, or staged now and finished by each rank's ``writer``.
-
-    best.dcp (the weights alone) is written at once: a second background DCP write would share
-    the writer's process group with the first.
-    """
-    keep = run.cfg.TRAIN.KEEP_CKPTS
-    if is_best:
-        best = {name: c for name, c in components.items() if c.in_weights}
-        save_sharded_state(best, os.path.join(run.cfg.OUT_DIR, ckpt.BEST_SHARDED))
-    if writer is None:
-        save_sharded_state(components, path)
-        rank0_decides(lambda: finish_sharded(lambda: None, path, keep, is_best))
-        return
-    finish = start_saving_sharded_state(components, path, checkpoint_group(run))
-    writer.submit(lambda: finish_sharded(finish, path, keep, is_best))
-    logger.info("writing %s%s in the background", path, " (best)" if is_best else "")
-
-
-def write_files(state: dict, path: str, best: dict, best_path: str | None, keep: int) -> None:
-    """Rank 0: write the checkpoint file (and the best weights), prune the old ones, say it is saved."""
-    ckpt.save_checkpoint(state, path)
-    if best_path is not None:
-        ckpt.save_checkpoint(best, best_path)
-    ckpt.prune_checkpoints(os.path.dirname(path), keep, "file")
-    logger.info("saved %s%s", path, " (best)" if best_path else "")
-
-
-def finish_sharded(finish: Callable[[], None], path: str, keep: int, is_best: bool) -> None:
-    """Finish a DCP folder (every rank, collective), then rank 0 prunes the old ones and says it is saved."""
-    finish()
-    ckpt.prune_checkpoints(os.path.dirname(path), keep, "sharded")
-    logger.info("saved %s%s", path, " (best)" if is_best else "")
-
-
-def checkpoint_group(run: Run):
-    """The process group of background DCP writes, made on the first (collective): a gloo group of
-    every rank, whose collectives run in the writer's threads beside training's own (None: one process)."""
-    if run.checkpoint_group is None and dist.is_initialized():
-        run.checkpoint_group = dist.new_group(backend="gloo")
-    return run.checkpoint_group
-
-
-def wait_for_checkpoint(run: Run) -> None:
-    """Return once the checkpoint in flight is on disk (collective); a failed write raises its error on every rank.
-
-    Each rank joins its own writer (rank 0 alone writes a single file; every rank its DCP shards),
-    then rank 0's outcome is every rank's.
-    """
-    if run.checkpoint_writer is None:
-        return
-    failure = None
-    try:
-        run.checkpoint_writer.wait()
-    except Exception as e:
-        failure = e
-
-    def outcome() -> None:
-        if failure is not None:
-            raise failure
-
-    rank0_decides(outcome)
-
-
-@contextlib.contextmanager
-def writing_checkpoints(run: Run) -> Iterator[None]:
-    """The block's background checkpoint writes are on disk when it ends: at a clean exit waited
-    for on every rank (a failed write raised on all); on an error, this rank alone lets its write
-    in flight finish (no collective: a peer may be gone) and logs its failure."""
-    try:
-        yield
-    except BaseException:
-        if run.checkpoint_writer is not None:
-            try:
-                run.checkpoint_writer.wait()
-            except Exception as e:
-                logger.error("the checkpoint being written when the run failed was not written: %s", e)
-        raise
-    wait_for_checkpoint(run)
+    return checkpoints.save(run_components(run), epoch_1based, run.state.step_in_epoch, is_best, background)
 
 
 class ResumePoint(NamedTuple):
@@ -176,7 +64,7 @@ class ResumePoint(NamedTuple):
     epochs_done: int = 0
 
 
-def find_checkpoint_to_resume(cfg: CfgNode) -> ResumePoint:
+def find_checkpoint_to_resume(cfg: CfgNode, checkpoints: Checkpointer | None = None) -> ResumePoint:
     """The checkpoint AUTO_RESUME continues from, and what changed since it (rank 0, before any write).
 
     A checkpoint of another experiment (EXPERIMENT_KEYS differ) is a ConfigError naming the keys
@@ -184,20 +72,10 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> ResumePoint:
     """
     if not cfg.TRAIN.AUTO_RESUME:
         return ResumePoint()
-    loaded: dict[str, dict] = {}  # the verifying load's state: its config is compared, not read again
-
-    def verify(candidate: str) -> None:
-        if os.path.isdir(candidate):
-            shards.verify_sharded(candidate)
-            loaded[candidate] = shards.read_extra(candidate)
-        else:
-            loaded[candidate] = ckpt.load_checkpoint(candidate)
-
-    own_format = ckpt.SHARDED if writes_sharded_checkpoints(cfg) else ckpt.FILE  # a converted copy beside it: this one
-    path = ckpt.find_resumable(os.path.join(cfg.OUT_DIR, ckpt.CKPT_DIR), verify=verify, prefer=own_format)
+    path, small = (checkpoints or checkpointer(cfg)).find_resumable()  # a converted copy beside it: this format's
     if path is None:
         return ResumePoint()
-    saved = loaded[path].get("cfg")
+    saved = small.get("cfg")
     changes = config_changes(CfgNode.load_cfg(saved), cfg) if saved else []
     # Without LOAD_OPT the optimizer state is not restored: a new optimizer on the old weights is a
     # deliberate continuation, not a second experiment.
@@ -210,7 +88,7 @@ def find_checkpoint_to_resume(cfg: CfgNode) -> ResumePoint:
             "its own OUT_DIR, or set TRAIN.RESUME_ANYWAY True to continue that run with these values"
             + (" (TRAIN.LOAD_OPT False continues from its weights with the new optimizer)" if new_optimizer else "")
         )
-    return ResumePoint(path, changes, loaded[path]["epoch"])
+    return ResumePoint(path, changes, small["epoch"])
 
 
 def log_config_changes(path: str | None, changes: list[str]) -> None:
@@ -223,18 +101,19 @@ def log_config_changes(path: str | None, changes: list[str]) -> None:
         logger.warning("resuming %s with changed training keys (they apply from here on): %s", path, "; ".join(others))
 
 
-def resume_or_load_weights(run: Run, path: str | None) -> None:
+def resume_or_load_weights(run: Run, checkpoints: Checkpointer, path: str | None) -> None:
     """Resume from ``path`` (find_checkpoint_to_resume's choice), else load MODEL.WEIGHTS if given."""
     cfg = run.cfg
     if path:
         if cfg.MODEL.WEIGHTS:
             logger.info("resuming from %s: it wins over MODEL.WEIGHTS %s", path, cfg.MODEL.WEIGHTS)
-        if path.endswith(".dcp"):
-            restore_sharded_training_state(run, path)
-        else:
-            # Always read to the CPU: load_state_dict copies weights to their device, and the RNG
-            # states must stay CPU byte tensors (torch.set_rng_state, torch.cuda.set_rng_state).
-            restore_training_state(run, ckpt.load_checkpoint(path, map_location="cpu"), path)
+        if is_sharded(run.model) and not path.endswith(ckpt.SHARDED):
+            raise ckpt.CheckpointError(
+                f"{path} is a single-file checkpoint and DIST.STRATEGY {cfg.DIST.STRATEGY} shards the model: convert "
+                f"it once with tools/convert_checkpoint.py {path} {path.replace(ckpt.FILE, ckpt.SHARDED)}, or resume "
+                "with DIST.STRATEGY ddp"
+            )
+        checkpoints.load(to_restore(run_components(run), cfg.TRAIN.LOAD_OPT), path)
         logger.info("resumed from %s at epoch %d, step %d", path, run.state.epoch + 1, run.state.step_in_epoch)
     elif cfg.MODEL.WEIGHTS:
         load_configured_weights(run.model, cfg, strict=False)
@@ -243,19 +122,8 @@ def resume_or_load_weights(run: Run, path: str | None) -> None:
 
 
 def restore_training_state(run: Run, state: dict, path: str) -> None:
-    """Load a single-file training checkpoint into the run (weights and position always; the rest with LOAD_OPT)."""
-    if is_sharded(run.model):
-        raise ckpt.CheckpointError(
-            f"{path} is a single-file checkpoint and DIST.STRATEGY {run.cfg.DIST.STRATEGY} shards the model: convert it "
-            f"once with tools/convert_checkpoint.py {path} {path.replace('.pth.tar', '.dcp')}, or resume with "
-            "DIST.STRATEGY ddp"
-        )
+    """Load a single file's dict into the run (weights and position always; the rest with TRAIN.LOAD_OPT)."""
     load_file_state(to_restore(run_components(run), run.cfg.TRAIN.LOAD_OPT), state, path)
-
-
-def restore_sharded_training_state(run: Run, path: str) -> None:
-    """Load a sharded checkpoint: each rank reads the pieces of the saved shards its own shards overlap."""
-    load_sharded_state(to_restore(run_components(run), run.cfg.TRAIN.LOAD_OPT), path)
 
 
 def restore_progress(run: Run, state: dict) -> None:

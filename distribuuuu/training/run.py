@@ -6,7 +6,6 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.checkpointing.background_write import BackgroundWriter
 from distribuuuu.config import ConfigError
 from distribuuuu.data import Split
 from distribuuuu.logger import get_logger
@@ -79,7 +78,6 @@ def build_run(cfg: CfgNode, env: DistEnv) -> Run:
         precise_bn=build_precise_bn_split(cfg, env) if cfg.BN.PRECISE_IMAGES else None,
         teacher=teacher,
         best=Best(cfg.TRAIN.BEST_METRIC),
-        checkpoint_writer=BackgroundWriter() if cfg.TRAIN.CKPT_ASYNC else None,
     )
 
 

@@ -18,6 +18,7 @@ import torch
 import yaml
 from yacs.config import CfgNode
 
+from distribuuuu.checkpointing.manager import Checkpointer
 from distribuuuu.checkpointing.names import CKPT_DIR
 from distribuuuu.config import ConfigError, changes_from_defaults
 from distribuuuu.logger import attach_log_file, get_logger, setup_logging
@@ -37,6 +38,7 @@ from distribuuuu.runtime.process_group import (
     rank0_decides,
     setup_distributed,
 )
+from distribuuuu.training.resume import checkpointer
 from distribuuuu.training.rng import seed_everything
 from distribuuuu.training.state import Run, TrainState
 
@@ -57,6 +59,7 @@ class Session:
         self.env, self.table = env or DistEnv(), []
         self.writer: MetricsWriter | NullWriter = NullWriter()
         self.preempt: PreemptionHandler | None = None
+        self.checkpoints: Checkpointer | None = checkpointer(cfg) if training else None
         self.run: Run | None = None
         self._lock: OutDirLock | None = None
 

@@ -3,18 +3,19 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.checkpointing.background_write import BackgroundWriter
 from distribuuuu.config import BEST_METRICS
 from distribuuuu.data import Split
-from distribuuuu.ema import ModelEMA
+from distribuuuu.records.meters import MetricSums
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.distillation import Teacher
+from distribuuuu.training.ema import ModelEMA
 from distribuuuu.training.task import Task
 
 
@@ -69,6 +70,27 @@ class Best:
         self.value = state.get("best_value", self.top1) if same else None
 
 
+class Window:
+    """One PRINT_FREQ window of training steps: their metric sums on the device, their losses (to
+    name a non-finite step), how long they took and how long they waited for data."""
+
+    def __init__(self, device: torch.device, k: int):
+        self.sums, self.losses = MetricSums(device, k), []
+        self.data_s, self.started = 0.0, time.perf_counter()
+
+    def next_batches(self, batches, count: int) -> list:
+        """The next ``count`` (micro-)batches, the wait for them counted as data time."""
+        tic = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(count)]
+        self.data_s += time.perf_counter() - tic
+        return micro_batches
+
+    def reset(self) -> None:
+        self.sums.reset()
+        self.losses.clear()
+        self.data_s, self.started = 0.0, time.perf_counter()
+
+
 @dataclass
 class Run:
     """Everything one training run holds: built once by ``build_run``, then used by the loops."""
@@ -96,13 +118,6 @@ class Run:
     # Further state checkpointed with the run (name -> Stateful: state_dict()/load_state_dict()), for
     # a caller outside the package; the package's own is listed in components.run_components.
     registered_state: dict[str, object] = field(default_factory=dict)
-    # TRAIN.CKPT_ASYNC: writes checkpoint files in the background (None: every write blocks training)
-    checkpoint_writer: BackgroundWriter | None = None
-    checkpoint_group: object = None  # the process group of background DCP writes
-
-    @property
-    def sharded_checkpoints(self) -> bool:
-        return writes_sharded_checkpoints(self.cfg)
 
     @property
     def global_step(self) -> int:
@@ -134,11 +149,6 @@ class Run:
     def position(self) -> str:
         """Where the run is, as messages name it (1-based epoch)."""
         return f"epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}"
-
-
-def writes_sharded_checkpoints(cfg: CfgNode) -> bool:
-    """DIST.CKPT_FORMAT: "" means sharded DCP directories under fsdp/hsdp, single files under ddp."""
-    return cfg.DIST.CKPT_FORMAT == "sharded" or (not cfg.DIST.CKPT_FORMAT and cfg.DIST.STRATEGY != "ddp")
 
 
 def global_batch(train_cfg: CfgNode, world_size: int = 1) -> int:

@@ -29,7 +29,8 @@ class Task(abc.ABC):
         self.num_classes, self.threshold, self.ap_bins = num_classes, threshold, ap_bins
 
     def head_meaning(self) -> dict:
-        """What an export's output is (ONNX metadata)."""
+        """The task an export's logits serve (ONNX metadata): its name, and where it differs from
+        softmax logits, its threshold and what the output means (``output``)."""
         return {"task": self.name}
 
     def reported_k(self, topk: int) -> int | None:
@@ -135,7 +136,7 @@ class MultiLabel(Task):
 
     def head_meaning(self) -> dict:
         meaning = "logits (sigmoid per class; a class is predicted when its score >= threshold)"
-        return {"task": self.name, "threshold": self.threshold, "meaning": meaning}
+        return {"task": self.name, "threshold": self.threshold, "output": meaning}
 
 
 TASKS = {task.name: task for task in (MultiClass, MultiLabel)}

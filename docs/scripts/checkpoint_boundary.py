@@ -43,13 +43,14 @@ def main() -> None:
         run = build_run(cfg, DistEnv())
         batches = [next(iter(run.train.loader)) for _ in range(args.steps)]
         sums = MetricSums(run.env.device, cfg.TRAIN.TOPK)
+        checkpoints = resume.checkpointer(cfg)  # TRAIN.CKPT_ASYNC (the default): one background writer
         held: dict[str, list[float]] = {"sync": [], "background": []}
         with_steps: dict[str, list[float]] = {"sync": [], "background": []}
         for repeat in range(args.repeats + 1):  # the first round warms up, unrecorded
             for how in ("sync", "background") if repeat % 2 else ("background", "sync"):
-                resume.wait_for_checkpoint(run)
+                checkpoints.wait()
                 start = time.perf_counter()
-                resume.save_training_checkpoint(run, background=how == "background")
+                resume.save_training_checkpoint(run, checkpoints, background=how == "background")
                 saved = time.perf_counter()
                 for batch in batches:
                     trainer.train_step(run, [batch], sums)
@@ -57,7 +58,7 @@ def main() -> None:
                 if repeat:
                     held[how].append(saved - start)
                     with_steps[how].append(time.perf_counter() - start)
-                resume.wait_for_checkpoint(run)  # outside the timing: the next save is an epoch away
+                checkpoints.wait()  # outside the timing: the next save is an epoch away
         size = os.path.getsize(os.path.join(out, "checkpoints", os.listdir(os.path.join(out, "checkpoints"))[0]))
     print(f"{cfg.MODEL.ARCH}, checkpoint {size / 2**20:.1f} MiB, {args.repeats} alternated repeats, medians:")
     for how in held:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from torch import nn
 from torchvision.models.resnet import BasicBlock
 
-from distribuuuu.ema import ModelEMA
 from distribuuuu.models import find_blocks, has_batchnorm
 from distribuuuu.runtime.parallel import (
     broadcast_parameters,
@@ -29,6 +28,7 @@ from distribuuuu.runtime.parallel import (
     set_gradient_sync,
     shard_model,
 )
+from distribuuuu.training.ema import ModelEMA
 
 STEPS, GLOBAL_BATCH, IM = 4, 8, 8
 

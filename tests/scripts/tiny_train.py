@@ -118,8 +118,8 @@ def _record_hooks() -> None:
             f.write(json.dumps(record) + "\n")
         return real_step(run, micro_batches, sums)
 
-    def resume_or_load_weights(run, path):
-        real_resume(run, path)
+    def resume_or_load_weights(run, checkpoints, path):
+        real_resume(run, checkpoints, path)
         if path:
             _save_resumed_state(run, os.path.join(out, f"resumed_w{run.env.world_size}.pt"))
 
