@@ -355,15 +355,3 @@ class EMAShards(Stateful):
 
     def load_state_dict(self, state_dict: dict) -> None:
         load_model_weights(self.ema.module, state_dict)
-
-
-def tensor_states(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema: ModelEMA | None = None
-) -> dict[str, Stateful]:
-    """The DCP views of a model and, if given, its optimizer and EMA, under the keys a checkpoint holds."""
-    states: dict[str, Stateful] = {"model": ModelShards(model)}
-    if optimizer is not None:
-        states["optimizer"] = OptimizerShards(model, optimizer)
-    if ema is not None:
-        states["ema"] = EMAShards(ema)
-    return states
