@@ -13,6 +13,7 @@ import ast
 import difflib
 import os
 import re
+import reprlib
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -467,9 +468,9 @@ def load_cfg(cfg_file: str | None = None, opts: Sequence[str] = (), base: CN | N
     if cfg_file:
         _merge(config, _read_yaml(cfg_file), cfg_file)
     if len(opts) % 2:
-        raise ConfigError(f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
-    pairs = dict(zip(opts[0::2], (_decode(v) for v in opts[1::2])))
-    _merge(config, _unflatten(pairs), "command line")
+        raise ConfigError(f"overrides must be KEY VALUE pairs, got an odd list: {_shown(list(opts))}")
+    pairs = {key: _decode(value, f"command line: {key}") for key, value in zip(opts[0::2], opts[1::2])}
+    _merge(config, _unflatten(pairs, "command line"), "command line")
     _resolve_nulls(config)
     validate_cfg(config)
     config.freeze()
@@ -511,20 +512,25 @@ def _configs_that_exist() -> str:
 
 def _merge(config: CN, data: dict, source: str) -> None:
     """Merge nested ``data`` into ``config`` with yacs's type checks; unknown keys get a suggestion."""
-    for key in flatten(data):
+    for key, value in flatten(data).items():
         if key not in _ALL_KEYS and key not in _C:  # a whole section given a value: yacs names the type
-            close = difflib.get_close_matches(key, _ALL_KEYS, n=1, cutoff=0.6)
-            hint = f": did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"{source}: unknown config key {key}{hint}")
+            raise ConfigError(f"{source}: {_unknown_key(key)}")
+        _decode(value, f"{source}: {key}")  # what yacs's literal_eval of each string would raise, named here
+    widened = _widen_ints(data, _C)
     try:
-        config.merge_from_other_cfg(CN(_widen_ints(data, _C)))
+        config.merge_from_other_cfg(CN(widened))
     except (KeyError, ValueError, AssertionError) as e:
-        raise ConfigError(f"{source}: {_yacs_message(e, source == 'command line')}") from None
+        raise ConfigError(f"{source}: {_yacs_message(e, widened, source == 'command line')}") from None
+
+
+def _unknown_key(key: str) -> str:
+    close = difflib.get_close_matches(key, _ALL_KEYS, n=1, cutoff=0.6)
+    return f"unknown config key {_shown_key(key)}" + (f": did you mean {close[0]}?" if close else "")
 
 
 def merge_pairs(config: CN, pairs: dict[str, Any], source: str) -> None:
     """Merge flat ``KEY: value`` pairs into ``config`` (not frozen) with a config file's type checks."""
-    _merge(config, _unflatten(pairs), source)
+    _merge(config, _unflatten(pairs, source), source)
 
 
 def _widen_ints(data: Any, defaults: Any) -> Any:
@@ -537,24 +543,42 @@ def _widen_ints(data: Any, defaults: Any) -> Any:
     return data
 
 
-def _decode(value: Any) -> Any:
-    """A command-line value as Python (``0.1``, ``[1, 2]``, ``True``), or the string itself, as yacs does."""
+# A config value is at most a few lists of paths or patterns: a longer string (a million-item
+# OPTIM.STEPS, 20 s of literal_eval and deep copies here) is refused before it is read.
+_MAX_VALUE_CHARS = 64 * 1024
+
+
+def _decode(value: Any, key: str = "") -> Any:
+    """A command-line value as Python (``0.1``, ``[1, 2]``, ``True``), or the string itself, as yacs does;
+    ``key`` (with its source) names the value in a ConfigError."""
     if not isinstance(value, str):
         return value
+    if len(value) > _MAX_VALUE_CHARS:
+        raise ConfigError(
+            f"{key}: a value of {len(value):,} characters is too long for a config value (at most 64 KiB)"
+        )
     try:
         return ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return value
+    except (RecursionError, MemoryError):  # Python's parser gives up on "-" * 3000 + "1" so, not on memory
+        raise ConfigError(f"{key}: cannot read {_shown(value)}, nested too deeply") from None
 
 
-def _unflatten(pairs: dict[str, Any]) -> dict:
-    """``{"OPTIM.BASE_LR": 0.1}`` -> ``{"OPTIM": {"BASE_LR": 0.1}}``."""
+def _unflatten(pairs: dict[str, Any], source: str) -> dict:
+    """``{"OPTIM.BASE_LR": 0.1}`` -> ``{"OPTIM": {"BASE_LR": 0.1}}``; a key given a value and keys under it
+    ("TRAIN 1 TRAIN.BATCH_SIZE 2") is a ConfigError."""
     nested: dict = {}
     for key, value in pairs.items():
         *sections, name = key.split(".")
         node = nested
-        for section in sections:
+        for depth, section in enumerate(sections, 1):
             node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                section_key = ".".join(sections[:depth])
+                raise ConfigError(
+                    f"{source}: {_shown_key(section_key)} is given a value and keys under it ({_shown_key(key)})"
+                )
         node[name] = value
     return nested
 
@@ -610,31 +634,60 @@ def _resolve_nulls(config: CN, prefix: str = "") -> None:
             config[name] = default
 
 
-def _yacs_message(e: Exception, command_line: bool = False) -> str:
+# yacs's type error: "Type mismatch (<class 'float'> vs. <class 'str'>) with values (VALUES) for config
+# key: KEY". Only its types and key are read: VALUES holds the whole value given, any size.
+_MISMATCH = re.compile(r"Type mismatch \(<class '(?:[\w.]*\.)?(\w+)'> vs\. <class '(?:[\w.]*\.)?(\w+)'>\)")
+_KEY_IN_MISMATCH = " for config key: "
+# yacs's KeyError for an unknown key under which ``data`` holds an empty mapping (flatten sees none)
+_NON_EXISTENT = "Non-existent config key: "
+
+
+def _yacs_message(e: Exception, data: dict, command_line: bool = False) -> str:
     """Rephrase yacs's errors so they lead with the key; a string given for a list says how to write one."""
     msg = str(e.args[0] if e.args else e)
-    mismatch = re.search(
-        r"Type mismatch \((.*?) vs\. (.*?)\) with values \((.*) vs\. (.*)\) for config key: (\S+)", msg
-    )
-    if not mismatch:
-        return msg
-    want, got, _, value, key = mismatch.groups()
-    want, got = _type_name(want), _type_name(got)
+    if msg.startswith(_NON_EXISTENT):
+        return _unknown_key(msg[len(_NON_EXISTENT) :])
+    mismatch = _MISMATCH.match(msg)
+    if not mismatch or _KEY_IN_MISMATCH not in msg:
+        return _clip(msg.strip().partition("\n")[0], 300)
+    want, got = mismatch.groups()
+    key = msg.rpartition(_KEY_IN_MISMATCH)[2]
+    value = _get(data, key)
     hint = _list_hint(key, value, command_line) if want in ("list", "tuple") and got == "str" else ""
-    return f"{key} expects {want}, got {got} {value!r}{hint}"
+    want = "a section of keys" if want == "CfgNode" else want
+    return f"{key} expects {want}, got {type(value).__name__} {_shown(value)}{hint}"
 
 
 def _list_hint(key: str, value: str, command_line: bool) -> str:
     """How to write the string ``value`` given for a list key as a list: each item quoted, in brackets."""
     items = [item.strip().strip("'\"") for item in value.strip("[]()").split(",") if item.strip()]
-    as_list = repr(items)
+    as_list = _shown(items)
     if command_line:  # the shell eats brackets and quotes: the whole list is one quoted argument
         return f'; write a list on the command line as {key} "{as_list}"'
     return f"; write a list in YAML as {key.rpartition('.')[2]}: {as_list}"
 
 
-def _type_name(type_repr: str) -> str:
-    return re.sub(r"<class '(\w+)'>", r"\1", type_repr)
+# How a message shows a value the user gave: reprlib's repr, cut short, so that no message grows with
+# the value (a million-item OPTIM.STEPS is named in a line, at once).
+_REPR = reprlib.Repr()
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 12
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
+_REPR.maxlevel = 3
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, at most ~100 characters."""
+    return _clip(_REPR.repr(value))
+
+
+def _shown_key(key: Any) -> str:
+    """A key as typed, cut short; quoted and escaped if it is empty, or spaced or broken at either end."""
+    key = str(key)
+    return _clip(key) if key.isprintable() and key.strip() == key != "" else _shown(key)
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _choice(options: tuple) -> tuple[Callable, str]:
@@ -831,10 +884,10 @@ def validate_cfg(c: CN) -> None:
     for key, (test, what) in _RULES:
         value = _get(c, key)
         if not test(value, c):
-            raise ConfigError(f"{key} {what() if callable(what) else what}, got {value!r}")
+            raise ConfigError(f"{key} {what() if callable(what) else what}, got {_shown(value)}")
 
 
-def _get(c: CN, key: str) -> Any:
+def _get(c: dict, key: str) -> Any:
     for part in key.split("."):
         c = c[part]
     return c
@@ -855,8 +908,8 @@ def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name.strip().isidentifier():
-            raise ConfigError(f'MODEL.KWARGS entries must be "name=value" strings, got {item!r}')
-        kwargs[name.strip()] = _decode(value.strip())
+            raise ConfigError(f'MODEL.KWARGS entries must be "name=value" strings, got {_shown(item)}')
+        kwargs[name.strip()] = _decode(value.strip(), "MODEL.KWARGS")
     return kwargs
 
 

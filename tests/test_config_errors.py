@@ -4,6 +4,7 @@ keeps its line and column, an unknown key suggests the key it resembles, ints wi
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from helpers import REPO
@@ -93,3 +94,75 @@ def test_a_string_for_a_list_key_in_yaml_shows_the_yaml_list(tmp_path):
 def test_an_unknown_architecture_suggests_the_model_it_resembles(arch, said):
     with pytest.raises(ConfigError, match=rf"^MODEL.ARCH: unknown model '{arch}' \(.*{re.escape(said)}$"):
         model_source(arch)
+
+
+def _refusal(tmp_path, text: str) -> tuple[str, str]:
+    """The ConfigError that ``text`` as a config file gets, and the file's path."""
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_cfg(str(path))
+    return str(err.value), str(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# A message shows a value cut short: no message grows with the value, no value is read at any length
+# ------------------------------------------------------------------------------------------------
+LONG = 10_000  # items: under the 64 KiB a value may have, 30 KB of text a message must not print
+
+
+@pytest.mark.parametrize(
+    "opts, names",
+    [
+        (["OPTIM.STEPS", "[" + "0, " * LONG + "]"], "OPTIM.STEPS must be a list of ascending positive epochs"),
+        (["OPTIM.BASE_LR", "[" + "1, " * LONG + "]"], "command line: OPTIM.BASE_LR expects float, got list [1,"),
+        (["MODEL.FREEZE", "a," * LONG], 'write a list on the command line as MODEL.FREEZE "'),
+        (["MODEL.KWARGS", "['" + "x" * LONG + "']"], 'MODEL.KWARGS must be a list of "name=value" strings'),
+        (["TRAIN." + "X" * 10**6, "1"], "command line: unknown config key TRAIN.XXX"),
+        (["TRAIN.BATCH_SIZE", "8", "x" * 10**6], "overrides must be KEY VALUE pairs"),
+        (["OUT_DIR", "-" * 3000 + "1"], "command line: OUT_DIR: cannot read '-----"),  # was a RecursionError
+    ],
+    ids=["rule", "type-mismatch", "list-hint", "kwargs", "unknown-key", "odd-list", "nested-too-deeply"],
+)
+def test_a_long_value_gets_a_short_message(opts, names):
+    with pytest.raises(ConfigError) as err:
+        load_cfg(None, opts)
+    message = str(err.value)
+    assert names in message and len(message) < 300 and "\n" not in message, message[:1000]
+
+
+def test_a_long_list_in_a_file_gets_a_short_message(tmp_path):
+    message, path = _refusal(tmp_path, "OPTIM:\n  BASE_LR: [" + "1, " * 5000 + "]\n")
+    assert message.startswith(f"{path}: OPTIM.BASE_LR expects float, got list [1, 1,"), message[:1000]
+    assert len(message) < 300, message[:1000]
+
+
+HUGE = 10**6  # items of OPTIM.STEPS
+
+
+def test_a_huge_value_is_refused_at_once_by_its_length():
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        load_cfg(None, ["OPTIM.STEPS", "[" + "0, " * HUGE + "]"])
+    seconds = time.perf_counter() - start
+    assert str(err.value) == (
+        "command line: OPTIM.STEPS: a value of 3,000,002 characters is too long for a config value (at most 64 KiB)"
+    )
+    assert seconds < 2, f"{seconds:.1f} s to refuse a {HUGE}-item value"
+
+
+@pytest.mark.parametrize(
+    "opts, said",
+    [
+        (["TRAIN", "1", "TRAIN.BATCH_SIZE", "2"], "TRAIN is given a value and keys under it (TRAIN.BATCH_SIZE)"),
+        (["TRAIN.BATCH_SIZE", "2", "TRAIN", "1"], "TRAIN expects a section of keys, got int 1"),
+        (["TRAIN.BACTH_SIZE", "{}"], "unknown config key TRAIN.BACTH_SIZE: did you mean TRAIN.BATCH_SIZE?"),
+        (["", "{}"], "unknown config key ''"),
+    ],
+    ids=["value-then-keys", "keys-then-value", "empty-mapping", "empty-key"],
+)
+def test_a_section_given_a_value_or_an_unknown_key_an_empty_mapping_is_one_line(opts, said):
+    # Found by the fuzz tests below: a TypeError traceback, and yacs's own "Non-existent config key".
+    with pytest.raises(ConfigError) as err:
+        load_cfg(None, opts)
+    assert str(err.value) == f"command line: {said}"
