@@ -482,22 +482,112 @@ def _read_yaml(path: str) -> dict:
     if path.endswith(".py"):  # yacs's merge_from_file would run it (its _load_cfg_py_source): a config is data
         raise ConfigError(f"{path}: a Python file; configs are YAML, and no config file is ever run")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        data = yaml.load(_read_config_bytes(path), Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}{_configs_that_exist()}") from None
+    except _Refused as e:
+        raise ConfigError(f"{path}{e.where}: {e}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         context = f" ({e.context})" if e.context else ""
         raise ConfigError(f"{path}{where}: YAML syntax error: {e.problem}{context}") from None
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+    except (yaml.YAMLError, OSError) as e:
         raise ConfigError(f"{path}: cannot read it as YAML: {first_line(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys, got a {type(data).__name__}")
     return data
+
+
+# A config file is a small document a person writes (every key written out is ~3 KB): a far larger
+# file is a mistake (a dataset or a checkpoint given as --cfg, /dev/zero), refused unread.
+_MAX_CONFIG_BYTES = 256 * 1024
+# SECTION: KEY: [list] is three levels; deeper is refused before PyYAML's recursive composer meets
+# Python's recursion limit (a RecursionError traceback at ~1000 levels of "[").
+_MAX_YAML_DEPTH = 16
+
+
+def _read_config_bytes(path: str) -> bytes:
+    """The file's bytes (PyYAML decodes them as YAML says: UTF-8, or UTF-16/32 with a BOM), or a
+    ConfigError for a file too large to be a config."""
+    with open(path, "rb") as f:
+        data = f.read(_MAX_CONFIG_BYTES + 1)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than 256 KiB, too large for a config file (every key written out is ~3 KB)")
+    return data
+
+
+class _Refused(Exception):
+    """What ``_ConfigLoader`` refuses, and where (``:line:column`` or ""); ``_read_yaml`` names the file."""
+
+    def __init__(self, text: str, mark: yaml.Mark | None = None):
+        super().__init__(text)
+        self.where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, strict for config files: no aliases, no key given twice, bounded nesting,
+    and PyYAML's own ValueErrors (a date with month 13) as a ``_Refused`` naming the line."""
+
+    def __init__(self, stream: bytes):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        # Aliases are refused rather than bounded: an alias makes the document a graph, nine lists
+        # of nine aliases each are 9**9 values in 330 bytes ("billion laughs", a MemoryError where
+        # a message printed them), and no config of the original Distribuuuu or of config/ uses one.
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(f"YAML alias *{event.anchor}: a config file writes each value out", event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > _MAX_YAML_DEPTH:
+                raise _Refused(f"nested more than {_MAX_YAML_DEPTH} levels deep", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _refuse_repeated_keys(node)
+        return node
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except ValueError as e:  # PyYAML's constructors: "2001-13-45", an int of 5,000 digits
+            raise _Refused(f"cannot read {_shown(node.value)}: {first_line(e)}", node.start_mark) from None
+
+
+def _refuse_repeated_keys(node: yaml.Node, prefix: str = "") -> None:
+    """Raise ``_Refused`` naming a key given twice in one mapping (PyYAML keeps the last silently) by
+    its dotted path and both lines; a merge key (``<<``) too, which overrides keys as silently."""
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_repeated_keys(item, prefix)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[tuple[str, str], yaml.Node] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            raise _Refused("YAML merge key <<: a config file writes each key out", key_node.start_mark)
+        if not isinstance(key_node, yaml.ScalarNode):
+            continue  # a list or a mapping as a key: the constructor refuses it (unhashable)
+        key = f"{prefix}{_shown_key(key_node.value)}"
+        if (key_node.tag, key_node.value) in seen:
+            first = seen[key_node.tag, key_node.value].start_mark
+            raise _Refused(f"{key} given twice ({_two_places(first, key_node.start_mark)})")
+        seen[key_node.tag, key_node.value] = key_node
+        _refuse_repeated_keys(value_node, key + ".")
+
+
+def _two_places(first: yaml.Mark, second: yaml.Mark) -> str:
+    if first.line != second.line:
+        return f"lines {first.line + 1} and {second.line + 1}"
+    return f"line {first.line + 1}, columns {first.column + 1} and {second.column + 1}"
 
 
 def _configs_that_exist() -> str:

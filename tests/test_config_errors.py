@@ -4,10 +4,11 @@ keeps its line and column, an unknown key suggests the key it resembles, ints wi
 from __future__ import annotations
 
 import re
+import sys
 import time
 
 import pytest
-from helpers import REPO
+from helpers import REPO, run
 
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.models import model_source
@@ -166,3 +167,84 @@ def test_a_section_given_a_value_or_an_unknown_key_an_empty_mapping_is_one_line(
     with pytest.raises(ConfigError) as err:
         load_cfg(None, opts)
     assert str(err.value) == f"command line: {said}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Strict config files: no alias, no key given twice, bounded nesting and size, never run as Python
+# ------------------------------------------------------------------------------------------------
+def _alias_bomb(levels: int = 9) -> str:
+    """The "billion laughs" YAML under a real key: OPTIM.STEPS holds 9 ** levels ones in ~330 bytes."""
+    names = "abcdefghi"[:levels]
+    lines = ["OPTIM:", "  STEPS:", "  - &a [1,1,1,1,1,1,1,1,1]"]
+    lines += [f"  - &{name} [{','.join([f'*{names[i]}'] * 9)}]" for i, name in enumerate(names[1:])]
+    return "\n".join(lines) + "\n"
+
+
+# A fresh interpreter, its address space capped at 4 GiB (a loader that expands the bomb fails with a
+# MemoryError instead of taking the machine), prints the seconds load_cfg took, the peak of what it
+# allocated in MiB (tracemalloc: ru_maxrss would keep the forked pytest's peak across exec) and its
+# ConfigError; anything else is a traceback and exit 1.
+_LOAD_BOUNDED = """
+import resource, sys, time, tracemalloc
+resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+from distribuuuu.config import ConfigError, load_cfg
+tracemalloc.start()
+start = time.perf_counter()
+try:
+    load_cfg(sys.argv[1])
+except ConfigError as e:
+    print(f"{time.perf_counter() - start:.3f}", tracemalloc.get_traced_memory()[1] / 2**20, e, sep="\\n")
+"""
+
+
+def test_the_alias_bomb_is_refused_at_once_in_bounded_memory(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb())
+    assert len(path.read_bytes()) < 400
+    result = run([sys.executable, "-c", _LOAD_BOUNDED, str(path)], timeout=60)  # before: 70 s, a MemoryError
+    assert result.returncode == 0, result.stderr[-3000:]
+    seconds, peak_mib, message = result.stdout.splitlines()
+    assert message == f"{path}:4:9: YAML alias *a: a config file writes each value out", message
+    assert float(seconds) < 2, f"refused in {seconds} s"
+    assert float(peak_mib) < 4, f"{peak_mib} MiB allocated to refuse {len(path.read_bytes())} bytes"
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("TRAIN:\n  BATCH_SIZE: &batch 16\nTEST:\n  BATCH_SIZE: *batch\n", ":4:15: YAML alias *batch: a config file writes each value out"),
+        ("TRAIN: {<<: {BATCH_SIZE: 8}, TOPK: 3}\n", ":1:9: YAML merge key <<: a config file writes each key out"),
+        ("TRAIN:\n  BATCH_SIZE: 8\nOPTIM:\n  BASE_LR: 0.1\nTRAIN:\n  TOPK: 3\n", ": TRAIN given twice (lines 1 and 5)"),
+        ("TRAIN:\n  BATCH_SIZE: 8\n  TOPK: 3\n  BATCH_SIZE: 16\n", ": TRAIN.BATCH_SIZE given twice (lines 2 and 4)"),
+        ("OUT_DIR: a\nRNG_SEED: 3\nOUT_DIR: b\n", ": OUT_DIR given twice (lines 1 and 3)"),
+        ("TRAIN: {BATCH_SIZE: 8, BATCH_SIZE: 16}\n", ": TRAIN.BATCH_SIZE given twice (line 1, columns 9 and 24)"),
+    ],
+    ids=["alias", "merge-key", "section-twice", "nested-key-twice", "top-level-key-twice", "twice-on-one-line"],
+)  # fmt: skip
+def test_an_alias_or_a_key_given_twice_is_refused_naming_the_file_and_the_lines(tmp_path, text, said):
+    message, path = _refusal(tmp_path, text)
+    assert message == f"{path}{said}"
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("OUT_DIR: 2001-13-45\n", ":1:10: cannot read '2001-13-45': month must be in 1..12"),
+        ("TRAIN:\n  BATCH_SIZE: " + "1" * 5000 + "\n", ":2:15: cannot read '1111"),
+        ("OUT_DIR: " + "[" * 3000 + "]" * 3000 + "\n", ":1:25: nested more than 16 levels deep"),
+        ("OUT_DIR: " + "-" * 3000 + "1\n", ": OUT_DIR: cannot read '-----"),  # yacs's literal_eval of the string
+        ('"TRAIN\\nX": 1\n', ": unknown config key 'TRAIN\\nX'"),
+        ("TRAIN: null\n", ": TRAIN expects a section of keys, got NoneType None"),
+    ],
+    ids=["month-13", "int-of-5000-digits", "nested-3000-deep", "literal-nested-3000-deep", "newline-in-key",
+         "section-null"],
+)  # fmt: skip
+def test_a_value_pyyaml_or_yacs_cannot_read_is_one_line_naming_the_file(tmp_path, text, said):
+    # Each was a traceback (ValueError, RecursionError) or a message of several lines before.
+    message, path = _refusal(tmp_path, text)
+    assert message.startswith(f"{path}{said}") and "\n" not in message and len(message) < 400, message
+
+
+def test_a_config_file_larger_than_any_config_is_refused_unread(tmp_path):
+    message, path = _refusal(tmp_path, "# " + "x" * 2**20 + "\n")
+    assert message == f"{path}: larger than 256 KiB, too large for a config file (every key written out is ~3 KB)"
