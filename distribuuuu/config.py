@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import math
 import os
 import re
 import reprlib
@@ -970,11 +971,33 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
 
 
 def validate_cfg(c: CN) -> None:
-    """Raise ConfigError naming the first key whose value breaks its rule in ``_RULES``."""
+    """Raise ConfigError naming the first key whose number is not finite or whose value breaks its rule."""
+    _check_numbers(c)
     for key, (test, what) in _RULES:
         value = _get(c, key)
         if not test(value, c):
             raise ConfigError(f"{key} {what() if callable(what) else what}, got {_shown(value)}")
+
+
+def _check_numbers(c: CN) -> None:
+    """One rule for every key, before the per-key ones: a float is finite (yacs reads "1e999" as inf,
+    YAML ".nan" as nan, and both pass "> 0"), and a list whose default holds numbers (DATA.MEAN,
+    OPTIM.BETAS, OPTIM.STEPS) holds finite numbers."""
+    for key, value in flatten(c).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be finite, got {_shown(value)}")
+        if key in _NUMBER_LISTS and not all(_is_finite_number(v) for v in value):
+            raise ConfigError(f"{key} must hold finite numbers, got {_shown(value)}")
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The list keys (DATA.MEAN, DATA.STD, OPTIM.STEPS, OPTIM.BETAS) whose defaults hold numbers
+_NUMBER_LISTS = frozenset(
+    k for k, v in flatten(_C).items() if isinstance(v, (list, tuple)) and v and all(_is_finite_number(x) for x in v)
+)
 
 
 def _get(c: dict, key: str) -> Any:

@@ -248,3 +248,49 @@ def test_a_value_pyyaml_or_yacs_cannot_read_is_one_line_naming_the_file(tmp_path
 def test_a_config_file_larger_than_any_config_is_refused_unread(tmp_path):
     message, path = _refusal(tmp_path, "# " + "x" * 2**20 + "\n")
     assert message == f"{path}: larger than 256 KiB, too large for a config file (every key written out is ~3 KB)"
+
+
+# ------------------------------------------------------------------------------------------------
+# Every float finite; the number lists hold finite numbers
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("OPTIM:\n  BASE_LR: .inf\n", "OPTIM.BASE_LR must be finite, got inf"),
+        ("OPTIM:\n  BASE_LR: 1.0e+999\n", "OPTIM.BASE_LR must be finite, got inf"),
+        ("OPTIM:\n  BASE_LR: 1e999\n", "OPTIM.BASE_LR must be finite, got inf"),  # a YAML string yacs reads as a literal
+        ("OPTIM:\n  WEIGHT_DECAY: .nan\n", "OPTIM.WEIGHT_DECAY must be finite, got nan"),
+        ("DIST:\n  LOCK_STALE_S: .inf\n", "DIST.LOCK_STALE_S must be finite, got inf"),
+        ("DATA:\n  MEAN: [0.5, .nan, 0.5]\n", "DATA.MEAN must hold finite numbers, got [0.5, nan, 0.5]"),
+        ("OPTIM:\n  LR_POLICY: steps\n  STEPS: [10, .inf]\n", "OPTIM.STEPS must hold finite numbers, got [10, inf]"),
+        ("DATA:\n  MEAN: [a, b, c]\n", "DATA.MEAN must hold finite numbers, got ['a', 'b', 'c']"),  # was accepted
+        ("DATA:\n  STD: [a, b, c]\n", "DATA.STD must hold finite numbers, got ['a', 'b', 'c']"),  # was a TypeError
+        ("OPTIM:\n  BETAS: [0.9, [0.99]]\n", "OPTIM.BETAS must hold finite numbers, got [0.9, [0.99]]"),
+        ("OPTIM:\n  BETAS: [0.9, true]\n", "OPTIM.BETAS must hold finite numbers, got [0.9, True]"),
+    ],
+)  # fmt: skip
+def test_a_non_finite_float_or_a_non_number_in_a_number_list_in_a_file_is_refused_naming_its_key(tmp_path, text, said):
+    assert _refusal(tmp_path, text)[0] == said
+
+
+@pytest.mark.parametrize(
+    "key, value, said",
+    [
+        ("OPTIM.BASE_LR", "1e999", "must be finite, got inf"),
+        ("DIST.LOCK_WAIT_S", "1e999", "must be finite, got inf"),
+        ("OPTIM.MIN_LR", "-1e999", "must be finite, got -inf"),
+        ("DATA.STD", "[0.2, 1e999, 0.2]", "must hold finite numbers, got [0.2, inf, 0.2]"),
+        ("OPTIM.BETAS", "(0.9, -1e999)", "must hold finite numbers, got [0.9, -inf]"),
+    ],
+)
+def test_a_non_finite_float_on_the_command_line_is_refused_naming_its_key(key, value, said):
+    with pytest.raises(ConfigError) as err:
+        load_cfg(None, [key, value])
+    assert str(err.value) == f"{key} {said}"
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])
+def test_nan_and_inf_on_the_command_line_are_strings_a_float_key_refuses(value):
+    # ast.literal_eval reads no name: "nan" stays a string, and yacs's type check names the key.
+    with pytest.raises(ConfigError, match=rf"^command line: OPTIM.BASE_LR expects float, got str '{value}'$"):
+        load_cfg(None, ["OPTIM.BASE_LR", value])
