@@ -1,5 +1,7 @@
 """Config errors a user can act on: a missing file lists the configs that exist, a YAML syntax error
-keeps its line and column, an unknown key suggests the key it resembles, ints widen to float keys."""
+keeps its line and column, an unknown key suggests the key it resembles, ints widen to float keys.
+Hostile input (a huge value, a YAML alias bomb, a key given twice, infinity) is one short line, at
+once, before OUT_DIR exists; fuzzed files and KEY VALUE pairs give a config or one such line."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, run
+from helpers import REPO, TRAIN, in_process, run
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from distribuuuu.config import ConfigError, load_cfg
+from distribuuuu.config import ConfigError, flatten, get_cfg_defaults, load_cfg
 from distribuuuu.models import model_source
 
 
@@ -294,3 +298,117 @@ def test_nan_and_inf_on_the_command_line_are_strings_a_float_key_refuses(value):
     # ast.literal_eval reads no name: "nan" stays a string, and yacs's type check names the key.
     with pytest.raises(ConfigError, match=rf"^command line: OPTIM.BASE_LR expects float, got str '{value}'$"):
         load_cfg(None, ["OPTIM.BASE_LR", value])
+
+
+# ------------------------------------------------------------------------------------------------
+# Hostile input through tools/train_net.py: one line, exit 2, OUT_DIR never made
+# ------------------------------------------------------------------------------------------------
+HOSTILE = {
+    # id: (config file text or None, KEY VALUE pairs, what the one line says)
+    "alias-bomb": (_alias_bomb(), [], "YAML alias *a"),
+    "key-given-twice": ("TRAIN:\n  BATCH_SIZE: 8\nTRAIN:\n  TOPK: 3\n", [], "TRAIN given twice (lines 1 and 3)"),
+    "inf-in-a-file": ("OPTIM:\n  BASE_LR: .inf\n", [], "OPTIM.BASE_LR must be finite, got inf"),
+    "inf-on-the-command-line": (None, ["OPTIM.BASE_LR", "1e999"], "OPTIM.BASE_LR must be finite, got inf"),
+    "huge-value": (None, ["OPTIM.STEPS", "[" + "0, " * HUGE + "]"], "OPTIM.STEPS: a value of 3,000,002 characters"),
+    "long-value": (None, ["OPTIM.STEPS", "[" + "0, " * LONG + "]"], "OPTIM.STEPS must be a list of ascending"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_config_input_stops_train_net_in_one_line_with_exit_2_before_out_dir_exists(case, tmp_path):
+    text, opts, said = HOSTILE[case]
+    cfg_args = []
+    if text is not None:
+        (tmp_path / "exp.yaml").write_text(text)
+        cfg_args = ["--cfg", str(tmp_path / "exp.yaml")]
+    out_dir = tmp_path / "out"
+    result = in_process(TRAIN, *cfg_args, "OUT_DIR", str(out_dir), *opts)
+    assert result.returncode == 2, f"exit {result.returncode}\n{result.stderr[-3000:]}"
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("distribuuuu: error: ") and said in lines[0], result.stderr[-3000:]
+    assert len(lines[0]) < 400
+    assert not out_dir.exists(), "nothing written"
+
+
+# ------------------------------------------------------------------------------------------------
+# Fuzzed: any config file and any KEY VALUE strings give a config or one ConfigError line
+# ------------------------------------------------------------------------------------------------
+_KEYS = sorted(flatten(get_cfg_defaults())) + sorted(k for k, v in get_cfg_defaults().items() if isinstance(v, dict))
+# Scalars as YAML or the command line writes them, the awkward ones included
+_ODD_SCALARS = [
+    ".inf", "-.inf", ".nan", "1e999", "1.0e+999", "nan", "~", "null", "true", "no", "0x1f", "0o17", "1_000",
+    "2001-13-45", "2001-12-14", "'1e999'", '"[1, 2]"', "1" * 5000, "-" * 3000 + "1", "1" + "+1" * 3000, "{}", "[]",
+    "!!binary aGk=", "!!set {a}", "!!python/object:os.system x", "|\n  x", "'a\\nb'", '"\\x00"',
+]  # fmt: skip
+
+
+def _mostly(usual: st.SearchStrategy, rare: st.SearchStrategy) -> st.SearchStrategy:
+    """``usual`` seven draws in eight, ``rare`` the eighth: the examples reach the rules, not only the parser."""
+    return st.integers(0, 7).flatmap(lambda n: rare if n == 0 else usual)
+
+
+_PRINTABLE = st.text(st.characters(codec="utf-8", categories=("L", "N", "P", "S", "Zs")), max_size=12)
+_ANY_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+_SCALAR_TEXT = st.one_of(
+    st.sampled_from(_ODD_SCALARS),
+    st.integers(-(10**20), 10**20).map(str),
+    st.floats().map(repr),
+    _mostly(_PRINTABLE, _ANY_TEXT),
+)
+_KEY_TEXT = _mostly(st.sampled_from(_KEYS), _mostly(_PRINTABLE, _ANY_TEXT))
+
+
+@st.composite
+def _yaml_ish(draw) -> str:
+    """Sections of known (sometimes unknown, repeated) keys with scalars, flow lists, anchors and aliases."""
+    anchors: list[str] = []
+
+    def value() -> str:
+        kind = draw(st.sampled_from(["scalar", "list", "nested", "anchor", "alias"]))
+        if kind == "alias" and anchors:
+            return f"*{draw(st.sampled_from(anchors))}"
+        if kind == "anchor":
+            anchors.append(f"a{len(anchors)}")
+            return f"&{anchors[-1]} [{', '.join(draw(st.lists(_SCALAR_TEXT, max_size=4)))}]"
+        if kind == "list":
+            return f"[{', '.join(draw(st.lists(_SCALAR_TEXT, max_size=4)))}]"
+        if kind == "nested":
+            return "[" * draw(st.integers(1, 20)) + draw(_SCALAR_TEXT) + "]" * draw(st.integers(0, 20))
+        return draw(_SCALAR_TEXT)
+
+    lines = []
+    for key in draw(st.lists(_KEY_TEXT, min_size=1, max_size=8)):
+        section, _, name = key.rpartition(".")
+        lines += [f"{section}:", f"  {name}: {value()}"] if section else [f"{key}: {value()}"]
+    return "\n".join(lines) + "\n"
+
+
+# 150 examples a test, each within a 1 s deadline (an example takes milliseconds: a loader that
+# expanded its input would overrun it), no example database (nothing written into the checkout):
+# 0.5-3 s a test on the 2-vCPU EPYC. 5,000 examples a test found nothing more.
+_FUZZ = settings(max_examples=150, deadline=1000, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _load_or_config_error(cfg_file: str | None, opts: list[str], given: int) -> None:
+    """load_cfg gives a config no larger than its input allows, or a ConfigError of one short line."""
+    try:
+        cfg = load_cfg(cfg_file, opts)
+    except ConfigError as e:
+        assert "\n" not in str(e) and len(str(e)) < 600, str(e)[:2000]
+    else:  # a value dumps to a few times its text at most (YAML escapes a byte in 4); an alias, to any multiple
+        assert len(cfg.dump()) <= len(get_cfg_defaults().dump()) + 8 * given, "no value much larger than its text"
+
+
+@_FUZZ
+@given(data=st.one_of(st.binary(max_size=600), _yaml_ish().map(str.encode)))
+def test_fuzzed_config_files_load_or_give_one_config_error_line(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("fuzz", numbered=True) / "exp.yaml"
+    path.write_bytes(data)
+    _load_or_config_error(str(path), [], len(data))
+
+
+@_FUZZ
+@given(pairs=st.lists(st.tuples(_KEY_TEXT, _SCALAR_TEXT), max_size=4))
+def test_fuzzed_command_line_pairs_load_or_give_one_config_error_line(pairs):
+    opts = [text for pair in pairs for text in pair]
+    _load_or_config_error(None, opts, sum(len(t) for t in opts))
