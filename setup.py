@@ -35,7 +35,7 @@ TEST = [
     "datasets",
     "torchcodec",
     "scikit-learn",  # the reference the multi-label metrics are checked against
-    "hypothesis",  # the annotation-file reader fuzzed (tests/test_annotation_fuzz.py)
+    "hypothesis",  # the annotation-file and config readers fuzzed (test_annotation_fuzz.py, test_config_errors.py)
     RUFF,
 ]
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ast
 import difflib
+import math
 import os
 import re
+import reprlib
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -467,9 +469,9 @@ def load_cfg(cfg_file: str | None = None, opts: Sequence[str] = (), base: CN | N
     if cfg_file:
         _merge(config, _read_yaml(cfg_file), cfg_file)
     if len(opts) % 2:
-        raise ConfigError(f"overrides must be KEY VALUE pairs, got an odd list: {list(opts)}")
-    pairs = dict(zip(opts[0::2], (_decode(v) for v in opts[1::2])))
-    _merge(config, _unflatten(pairs), "command line")
+        raise ConfigError(f"overrides must be KEY VALUE pairs, got an odd list: {_shown(list(opts))}")
+    pairs = {key: _decode(value, f"command line: {key}") for key, value in zip(opts[0::2], opts[1::2])}
+    _merge(config, _unflatten(pairs, "command line"), "command line")
     _resolve_nulls(config)
     validate_cfg(config)
     config.freeze()
@@ -481,22 +483,112 @@ def _read_yaml(path: str) -> dict:
     if path.endswith(".py"):  # yacs's merge_from_file would run it (its _load_cfg_py_source): a config is data
         raise ConfigError(f"{path}: a Python file; configs are YAML, and no config file is ever run")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        data = yaml.load(_read_config_bytes(path), Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}{_configs_that_exist()}") from None
+    except _Refused as e:
+        raise ConfigError(f"{path}{e.where}: {e}") from None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         context = f" ({e.context})" if e.context else ""
         raise ConfigError(f"{path}{where}: YAML syntax error: {e.problem}{context}") from None
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+    except (yaml.YAMLError, OSError) as e:
         raise ConfigError(f"{path}: cannot read it as YAML: {first_line(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys, got a {type(data).__name__}")
     return data
+
+
+# A config file is a small document a person writes (every key written out is ~3 KB): a far larger
+# file is a mistake (a dataset or a checkpoint given as --cfg, /dev/zero), refused unread.
+_MAX_CONFIG_BYTES = 256 * 1024
+# SECTION: KEY: [list] is three levels; deeper is refused before PyYAML's recursive composer meets
+# Python's recursion limit (a RecursionError traceback at ~1000 levels of "[").
+_MAX_YAML_DEPTH = 16
+
+
+def _read_config_bytes(path: str) -> bytes:
+    """The file's bytes (PyYAML decodes them as YAML says: UTF-8, or UTF-16/32 with a BOM), or a
+    ConfigError for a file too large to be a config."""
+    with open(path, "rb") as f:
+        data = f.read(_MAX_CONFIG_BYTES + 1)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than 256 KiB, too large for a config file (every key written out is ~3 KB)")
+    return data
+
+
+class _Refused(Exception):
+    """What ``_ConfigLoader`` refuses, and where (``:line:column`` or ""); ``_read_yaml`` names the file."""
+
+    def __init__(self, text: str, mark: yaml.Mark | None = None):
+        super().__init__(text)
+        self.where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, strict for config files: no aliases, no key given twice, bounded nesting,
+    and PyYAML's own ValueErrors (a date with month 13) as a ``_Refused`` naming the line."""
+
+    def __init__(self, stream: bytes):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        # Aliases are refused rather than bounded: an alias makes the document a graph, nine lists
+        # of nine aliases each are 9**9 values in 330 bytes ("billion laughs", a MemoryError where
+        # a message printed them), and no config of the original Distribuuuu or of config/ uses one.
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _Refused(f"YAML alias *{event.anchor}: a config file writes each value out", event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > _MAX_YAML_DEPTH:
+                raise _Refused(f"nested more than {_MAX_YAML_DEPTH} levels deep", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self) -> yaml.Node:
+        node = super().compose_document()
+        _refuse_repeated_keys(node)
+        return node
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep)
+        except ValueError as e:  # PyYAML's constructors: "2001-13-45", an int of 5,000 digits
+            raise _Refused(f"cannot read {_shown(node.value)}: {first_line(e)}", node.start_mark) from None
+
+
+def _refuse_repeated_keys(node: yaml.Node, prefix: str = "") -> None:
+    """Raise ``_Refused`` naming a key given twice in one mapping (PyYAML keeps the last silently) by
+    its dotted path and both lines; a merge key (``<<``) too, which overrides keys as silently."""
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_repeated_keys(item, prefix)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[tuple[str, str], yaml.Node] = {}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            raise _Refused("YAML merge key <<: a config file writes each key out", key_node.start_mark)
+        if not isinstance(key_node, yaml.ScalarNode):
+            continue  # a list or a mapping as a key: the constructor refuses it (unhashable)
+        key = f"{prefix}{_shown_key(key_node.value)}"
+        if (key_node.tag, key_node.value) in seen:
+            first = seen[key_node.tag, key_node.value].start_mark
+            raise _Refused(f"{key} given twice ({_two_places(first, key_node.start_mark)})")
+        seen[key_node.tag, key_node.value] = key_node
+        _refuse_repeated_keys(value_node, key + ".")
+
+
+def _two_places(first: yaml.Mark, second: yaml.Mark) -> str:
+    if first.line != second.line:
+        return f"lines {first.line + 1} and {second.line + 1}"
+    return f"line {first.line + 1}, columns {first.column + 1} and {second.column + 1}"
 
 
 def _configs_that_exist() -> str:
@@ -511,20 +603,25 @@ def _configs_that_exist() -> str:
 
 def _merge(config: CN, data: dict, source: str) -> None:
     """Merge nested ``data`` into ``config`` with yacs's type checks; unknown keys get a suggestion."""
-    for key in flatten(data):
+    for key, value in flatten(data).items():
         if key not in _ALL_KEYS and key not in _C:  # a whole section given a value: yacs names the type
-            close = difflib.get_close_matches(key, _ALL_KEYS, n=1, cutoff=0.6)
-            hint = f": did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"{source}: unknown config key {key}{hint}")
+            raise ConfigError(f"{source}: {_unknown_key(key)}")
+        _decode(value, f"{source}: {key}")  # what yacs's literal_eval of each string would raise, named here
+    widened = _widen_ints(data, _C)
     try:
-        config.merge_from_other_cfg(CN(_widen_ints(data, _C)))
+        config.merge_from_other_cfg(CN(widened))
     except (KeyError, ValueError, AssertionError) as e:
-        raise ConfigError(f"{source}: {_yacs_message(e, source == 'command line')}") from None
+        raise ConfigError(f"{source}: {_yacs_message(e, widened, source == 'command line')}") from None
+
+
+def _unknown_key(key: str) -> str:
+    close = difflib.get_close_matches(key, _ALL_KEYS, n=1, cutoff=0.6)
+    return f"unknown config key {_shown_key(key)}" + (f": did you mean {close[0]}?" if close else "")
 
 
 def merge_pairs(config: CN, pairs: dict[str, Any], source: str) -> None:
     """Merge flat ``KEY: value`` pairs into ``config`` (not frozen) with a config file's type checks."""
-    _merge(config, _unflatten(pairs), source)
+    _merge(config, _unflatten(pairs, source), source)
 
 
 def _widen_ints(data: Any, defaults: Any) -> Any:
@@ -537,24 +634,42 @@ def _widen_ints(data: Any, defaults: Any) -> Any:
     return data
 
 
-def _decode(value: Any) -> Any:
-    """A command-line value as Python (``0.1``, ``[1, 2]``, ``True``), or the string itself, as yacs does."""
+# A config value is at most a few lists of paths or patterns: a longer string (a million-item
+# OPTIM.STEPS, 20 s of literal_eval and deep copies here) is refused before it is read.
+_MAX_VALUE_CHARS = 64 * 1024
+
+
+def _decode(value: Any, key: str = "") -> Any:
+    """A command-line value as Python (``0.1``, ``[1, 2]``, ``True``), or the string itself, as yacs does;
+    ``key`` (with its source) names the value in a ConfigError."""
     if not isinstance(value, str):
         return value
+    if len(value) > _MAX_VALUE_CHARS:
+        raise ConfigError(
+            f"{key}: a value of {len(value):,} characters is too long for a config value (at most 64 KiB)"
+        )
     try:
         return ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return value
+    except (RecursionError, MemoryError):  # Python's parser gives up on "-" * 3000 + "1" so, not on memory
+        raise ConfigError(f"{key}: cannot read {_shown(value)}, nested too deeply") from None
 
 
-def _unflatten(pairs: dict[str, Any]) -> dict:
-    """``{"OPTIM.BASE_LR": 0.1}`` -> ``{"OPTIM": {"BASE_LR": 0.1}}``."""
+def _unflatten(pairs: dict[str, Any], source: str) -> dict:
+    """``{"OPTIM.BASE_LR": 0.1}`` -> ``{"OPTIM": {"BASE_LR": 0.1}}``; a key given a value and keys under it
+    ("TRAIN 1 TRAIN.BATCH_SIZE 2") is a ConfigError."""
     nested: dict = {}
     for key, value in pairs.items():
         *sections, name = key.split(".")
         node = nested
-        for section in sections:
+        for depth, section in enumerate(sections, 1):
             node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                section_key = ".".join(sections[:depth])
+                raise ConfigError(
+                    f"{source}: {_shown_key(section_key)} is given a value and keys under it ({_shown_key(key)})"
+                )
         node[name] = value
     return nested
 
@@ -610,31 +725,60 @@ def _resolve_nulls(config: CN, prefix: str = "") -> None:
             config[name] = default
 
 
-def _yacs_message(e: Exception, command_line: bool = False) -> str:
+# yacs's type error: "Type mismatch (<class 'float'> vs. <class 'str'>) with values (VALUES) for config
+# key: KEY". Only its types and key are read: VALUES holds the whole value given, any size.
+_MISMATCH = re.compile(r"Type mismatch \(<class '(?:[\w.]*\.)?(\w+)'> vs\. <class '(?:[\w.]*\.)?(\w+)'>\)")
+_KEY_IN_MISMATCH = " for config key: "
+# yacs's KeyError for an unknown key under which ``data`` holds an empty mapping (flatten sees none)
+_NON_EXISTENT = "Non-existent config key: "
+
+
+def _yacs_message(e: Exception, data: dict, command_line: bool = False) -> str:
     """Rephrase yacs's errors so they lead with the key; a string given for a list says how to write one."""
     msg = str(e.args[0] if e.args else e)
-    mismatch = re.search(
-        r"Type mismatch \((.*?) vs\. (.*?)\) with values \((.*) vs\. (.*)\) for config key: (\S+)", msg
-    )
-    if not mismatch:
-        return msg
-    want, got, _, value, key = mismatch.groups()
-    want, got = _type_name(want), _type_name(got)
+    if msg.startswith(_NON_EXISTENT):
+        return _unknown_key(msg[len(_NON_EXISTENT) :])
+    mismatch = _MISMATCH.match(msg)
+    if not mismatch or _KEY_IN_MISMATCH not in msg:
+        return _clip(msg.strip().partition("\n")[0], 300)
+    want, got = mismatch.groups()
+    key = msg.rpartition(_KEY_IN_MISMATCH)[2]
+    value = _get(data, key)
     hint = _list_hint(key, value, command_line) if want in ("list", "tuple") and got == "str" else ""
-    return f"{key} expects {want}, got {got} {value!r}{hint}"
+    want = "a section of keys" if want == "CfgNode" else want
+    return f"{key} expects {want}, got {type(value).__name__} {_shown(value)}{hint}"
 
 
 def _list_hint(key: str, value: str, command_line: bool) -> str:
     """How to write the string ``value`` given for a list key as a list: each item quoted, in brackets."""
     items = [item.strip().strip("'\"") for item in value.strip("[]()").split(",") if item.strip()]
-    as_list = repr(items)
+    as_list = _shown(items)
     if command_line:  # the shell eats brackets and quotes: the whole list is one quoted argument
         return f'; write a list on the command line as {key} "{as_list}"'
     return f"; write a list in YAML as {key.rpartition('.')[2]}: {as_list}"
 
 
-def _type_name(type_repr: str) -> str:
-    return re.sub(r"<class '(\w+)'>", r"\1", type_repr)
+# How a message shows a value the user gave: reprlib's repr, cut short, so that no message grows with
+# the value (a million-item OPTIM.STEPS is named in a line, at once).
+_REPR = reprlib.Repr()
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxdict = 12
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 80
+_REPR.maxlevel = 3
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, at most ~100 characters."""
+    return _clip(_REPR.repr(value))
+
+
+def _shown_key(key: Any) -> str:
+    """A key as typed, cut short; quoted and escaped if it is empty, or spaced or broken at either end."""
+    key = str(key)
+    return _clip(key) if key.isprintable() and key.strip() == key != "" else _shown(key)
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _choice(options: tuple) -> tuple[Callable, str]:
@@ -827,14 +971,36 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
 
 
 def validate_cfg(c: CN) -> None:
-    """Raise ConfigError naming the first key whose value breaks its rule in ``_RULES``."""
+    """Raise ConfigError naming the first key whose number is not finite or whose value breaks its rule."""
+    _check_numbers(c)
     for key, (test, what) in _RULES:
         value = _get(c, key)
         if not test(value, c):
-            raise ConfigError(f"{key} {what() if callable(what) else what}, got {value!r}")
+            raise ConfigError(f"{key} {what() if callable(what) else what}, got {_shown(value)}")
 
 
-def _get(c: CN, key: str) -> Any:
+def _check_numbers(c: CN) -> None:
+    """One rule for every key, before the per-key ones: a float is finite (yacs reads "1e999" as inf,
+    YAML ".nan" as nan, and both pass "> 0"), and a list whose default holds numbers (DATA.MEAN,
+    OPTIM.BETAS, OPTIM.STEPS) holds finite numbers."""
+    for key, value in flatten(c).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be finite, got {_shown(value)}")
+        if key in _NUMBER_LISTS and not all(_is_finite_number(v) for v in value):
+            raise ConfigError(f"{key} must hold finite numbers, got {_shown(value)}")
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The list keys (DATA.MEAN, DATA.STD, OPTIM.STEPS, OPTIM.BETAS) whose defaults hold numbers
+_NUMBER_LISTS = frozenset(
+    k for k, v in flatten(_C).items() if isinstance(v, (list, tuple)) and v and all(_is_finite_number(x) for x in v)
+)
+
+
+def _get(c: dict, key: str) -> Any:
     for part in key.split("."):
         c = c[part]
     return c
@@ -855,8 +1021,8 @@ def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name.strip().isidentifier():
-            raise ConfigError(f'MODEL.KWARGS entries must be "name=value" strings, got {item!r}')
-        kwargs[name.strip()] = _decode(value.strip())
+            raise ConfigError(f'MODEL.KWARGS entries must be "name=value" strings, got {_shown(item)}')
+        kwargs[name.strip()] = _decode(value.strip(), "MODEL.KWARGS")
     return kwargs
 
 
