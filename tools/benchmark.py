@@ -876,33 +876,40 @@ def benchmark(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> list[d
     """Run the requested measurements; return the records (rank 0 has printed them)."""
     first = bench_cfg(cfg_args)  # a bad config fails here, before the process group starts
     env = setup_distributed(first.DIST.BACKEND, first.DIST.TIMEOUT_S)
-    report = Report(env, bench.json)
     try:
-        what = set(bench.what)
-        if what & {"train", "plain"}:  # the configured dataset, as train_net.py reads it
-            measure_training(build_bench_run(first, env), bench, report, "train" in what, "plain" in what)
-        run = None
-        if what & {"breakdown", "eval"}:
-            run = build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env)
-        if "breakdown" in what:
-            measure_breakdown(run, env, bench, report)
-        if "eval" in what:
-            measure_eval(run, env, bench, report)
-        if "memory" in what:
-            measure_memory(run or build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env), env, bench, report)
-        if "variants" in what:
-            measure_variants(cfg_args, env, bench, report)
-        if "data" in what:
-            measure_data(cfg_args, env, bench, report)
-        if "decode" in what:
-            measure_decode(cfg_args, env, bench, report)
-        if "packed" in what:
-            measure_packed(cfg_args, env, bench, report)
-        if env.is_main_process:
-            print("\n" + format_table(report.records), flush=True)
-        return report.records
+        return measure(bench, cfg_args, first, env)
     finally:
+        # After measure has returned: the runs it built (their DDP or FSDP models hold the process
+        # group) went with its frame, so the group ends here, not during interpreter shutdown.
         cleanup_distributed()
+
+
+def measure(bench: argparse.Namespace, cfg_args: argparse.Namespace, first: CfgNode, env: DistEnv) -> list[dict]:
+    """The measurements ``bench.what`` names, in the process group ``env`` describes; their records."""
+    report = Report(env, bench.json)
+    what = set(bench.what)
+    if what & {"train", "plain"}:  # the configured dataset, as train_net.py reads it
+        measure_training(build_bench_run(first, env), bench, report, "train" in what, "plain" in what)
+    run = None
+    if what & {"breakdown", "eval"}:
+        run = build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env)
+    if "breakdown" in what:
+        measure_breakdown(run, env, bench, report)
+    if "eval" in what:
+        measure_eval(run, env, bench, report)
+    if "memory" in what:
+        measure_memory(run or build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env), env, bench, report)
+    if "variants" in what:
+        measure_variants(cfg_args, env, bench, report)
+    if "data" in what:
+        measure_data(cfg_args, env, bench, report)
+    if "decode" in what:
+        measure_decode(cfg_args, env, bench, report)
+    if "packed" in what:
+        measure_packed(cfg_args, env, bench, report)
+    if env.is_main_process:
+        print("\n" + format_table(report.records), flush=True)
+    return report.records
 
 
 STRATEGY_OPTS = {"ddp": [], "ddp+zero1": ["OPTIM.ZERO", "True"], "fsdp": ["DIST.STRATEGY", "fsdp"]}
