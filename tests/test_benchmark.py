@@ -130,6 +130,42 @@ def test_benchmark_rejects_a_bad_config_key_with_exit_2(capsys):
     assert "unknown config key TRAIN.NO_SUCH_KEY" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--nproc", "2"], "unrecognized arguments: --nproc; start several processes with torchrun --nproc_per_node=N"),
+        (["--what", "data", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["--workers", "0,x"], "argument --workers: expected comma-separated whole numbers >= 0, got '0,x'"),
+        (["--memory-table", "0"], "argument --memory-table: expected comma-separated whole numbers >= 1, got '0'"),
+    ],
+)
+def test_a_bad_benchmark_command_line_is_its_own_usage_and_one_error_line(args, error):
+    """--nproc was taken and ignored (one process measured); a worker count that is no number was a
+    ValueError's traceback; an unknown flag was refused with train_net.py's usage, which names --nproc."""
+    result = in_process(BENCH, *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert lines[-1] == f"benchmark.py: error: {error}", result.stderr
+    usage = " ".join(lines[:-1])
+    assert usage.startswith("usage: benchmark.py") and "--steps STEPS" in usage and "--nproc" not in usage, usage
+
+
+def test_ctrl_c_in_a_benchmark_is_one_line_and_exit_130(monkeypatch, capsys):
+    """A terminal's Ctrl-C reaches every rank: rank 0 alone says so, without a traceback."""
+    tool = _benchmark_module()
+
+    def interrupted(*args) -> list[dict]:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tool, "measure", interrupted)
+    try:
+        code = tool.main(["--what", "data"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C went past main: Python's traceback, on every rank")
+    assert code == 130
+    assert capsys.readouterr().err.splitlines() == ["benchmark: interrupted (Ctrl-C); exiting with 130"]
+
+
 @pytest.fixture
 def zero_imported_afresh(monkeypatch):
     """ZeroRedundancyOptimizer's module imported again by the next ``from torch.distributed.optim import``,
