@@ -201,17 +201,20 @@ def _let_go(destroyed: list[weakref.ref]) -> list[weakref.ref]:
 def _drop_captured_defaults(groups: list[dist.ProcessGroup]) -> None:
     """Turn a default argument of torch.distributed's functions that is one of ``groups`` into None
     (the default group, which is what the function would have had if imported before any group)."""
+    held = {id(group) for group in groups}
     for name, module in list(sys.modules.items()):
         if not name.startswith("torch.distributed") or module is None:
             continue
         for value in list(vars(module).values()):
-            candidates = (
-                list(vars(value).values()) if issubclass(type(value), type) else [value]
-            )  # a class: its methods
-            for function in candidates:
-                defaults = function.__defaults__ if type(function) is types.FunctionType else None
-                if defaults and any(d is g for d in defaults for g in groups):
-                    function.__defaults__ = tuple(None if any(d is g for g in groups) else d for d in defaults)
+            methods = issubclass(type(value), type)  # a class: its functions
+            for function in list(vars(value).values()) if methods else [value]:
+                if type(function) is not types.FunctionType:
+                    continue
+                if any(id(d) in held for d in function.__defaults__ or ()):
+                    function.__defaults__ = tuple(None if id(d) in held else d for d in function.__defaults__)
+                for key, d in (function.__kwdefaults__ or {}).items():
+                    if id(d) in held:
+                        function.__kwdefaults__[key] = None
 
 
 def _detach_meshes(groups: list[dist.ProcessGroup]) -> None:
