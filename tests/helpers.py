@@ -343,6 +343,17 @@ def truncated_jpeg(path: Path) -> Path:
     return path
 
 
+def gloo_threads() -> set[int]:
+    """The ids of this process's gloo threads (Linux names them gloo_tcp_loop, pt_gloo_runloop): they
+    end with their process group's last reference, not with ``destroy_process_group``."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            if "gloo" in Path(f"/proc/self/task/{tid}/comm").read_text():
+                found.add(int(tid))
+    return found
+
+
 def on_ranks(world_size: int, fn, timeout: float = 120) -> list:
     """``fn(rank)`` on every rank of a ``world_size`` process group of threads of this process (torch's
     test backend "threaded": the real collectives across the threads): the results in rank order, or

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
+import weakref
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import REPO, clean_env, gloo_threads, python, run
+from torch import nn
 
 from distribuuuu.runtime import process_group as D
 from distribuuuu.runtime.launcher import (
@@ -15,6 +23,8 @@ from distribuuuu.runtime.launcher import (
     find_free_port,
     parse_slurm_nodelist,
 )
+
+EXIT_JOB = str(REPO / "tests" / "scripts" / "exit_job.py")
 
 
 def _slurm(**extra: str) -> dict[str, str]:
@@ -189,3 +199,106 @@ def test_setup_distributed_with_a_one_rank_gloo_group_then_cleanup(no_launcher, 
         D.cleanup_distributed()
     assert not dist.is_initialized()
     D.cleanup_distributed()  # a second call is harmless
+
+
+# ------------------------------------------------------------------------------------------------
+# Ending the process group: nothing may keep it alive past cleanup_distributed
+# ------------------------------------------------------------------------------------------------
+# A group still referenced after destroy_process_group ends during interpreter shutdown, where a
+# gloo worker thread that releases its last work (~AsyncWork -> ~ThreadLocalState -> a Python
+# object's decref -> take_gil) is stopped by pthread_exit inside a destructor: std::terminate,
+# "terminate called without an active exception", exit -6 (a core dump of such a rank showed this
+# stack). So every test below checks that the group's gloo threads have ended.
+@pytest.fixture
+def one_rank_group(no_launcher, monkeypatch) -> Iterator[tuple[weakref.ref, set[int]]]:
+    """A one-rank gloo group set up as a launched tool's: a reference to it that does not keep it
+    alive, and the gloo threads of this process before it. Cleaned up after, whatever the test did."""
+    monkeypatch.setenv("MASTER_ADDR", "unused")  # setup_distributed writes them; monkeypatch restores them
+    monkeypatch.setenv("MASTER_PORT", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))  # keep pytest's thread count
+    before = gloo_threads()
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(find_free_port())}
+    D.setup_distributed(backend="gloo", timeout_s=60, environ=environ)
+    try:
+        yield weakref.ref(dist.group.WORLD), before
+    finally:
+        D.cleanup_distributed()
+
+
+@pytest.fixture
+def no_automatic_gc() -> Iterator[None]:
+    """The collector runs only when called: garbage stays until cleanup_distributed collects it."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _assert_ended(group: weakref.ref, threads_before: set[int]) -> None:
+    assert group() is None, "something still references the destroyed process group"
+    assert gloo_threads() <= threads_before, "the group's gloo threads still run"
+
+
+def test_cleanup_ends_a_group_that_dtensors_caches_still_hold(one_rank_group):
+    """DTensor caches every device mesh it redistributes over (torch 2.14: the redistribute
+    planners) for the process's life, and a mesh holds its groups: after an FSDP job, the group
+    outlived the tool (tools/benchmark.py --what memory, 2 ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    group, threads = one_rank_group
+    sharded = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+    assert sharded.full_tensor().tolist() == [0.0, 1.0, 2.0, 3.0]
+    del sharded  # the job's own references are gone: only torch's caches are left
+    D.cleanup_distributed()
+    _assert_ended(group, threads)
+
+
+@pytest.mark.usefixtures("no_automatic_gc")
+def test_cleanup_ends_a_group_that_garbage_in_a_reference_cycle_holds(one_rank_group):
+    """A DDP model in a reference cycle (FSDP's modules and their hooks make thousands of objects of
+    them) holds the group until the collector runs: at interpreter shutdown, if nothing else runs it."""
+    group, threads = one_rank_group
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+    model.cycle = [model]
+    del model
+    D.cleanup_distributed()
+    _assert_ended(group, threads)
+
+
+def test_the_exit_hook_ends_a_group_that_a_printed_traceback_holds(one_rank_group, monkeypatch):
+    """An error raised past a tool's entry point: Python prints it and keeps it (sys.last_traceback),
+    with the frames that hold the model, until the interpreter finalizes. The hook atexit runs (before
+    finalizing) lets go of it. A fresh interpreter's exit: test_an_error_no_tool_catches_..., slow."""
+    group, threads = one_rank_group
+
+    def job() -> None:
+        model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        model(torch.randn(3, 4)).sum().backward()
+        raise RuntimeError("a bug after the model was built")
+
+    try:
+        job()
+    except RuntimeError as e:  # what Python keeps of an error it printed (monkeypatch puts back pytest's)
+        monkeypatch.setattr(sys, "last_type", type(e), raising=False)
+        monkeypatch.setattr(sys, "last_value", e, raising=False)
+        monkeypatch.setattr(sys, "last_traceback", e.__traceback__, raising=False)
+    D.cleanup_distributed()  # run_main's, as the error went past it
+    assert group() is not None, "the traceback's frames hold the model, and it the group"
+    D._end_before_exit()
+    _assert_ended(group, threads)
+    assert sys.last_traceback is None
+
+
+@pytest.mark.slow  # a fresh interpreter: its exit is the property
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
+def test_an_error_no_tool_catches_keeps_its_traceback_and_leaves_no_gloo_thread_to_the_exit():
+    launch = clean_env(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port())
+    )
+    result = run(python(EXIT_JOB, "--raise"), timeout=120, env=launch)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.rstrip().endswith("RuntimeError: a bug after the model was built"), result.stderr[-3000:]
+    assert "terminate called" not in result.stderr and "Fatal Python error" not in result.stderr
+    assert result.stdout.splitlines() == ["gloo threads at exit: []"], result.stdout

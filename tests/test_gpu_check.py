@@ -14,6 +14,7 @@ import torch.distributed as dist
 from helpers import REPO, assert_ok, in_process, on_ranks, run_torchrun, two_nodes
 
 from distribuuuu.runtime.launcher import DistEnv, LaunchError, find_free_port
+from distribuuuu.runtime.preemption import Interrupted
 from distribuuuu.runtime.process_group import (
     all_gather_object,
     all_reduce_sum,
@@ -138,6 +139,30 @@ def test_a_check_that_raises_is_a_fail_row_and_the_others_still_run():
     assert len(printed) == 1 + len(checks) and "FAIL" in printed[1] and "illegal memory access" in printed[1]
     assert tool.exit_code(results) == 1
     assert tool.exit_code(results[1:2] + results[3:]) == 0  # SKIP and PASS only
+
+
+@pytest.mark.parametrize("stop", ["Ctrl-C in training", "Ctrl-C between steps"])
+def test_a_ctrl_c_stops_the_checks_in_one_line_with_exit_130(stop, monkeypatch, capsys):
+    """A Ctrl-C the trainer took (it checkpoints and raises Interrupted) was a FAIL row, and the
+    remaining checks ran on: the tool did not stop."""
+    tool, ran = _tool(), []
+
+    def interrupted(ctx):
+        ran.append("interrupted")
+        raise (
+            Interrupted("interrupted (Ctrl-C) at epoch 1, step 4")
+            if stop == "Ctrl-C in training"
+            else KeyboardInterrupt
+        )
+
+    monkeypatch.setattr(tool, "CHECKS", [("interrupted", interrupted), ("next", lambda ctx: ran.append("next"))])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # main sets it for --device cpu: put back after
+    try:
+        code = tool.main(["--device", "cpu"])
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C went past main: Python's traceback")
+    assert code == 130 and ran == ["interrupted"]
+    assert capsys.readouterr().err.splitlines() == ["gpu_check: stopped (Ctrl-C); exiting with 130"]
 
 
 def test_a_failure_on_any_rank_fails_the_row_and_names_the_rank():

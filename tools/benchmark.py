@@ -42,9 +42,9 @@ from distribuuuu import trainer  # noqa: E402
 from distribuuuu.cli import parse_args  # noqa: E402
 from distribuuuu.config import ConfigError, load_cfg  # noqa: E402
 from distribuuuu.data import DataError, jpeg, load_image  # noqa: E402
-from distribuuuu.errors import first_line  # noqa: E402
+from distribuuuu.errors import EXIT_INTERRUPTED, first_line  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
-from distribuuuu.runtime.launcher import DistEnv, LaunchError  # noqa: E402
+from distribuuuu.runtime.launcher import DistEnv, LaunchError, RankLaunchError, detect_env_rank  # noqa: E402
 from distribuuuu.runtime.parallel import autocast, gradient_sync, local_state_bytes, to_device  # noqa: E402
 from distribuuuu.runtime.process_group import (  # noqa: E402
     all_reduce_sum,
@@ -75,6 +75,7 @@ MIXED_WEIGHTS = (0.3, 0.15, 0.15, 0.1, 0.1, 0.08, 0.04, 0.08)
 REENCODE = (320, 90)  # --what packed's re-encoded variant: longer side <= 320 px, JPEG quality 90
 DECODE_BATCH = 32  # JPEGs per decode_jpeg call when timing DATA.DECODER "batched" alone
 SYNTHETIC_STEPS = 30  # steps per repetition of the synthetic measurements when --steps is 0
+_LAUNCHER_FLAGS = ("--local_rank", "--local-rank")  # torch.distributed.launch's, passed to cli.parse_args
 
 
 # ------------------------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before measuring each implementation")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions (median and spread reported)")
     p.add_argument("--what", default=DEFAULT_WHAT, help=f"comma-separated subset of {','.join(WHAT)}")
-    p.add_argument("--workers", default="0,1,2", help="DataLoader worker counts for --what data")
+    p.add_argument("--workers", type=counts(0), default="0,1,2", help="DataLoader worker counts for --what data")
     p.add_argument(
         "--data-batches", type=int, default=20,
         help="batches timed per data-pipeline measurement, after the workers' queue (whole rounds of the workers)",
@@ -100,21 +101,43 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     p.add_argument("--bf16-steps", type=int, default=3, help="timed steps of the bf16 variants (slow on CPUs)")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
     p.add_argument(
-        "--memory-table", default="", metavar="WORLD_SIZES",
+        "--memory-table", type=counts(1), default="", metavar="WORLD_SIZES",
         help="driver: for each world size (e.g. 1,2,4), model (--archs) and strategy (ddp, ddp+ZeRO-1, fsdp)\n"
         "start one torchrun job of --what memory, then print the per-rank bytes table with img/s vs ddp",
     )  # fmt: skip
     p.add_argument(
         "--archs", default="resnet18", help="--memory-table: comma-separated MODEL.ARCH[:KWARG=VALUE...] values"
     )
+    p.add_argument("--cfg", dest="cfg_file", default=None, help="YAML config file, as train_net.py's")
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [KEY VALUE ...]"
     bench, rest = p.parse_known_args(argv)
+    # What is left is the config's KEY VALUE pairs: any other flag is refused here, with this
+    # usage (cli.parse_args' would name flags of the training tools, --nproc, that this one lacks).
+    unknown = [a for a in rest if a.startswith("--") and a.split("=", 1)[0] not in _LAUNCHER_FLAGS]
+    if unknown:
+        hint = "; start several processes with torchrun --nproc_per_node=N" if "--nproc" in unknown else ""
+        p.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     what = [w for w in bench.what.split(",") if w]
     unknown = [w for w in what if w not in WHAT]
     if unknown or min(bench.repeats, bench.data_batches, bench.bf16_steps) < 1 or min(bench.warmup, bench.steps) < 0:
         p.error(f"--what must name items of {WHAT} (got {unknown}); --repeats, ... must be >= 1, --steps >= 0")
     bench.what = what
-    bench.workers = [int(w) for w in bench.workers.split(",") if w != ""]
-    return bench, parse_args(rest, __doc__)
+    return bench, parse_args([*(["--cfg", bench.cfg_file] if bench.cfg_file else []), *rest], __doc__)
+
+
+def counts(minimum: int) -> Callable[[str], list[int]]:
+    """argparse's type for a comma-separated list of whole numbers >= ``minimum`` ("0,1,2")."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            values = [minimum - 1]
+        if any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= {minimum}, got {text!r}")
+        return values
+
+    return parse
 
 
 def bench_cfg(cfg_args: argparse.Namespace, *extra: str) -> CfgNode:
@@ -876,33 +899,40 @@ def benchmark(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> list[d
     """Run the requested measurements; return the records (rank 0 has printed them)."""
     first = bench_cfg(cfg_args)  # a bad config fails here, before the process group starts
     env = setup_distributed(first.DIST.BACKEND, first.DIST.TIMEOUT_S)
-    report = Report(env, bench.json)
     try:
-        what = set(bench.what)
-        if what & {"train", "plain"}:  # the configured dataset, as train_net.py reads it
-            measure_training(build_bench_run(first, env), bench, report, "train" in what, "plain" in what)
-        run = None
-        if what & {"breakdown", "eval"}:
-            run = build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env)
-        if "breakdown" in what:
-            measure_breakdown(run, env, bench, report)
-        if "eval" in what:
-            measure_eval(run, env, bench, report)
-        if "memory" in what:
-            measure_memory(run or build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env), env, bench, report)
-        if "variants" in what:
-            measure_variants(cfg_args, env, bench, report)
-        if "data" in what:
-            measure_data(cfg_args, env, bench, report)
-        if "decode" in what:
-            measure_decode(cfg_args, env, bench, report)
-        if "packed" in what:
-            measure_packed(cfg_args, env, bench, report)
-        if env.is_main_process:
-            print("\n" + format_table(report.records), flush=True)
-        return report.records
+        return measure(bench, cfg_args, first, env)
     finally:
+        # After measure has returned: the runs it built (their DDP or FSDP models hold the process
+        # group) went with its frame, so the group ends here, not during interpreter shutdown.
         cleanup_distributed()
+
+
+def measure(bench: argparse.Namespace, cfg_args: argparse.Namespace, first: CfgNode, env: DistEnv) -> list[dict]:
+    """The measurements ``bench.what`` names, in the process group ``env`` describes; their records."""
+    report = Report(env, bench.json)
+    what = set(bench.what)
+    if what & {"train", "plain"}:  # the configured dataset, as train_net.py reads it
+        measure_training(build_bench_run(first, env), bench, report, "train" in what, "plain" in what)
+    run = None
+    if what & {"breakdown", "eval"}:
+        run = build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env)
+    if "breakdown" in what:
+        measure_breakdown(run, env, bench, report)
+    if "eval" in what:
+        measure_eval(run, env, bench, report)
+    if "memory" in what:
+        measure_memory(run or build_bench_run(synthetic_cfg(cfg_args, env, bench.steps), env), env, bench, report)
+    if "variants" in what:
+        measure_variants(cfg_args, env, bench, report)
+    if "data" in what:
+        measure_data(cfg_args, env, bench, report)
+    if "decode" in what:
+        measure_decode(cfg_args, env, bench, report)
+    if "packed" in what:
+        measure_packed(cfg_args, env, bench, report)
+    if env.is_main_process:
+        print("\n" + format_table(report.records), flush=True)
+    return report.records
 
 
 STRATEGY_OPTS = {"ddp": [], "ddp+zero1": ["OPTIM.ZERO", "True"], "fsdp": ["DIST.STRATEGY", "fsdp"]}
@@ -916,7 +946,7 @@ def memory_table(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> str
     for arch in bench.archs.split(","):
         name, *kwargs = arch.split(":")  # "vit_tiny_patch16_224:img_size=32:patch_size=4": MODEL.KWARGS
         arch_opts = ["MODEL.ARCH", name, *(["MODEL.KWARGS", repr(kwargs)] if kwargs else [])]
-        for world in [int(w) for w in bench.memory_table.split(",")]:
+        for world in bench.memory_table:
             results = {}
             for strategy, opts in STRATEGY_OPTS.items():
                 with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as out:
@@ -972,22 +1002,36 @@ def _torchrun(world: int, script_args: list[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     bench, cfg_args = parse_bench_args(argv)
     if bench.memory_table:
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-        try:
-            print(memory_table(bench, cfg_args))
-        except ChildFailedError as e:  # the failing rank's own error is on stderr above
-            rank, failure = min(e.failures.items())
-            print(
-                f"benchmark: error: a --what memory job failed: rank {rank} exited {failure.exitcode}", file=sys.stderr
-            )
-            return 1
-        return 0
+        return drive_memory_table(bench, cfg_args)
     try:
         benchmark(bench, cfg_args)
     except (ConfigError, DataError, LaunchError) as e:
-        print(f"benchmark: error: {first_line(e)}", file=sys.stderr)
+        # The same error on every rank (a rank's own launch error aside): printed once.
+        if isinstance(e, RankLaunchError) or detect_env_rank() == 0:
+            print(f"benchmark: error: {first_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches every rank: one line, as train_net.py's
+        if detect_env_rank() == 0:
+            print(f"benchmark: interrupted (Ctrl-C); exiting with {EXIT_INTERRUPTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def drive_memory_table(bench: argparse.Namespace, cfg_args: argparse.Namespace) -> int:
+    """--memory-table: print the table; a failed job or a Ctrl-C is one line."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        print(memory_table(bench, cfg_args))
+    except ChildFailedError as e:  # the failing rank's own error is on stderr above
+        rank, failure = min(e.failures.items())
+        print(f"benchmark: error: a --what memory job failed: rank {rank} exited {failure.exitcode}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, SignalException) as e:  # torchrun's agent, in this process, raises the latter
+        signum = getattr(e, "sigval", signal.SIGINT)
+        print(f"benchmark: interrupted ({signal.Signals(signum).name}); no table", file=sys.stderr)
+        return 128 + signum
     return 0
 
 

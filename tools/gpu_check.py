@@ -54,10 +54,11 @@ from distribuuuu import trainer  # noqa: E402
 from distribuuuu.checkpointing import checkpoint as ckpt  # noqa: E402
 from distribuuuu.config import load_cfg  # noqa: E402
 from distribuuuu.data import batched  # noqa: E402
-from distribuuuu.errors import first_line  # noqa: E402
+from distribuuuu.errors import EXIT_INTERRUPTED, first_line  # noqa: E402
 from distribuuuu.models import register_model  # noqa: E402
 from distribuuuu.records.meters import MetricSums  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv, LaunchError, detect_env, detect_env_rank  # noqa: E402
+from distribuuuu.runtime.preemption import Preempted  # noqa: E402
 from distribuuuu.runtime.process_group import (  # noqa: E402
     all_gather_object,
     all_reduce_sum,
@@ -142,6 +143,8 @@ def run_check(name: str, check: Callable[[Context], str], ctx: Context) -> Resul
     tic = time.perf_counter()
     try:
         status, detail = "PASS", check(ctx) or ""
+    except Preempted:  # a Ctrl-C or SIGTERM the trainer took in a check stops the tool, not the check
+        raise
     except Skip as e:
         status, detail = "SKIP", str(e)
     except Exception as e:
@@ -659,9 +662,15 @@ def main(argv: list[str] | None = None) -> int:
         results = run_checks(CHECKS, Context(env, work_dir, backend), say)
         failed, skipped = (sum(r.status == s for r in results) for s in ("FAIL", "SKIP"))
         say(f"gpu_check: {len(results) - failed - skipped} passed, {failed} failed, {skipped} skipped")
+        barrier()  # every rank is done with the work folder before rank 0 removes it
         return exit_code(results)
+    except (KeyboardInterrupt, Preempted) as e:  # every rank stops; no barrier: they stopped in different places
+        code = getattr(e, "exit_code", EXIT_INTERRUPTED)
+        if env.is_main_process:
+            why = "Ctrl-C" if code == EXIT_INTERRUPTED else first_line(e)
+            print(f"gpu_check: stopped ({why}); exiting with {code}", file=sys.stderr, flush=True)
+        return code
     finally:
-        barrier()
         if env.is_main_process and not args.work_dir:
             shutil.rmtree(work_dir, ignore_errors=True)
         cleanup_distributed()

@@ -28,14 +28,19 @@ from distribuuuu.records.multilabel import MultiLabelSums  # noqa: E402
 
 
 def digit_images(src: str, split: str) -> list[tuple[str, str]]:
-    """(path, class) of every image of ``src``/``split``, in sorted order."""
+    """(path, class) of every image of ``src``/``split``, in sorted order; OSError naming the folder
+    if it holds none (or is missing)."""
     folder = os.path.join(src, split)
-    return [
+    classes = sorted(c for c in os.listdir(folder) if os.path.isdir(os.path.join(folder, c)))
+    images = [
         (os.path.join(folder, c, f), c)
-        for c in sorted(os.listdir(folder))
+        for c in classes
         for f in sorted(os.listdir(os.path.join(folder, c)))
         if f.endswith(".png")
     ]
+    if not images:
+        raise OSError(f"no PNG digits in {folder}/<class>/ (--src: an ImageFolder root such as data/digits)")
+    return images
 
 
 def pair_image(left: str, right: str) -> Image.Image:
@@ -81,8 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val", type=int, default=1000, help="validation images (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the pairing (default 0)")
     a = p.parse_args(argv)
+    if min(a.train, a.val) < 1:
+        p.error(f"--train and --val must be >= 1, got {a.train} and {a.val}")
     rng = random.Random(a.seed)
-    train, val = (make_split(a.src, a.out, split, count, rng) for split, count in (("train", a.train), ("val", a.val)))
+    try:
+        train, val = (make_split(a.src, a.out, s, count, rng) for s, count in (("train", a.train), ("val", a.val)))
+    except OSError as e:  # a missing or empty --src, an OUT that cannot be written: one line
+        print(f"make_digit_pairs: error: {e}", file=sys.stderr)
+        return 2
     print(f"{a.out}: {a.train} train and {a.val} val images of two digits, train.csv and val.csv")
     base = frequency_baseline(train, val)
     print(

@@ -6,10 +6,15 @@ without a process group, so unit tests and notebooks can call them.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import socket
+import sys
 import time
+import types
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, TypeVar
 
@@ -33,6 +38,10 @@ T = TypeVar("T")
 _STORE: dist.Store | None = None
 # This rank's heartbeat thread (see heartbeat.py), stopped by cleanup_distributed.
 _HEARTBEAT: Heartbeat | None = None
+# The groups cleanup_distributed destroyed that something still held when it returned: a later
+# call (run_main's, after the tool's frames are gone) and the exit hook let go of them.
+_DESTROYED: list[weakref.ref] = []
+_EXIT_HOOK = False  # whether _end_before_exit is registered
 
 
 def setup_distributed(
@@ -78,6 +87,7 @@ def setup_distributed(
     )
     if stall_s > 0 and env.world_size > 1:
         _HEARTBEAT = Heartbeat(store, env.rank, env.world_size, stall_s, timeout_s).start()
+    _register_exit_hook()
     return env
 
 
@@ -141,14 +151,104 @@ def rendezvous_store() -> dist.Store | None:
 
 
 def cleanup_distributed() -> None:
-    """Stop the heartbeat and destroy the process group, if there are."""
-    global _STORE, _HEARTBEAT
+    """Stop the heartbeat, destroy the process group and let go of it, if there are.
+
+    ``destroy_process_group`` does not end a group: its gloo threads end with its last reference.
+    A group still referenced ends during interpreter shutdown instead, where a gloo thread that
+    needs the GIL is stopped mid-destructor and aborts the process now and then ("terminate called
+    without an active exception", exit -6 after a job that succeeded). So this also drops what
+    keeps a destroyed group alive (``_let_go``). Call it where the tool's models are gone: a model
+    still referenced by the caller holds the group until a later call or the exit hook.
+    """
+    global _STORE, _HEARTBEAT, _DESTROYED
     if _HEARTBEAT is not None:
         _HEARTBEAT.stop()
         _HEARTBEAT = None
     if dist.is_available() and dist.is_initialized():
+        _DESTROYED += [weakref.ref(group) for group in _every_group()]
         dist.destroy_process_group()
     _STORE = None
+    _DESTROYED = _let_go(_DESTROYED)
+
+
+def _every_group() -> list[dist.ProcessGroup]:
+    """The default group and every group made from it (a device mesh's dimensions, for HSDP)."""
+    from torch.distributed import distributed_c10d
+
+    return [*distributed_c10d._world.pg_names] or [dist.group.WORLD]
+
+
+def _let_go(destroyed: list[weakref.ref]) -> list[weakref.ref]:
+    """End the destroyed groups that something still holds; return the ones still held after.
+
+    What held them after a tool's job (tools/benchmark.py --what memory, torch 2.14):
+    - DTensor's caches (redistribute planners, sharding propagation) keep the device meshes they
+      saw for the process's life, and a mesh holds its groups (``DeviceMesh._pg_registry``);
+    - a module of torch first imported while a group exists keeps that group as a default argument
+      (``group=dist.group.WORLD`` is evaluated at import: ZeroRedundancyOptimizer's ``_broadcast_object``);
+    - reference cycles (FSDP's modules and hooks, a traceback's frames) until the collector runs.
+    """
+    destroyed = [ref for ref in destroyed if ref() is not None]
+    if destroyed:
+        _drop_captured_defaults([ref() for ref in destroyed])
+        gc.collect()
+    destroyed = [ref for ref in destroyed if ref() is not None]
+    if destroyed:  # held beyond the cycles: by a cache
+        _detach_meshes([ref() for ref in destroyed])
+    return [ref for ref in destroyed if ref() is not None]
+
+
+def _drop_captured_defaults(groups: list[dist.ProcessGroup]) -> None:
+    """Turn a default argument of torch.distributed's functions that is one of ``groups`` into None
+    (the default group, which is what the function would have had if imported before any group)."""
+    held = {id(group) for group in groups}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            methods = issubclass(type(value), type)  # a class: its functions
+            for function in list(vars(value).values()) if methods else [value]:
+                if type(function) is not types.FunctionType:
+                    continue
+                if any(id(d) in held for d in function.__defaults__ or ()):
+                    function.__defaults__ = tuple(None if id(d) in held else d for d in function.__defaults__)
+                for key, d in (function.__kwdefaults__ or {}).items():
+                    if id(d) in held:
+                        function.__kwdefaults__[key] = None
+
+
+def _detach_meshes(groups: list[dist.ProcessGroup]) -> None:
+    """Remove ``groups`` from every device mesh still alive (whoever caches the mesh): destroyed,
+    they are of no use to it."""
+    mesh_type = getattr(sys.modules.get("torch.distributed.device_mesh"), "DeviceMesh", None)
+    if mesh_type is None:  # no mesh was ever made
+        return
+    for obj in gc.get_objects():
+        registry = getattr(obj, "_pg_registry", None) if issubclass(type(obj), mesh_type) else None
+        if isinstance(registry, dict):
+            for name in [n for n, group in registry.items() if any(group is g for g in groups)]:
+                del registry[name]
+
+
+def _register_exit_hook() -> None:
+    global _EXIT_HOOK
+    if not _EXIT_HOOK:
+        atexit.register(_end_before_exit)
+        _EXIT_HOOK = True
+
+
+def _end_before_exit() -> None:
+    """The last way out: end the process group while the interpreter is still whole.
+
+    atexit runs before the interpreter starts finalizing, when a gloo thread can still take the
+    GIL. It covers the exits no cleanup_distributed call sees to: an error raised past the tool's
+    entry point (its traceback, kept as ``sys.last_traceback``, holds the frames that hold the
+    models) and a script that never called cleanup_distributed.
+    """
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    cleanup_distributed()
 
 
 def is_dist() -> bool:
