@@ -26,6 +26,7 @@ from distribuuuu.data.batched import BatchDecoder, EncodedSample, collate_encode
 from distribuuuu.data.encoded import decode_image_bytes
 from distribuuuu.data.loader import DeviceLoader
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.training.evaluation import check_inputs
 from distribuuuu.training.inputs import build_train_split, build_val_split
 
 DIGITS = REPO / "data" / "digits"
@@ -195,8 +196,8 @@ def test_batched_without_decode_jpeg_is_a_config_error_naming_the_key(monkeypatc
     _without_torchcodec(monkeypatch)
     monkeypatch.delattr(torchvision.io, "decode_jpeg")
     with pytest.raises(ConfigError, match="DATA.DECODER.*decode_jpeg"):
-        load_cfg(None, ["DATA.DECODER", "batched"])
-    assert load_cfg(None, ["DATA.DECODER", "auto"]).DATA.DECODER == "auto"
+        check_inputs(load_cfg(None, ["DATA.DECODER", "batched"]))  # train_net.py and test_net.py, before any set-up
+    check_inputs(load_cfg(None, ["DATA.DECODER", "auto"]))
 
 
 def _jpeg_batch(*extra: tuple[str, bytes]):

@@ -1,6 +1,6 @@
 """Print the config reference (every key, its default and its comment) as a Markdown table.
 
-The comments in distribuuuu/config.py are the single source: ``python tools/config_reference.py``
+The comments in distribuuuu/config/defaults.py are the single source: ``python tools/config_reference.py``
 prints the table; ``python tools/config_reference.py --write`` regenerates it in docs/config-reference.md.
 """
 
@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu import config  # noqa: E402
+from distribuuuu.config import defaults  # noqa: E402
 
 _KEY_LINE = re.compile(r"^_C\.([A-Z0-9_.]+) = (?!CN\(\))")
 
@@ -37,11 +37,11 @@ def key_comments(source: str) -> dict[str, str]:
 
 def reference_table() -> str:
     """The Markdown table of every key in the defaults."""
-    with open(config.__file__) as f:
+    with open(defaults.__file__) as f:
         comments = key_comments(f.read())
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     for key in sorted(comments, key=lambda k: (k.count(".") == 0, k)):
-        value = config.get_cfg_defaults()
+        value = defaults.get_cfg_defaults()
         for part in key.split("."):
             value = value[part]
         rows.append(f"| `{key}` | `{value!r}` | {comments[key]} |")

@@ -18,10 +18,9 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
-from distribuuuu.config import get_cfg_defaults  # noqa: E402
+from distribuuuu.config import get_cfg_defaults, stored_config  # noqa: E402
 from distribuuuu.training.convert import from_single_file, to_single_file  # noqa: E402
 from distribuuuu.training.optim import build_optimizer  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
@@ -33,7 +32,7 @@ def file_to_sharded(path: str, out_dir: str) -> None:
     if not saved.get("cfg"):
         raise CheckpointError(f"{path} holds no cfg: cannot rebuild its model and optimizer")
     cfg = get_cfg_defaults()
-    cfg.merge_from_other_cfg(CfgNode.load_cfg(saved["cfg"]))
+    cfg.merge_from_other_cfg(stored_config(saved["cfg"], "the checkpoint"))
     cfg.MODEL.PRETRAINED = False  # the file's weights replace any download
     model = build_configured_model(cfg.MODEL)
     optimizer = build_optimizer(model, cfg.OPTIM) if saved.get("optimizer") else None

@@ -46,7 +46,7 @@ from torch import nn  # noqa: E402
 from yacs.config import CfgNode  # noqa: E402
 
 from distribuuuu.checkpointing.checkpoint import CheckpointError  # noqa: E402
-from distribuuuu.config import ConfigError  # noqa: E402
+from distribuuuu.config import ConfigError, stored_config  # noqa: E402
 from distribuuuu.data import BadImageError, DataError  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
 from distribuuuu.errors import first_line  # noqa: E402
@@ -208,7 +208,7 @@ def checked_samples(args: argparse.Namespace, state: dict, cfg: CfgNode) -> list
     if args.check:
         images = find_samples(args.check, args.split, max_pixels=cfg.DATA.MAX_IMAGE_PIXELS)
     else:
-        run_cfg = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+        run_cfg = stored_config(state["cfg"], "the checkpoint") if state.get("cfg") else CfgNode()
         saved = run_cfg.get("TEST", {})
         spec = annotation_spec(run_cfg, train=False) if saved.get("ANN_FILE") else None
         root, split = saved.get("DATASET", cfg.TEST.DATASET), saved.get("SPLIT", cfg.TEST.SPLIT)

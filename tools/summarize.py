@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distribuuuu.config import run_config_changes  # noqa: E402
+from distribuuuu.config import ConfigError, run_config_changes  # noqa: E402
 from distribuuuu.records.metrics_file import MetricsError  # noqa: E402
 from distribuuuu.records.summary import NOTHING_TO_DRAW, format_summary, summarize, write_summary  # noqa: E402
 
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         changes = run_config_changes(args.out_dir)
         text = _printed_only(args.out_dir, changes) if args.no_write else write_summary(args.out_dir, True, changes)
-    except (MetricsError, OSError) as e:
+    except (MetricsError, ConfigError, OSError) as e:
         print(f"summarize.py: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(text, end="")

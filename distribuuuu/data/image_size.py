@@ -15,7 +15,7 @@ from PIL import Image, JpegImagePlugin, PngImagePlugin, UnidentifiedImageError
 from distribuuuu.data.errors import BadImageError
 
 # PIL's own default (Image.MAX_IMAGE_PIXELS, 1024**3 // 4 // 3: 256 MB of RGBA over 3), where PIL
-# starts to warn; config.py's DATA.MAX_IMAGE_PIXELS has the same default.
+# starts to warn; config/defaults.py's DATA.MAX_IMAGE_PIXELS has the same default.
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 
 # The formats whose PIL parser is called directly, by their first bytes; any other goes through

@@ -23,11 +23,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
-from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.formats import Component
 from distribuuuu.checkpointing.single_file import model_state_from
-from distribuuuu.config import ConfigError
+from distribuuuu.config import ConfigError, stored_config
 from distribuuuu.errors import CheckpointError, first_line
 from distribuuuu.logger import get_logger
 from distribuuuu.models import load_model_weights, versioned
@@ -106,7 +105,7 @@ class Optimizer(Component):
     def check_name(self, state_dict: dict) -> None:
         """Raise CheckpointError if the checkpoint's optimizer (its config's) is another one than this run's."""
         cfg = state_dict.get("cfg")
-        saved = CfgNode.load_cfg(cfg).get("OPTIM", {}).get("OPTIMIZER") if cfg else None
+        saved = stored_config(cfg, "the checkpoint").get("OPTIM", {}).get("OPTIMIZER") if cfg else None
         if saved and saved != self.name:
             raise CheckpointError(
                 f"it holds {saved} optimizer state but OPTIM.OPTIMIZER is {self.name}: {_LOAD_OPT_HINT}"
@@ -223,7 +222,7 @@ class Position(Component):
 
 def saved_global_batch(state: dict) -> int:
     """The global batch of a checkpoint written before it recorded one: from its config and world size."""
-    return global_batch(CfgNode.load_cfg(state["cfg"]).TRAIN, state["world_size"])
+    return global_batch(stored_config(state["cfg"], "the checkpoint").TRAIN, state["world_size"])
 
 
 def log_global_batch_change(run: Run, saved_batch: int, state: dict) -> None:

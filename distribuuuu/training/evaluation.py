@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from yacs.config import CfgNode
 
-from distribuuuu.config import ConfigError, eval_crop_size
+from distribuuuu.config import ConfigError
 from distribuuuu.data import Split, sample_paths
 from distribuuuu.logger import get_logger
 from distribuuuu.models import model_source
@@ -18,9 +18,10 @@ from distribuuuu.records.meters import MetricSums
 from distribuuuu.records.writer import multilabel_text, topk_text, write_eval_record
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import autocast, is_sharded, missing_forwards, to_device
-from distribuuuu.training.inputs import build_precise_bn_split, build_val_split, check_dataset_paths
+from distribuuuu.training.inputs import build_precise_bn_split, build_val_split, check_data
 from distribuuuu.training.parallelize import build_model_for
 from distribuuuu.training.precise_bn import recompute_bn_stats
+from distribuuuu.training.preprocessing import eval_crop_size
 from distribuuuu.training.resume import load_configured_weights, warn_if_evaluated_otherwise
 from distribuuuu.training.session import Session
 from distribuuuu.training.task import Task, build_task
@@ -106,8 +107,9 @@ def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv)
 
 
 def check_inputs(cfg: CfgNode) -> None:
-    """Name a dataset folder that is not there, or an unknown MODEL.ARCH, before any process set-up."""
-    check_dataset_paths(cfg)
+    """Name a dataset folder that is not there, a decoder not installed, or an unknown MODEL.ARCH,
+    before any process set-up."""
+    check_data(cfg)
     model_source(cfg.MODEL.ARCH)
 
 

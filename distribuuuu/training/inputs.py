@@ -16,6 +16,7 @@ from distribuuuu.data import remote
 from distribuuuu.data.annotations import AnnotationSpec
 from distribuuuu.data.classes import map_classes, remap_targets
 from distribuuuu.data.datasets import MultiHotTargets, SyntheticDataset, build_base_dataset
+from distribuuuu.data.jpeg import jpeg_library
 from distribuuuu.data.loader import (
     BatchedDecode,
     LoaderOptions,
@@ -53,6 +54,16 @@ from distribuuuu.training.preprocessing import (
 from distribuuuu.training.task import build_task
 
 logger = get_logger("data")
+
+
+def check_data(c: CfgNode) -> None:
+    """Before any set-up: the dataset folders exist, and DATA.DECODER has its library."""
+    if c.DATA.DECODER == "batched" and jpeg_library() is None:  # torchvision 0.29 deprecated its decoders
+        raise ConfigError(
+            "DATA.DECODER 'batched' needs TorchCodec (pip install torchcodec) or torchvision.io.decode_jpeg, gone "
+            "from this torchvision"
+        )
+    check_dataset_paths(c)
 
 
 def check_dataset_paths(c: CfgNode) -> None:
@@ -333,6 +344,7 @@ __all__ = [
     "build_precise_bn_split",
     "build_train_split",
     "build_val_split",
+    "check_data",
     "check_dataset_paths",
     "progressive",
 ]

@@ -8,7 +8,7 @@ from typing import Callable
 
 from yacs.config import CfgNode
 
-from distribuuuu.config import eval_crop_size, get_cfg_defaults
+from distribuuuu.config import get_cfg_defaults, stored_config
 from distribuuuu.data.progressive import EpochTransforms, Progressive
 from distribuuuu.data.transforms import (
     EvalPreprocessing,
@@ -22,6 +22,11 @@ from distribuuuu.data.transforms import (
 )
 from distribuuuu.models import timm_pretrained_cfg
 from distribuuuu.training.task import build_task
+
+
+def eval_crop_size(cfg: CfgNode) -> int:
+    """The evaluation center-crop size: TEST.CROP_SIZE, or TRAIN.IM_SIZE when it is 0."""
+    return cfg.TEST.CROP_SIZE or cfg.TRAIN.IM_SIZE
 
 
 def progressive(cfg: CfgNode) -> Progressive:
@@ -83,7 +88,7 @@ def checkpoint_preprocessing(state: dict) -> EvalPreprocessing:
     if state.get("preprocessing"):
         return EvalPreprocessing.from_dict(state["preprocessing"])
     cfg = get_cfg_defaults()
-    saved = CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+    saved = stored_config(state["cfg"], "the checkpoint") if state.get("cfg") else CfgNode()
     for section in ("MODEL", "TRAIN", "TEST", "DATA"):  # key by key: an older config may lack some
         for key, value in saved.get(section, {}).items():
             if key in cfg[section] and not isinstance(value, dict):

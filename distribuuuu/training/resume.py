@@ -16,7 +16,7 @@ from yacs.config import CfgNode
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.formats import FORMATS, file_states, load_file_state, to_restore
 from distribuuuu.checkpointing.manager import Checkpointer
-from distribuuuu.config import ConfigError, config_changes
+from distribuuuu.config import ConfigError, config_changes, stored_config
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.models import load_model_weights, versioned, weights_fit
 from distribuuuu.runtime.parallel import is_sharded
@@ -76,7 +76,7 @@ def find_checkpoint_to_resume(cfg: CfgNode, checkpoints: Checkpointer | None = N
     if path is None:
         return ResumePoint()
     saved = small.get("cfg")
-    changes = config_changes(CfgNode.load_cfg(saved), cfg) if saved else []
+    changes = config_changes(stored_config(saved, path), cfg) if saved else []
     # Without LOAD_OPT the optimizer state is not restored: a new optimizer on the old weights is a
     # deliberate continuation, not a second experiment.
     keys = [k for k in EXPERIMENT_KEYS if cfg.TRAIN.LOAD_OPT or k != "OPTIM.OPTIMIZER"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, named_by
-from distribuuuu.config import flatten, get_cfg_defaults, load_cfg, merge_pairs
+from distribuuuu.config import flatten, get_cfg_defaults, load_cfg, merge_pairs, stored_config
 
 # Keys that make another experiment: resuming a checkpoint trained with other values would mix
 # two runs in one OUT_DIR (and one record). TRAIN.RESUME_ANYWAY overrides.
@@ -38,7 +38,7 @@ SHAPE_KEYS = ("MODEL.ARCH", "MODEL.NUM_CLASSES", "MODEL.KWARGS")
 
 def stored_cfg(state: dict) -> CfgNode:
     """The config the checkpoint's run stored (empty for a checkpoint written without one)."""
-    return CfgNode.load_cfg(state["cfg"]) if state.get("cfg") else CfgNode()
+    return stored_config(state["cfg"], "the checkpoint") if state.get("cfg") else CfgNode()
 
 
 def run_keys() -> list[str]:
