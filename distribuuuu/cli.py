@@ -1,13 +1,13 @@
-"""What the command-line tools share: argument parsing, the spawn launcher, errors and exit codes."""
+"""What the command-line tools share: argument parsing, running a tool here or in ``--nproc`` workers,
+and its errors as one line and an exit code (errors.py holds the codes)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import signal
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Callable
@@ -18,15 +18,14 @@ from yacs.config import CfgNode
 from distribuuuu.checkpointing.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import BadImageError, DataError
-from distribuuuu.errors import EXIT_INTERRUPTED, RefusedCheckpointError, first_line
+from distribuuuu.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, RefusedCheckpointError, first_line
 from distribuuuu.runtime.faults import CollectiveError, NonFiniteLossError
-from distribuuuu.runtime.launcher import SPAWN_ERROR_VAR, LaunchError, RankLaunchError, detect_env_rank, find_free_port
-from distribuuuu.runtime.preemption import INTERRUPT, PREEMPT_SIGNALS, Preempted
+from distribuuuu.runtime.launcher import SPAWN_ERROR_VAR, LaunchError, RankLaunchError, detect_env_rank
+from distribuuuu.runtime.preemption import Preempted
 from distribuuuu.runtime.process_group import cleanup_distributed
+from distribuuuu.runtime.spawn import spawn_workers
 from distribuuuu.startup import interrupted_while_starting
 
-EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
-EXIT_BAD_INPUT = 2  # stopped before training: bad config, data, launcher environment or checkpoint
 # Errors raised identically on every rank: rank 0 alone prints them, so they appear once.
 _SAME_ON_EVERY_RANK = (ConfigError, DataError, LaunchError, CheckpointError, NonFiniteLossError)
 _KNOWN = _SAME_ON_EVERY_RANK + (BadImageError, CollectiveError)
@@ -164,85 +163,6 @@ def _launcher_in_env() -> str:
     return ""
 
 
-def _spawn_worker(local_rank: int, nproc: int, port: int, main: Callable, cfg: CfgNode, errors: str) -> None:
-    """One worker: the variables torchrun would set, then ``main(cfg)``; exits with its code."""
-    os.environ.update(
-        RANK=str(local_rank),
-        WORLD_SIZE=str(nproc),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    os.environ[SPAWN_ERROR_VAR] = os.path.join(errors, f"{local_rank}.json")
-    code = run_main(main, cfg)
-    if code:
-        sys.exit(code)
-
-
 def spawn(main: Callable[[CfgNode], object], nproc: int, cfg: CfgNode) -> int:
-    """Start ``nproc`` local workers with torch.multiprocessing, set up exactly as torchrun would.
-
-    Preemption signals that reach this parent are forwarded to the workers (as torchrun does), so
-    they checkpoint and exit with EXIT_PREEMPTED instead of dying with the parent.
-    """
-    with tempfile.TemporaryDirectory(prefix="distribuuuu-spawn-") as errors:
-        return _join(_start_workers(main, nproc, cfg, errors), errors)
-
-
-def _start_workers(main: Callable[[CfgNode], object], nproc: int, cfg: CfgNode, errors: str):
-    import torch.multiprocessing as mp
-
-    args = (nproc, find_free_port(), main, cfg, errors)
-    return mp.start_processes(_spawn_worker, args=args, nprocs=nproc, join=False, start_method="spawn")
-
-
-def _join(context, errors: str) -> int:
-    """Wait for the workers; the exit code of the first to fail, its error line printed once."""
-    import torch.multiprocessing as mp
-
-    previous = _forward_signals([p.pid for p in context.processes])
-    try:
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as e:
-        if e.exit_code and e.exit_code > 0:
-            _print_worker_error(os.path.join(errors, f"{e.error_index}.json"))
-            return e.exit_code
-        print(f"distribuuuu: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_FAILED
-    except mp.ProcessRaisedException as e:
-        print(f"distribuuuu: error: a worker failed:\n{e}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0
-
-
-def _print_worker_error(path: str) -> None:
-    """The line a failed worker handed over (``_print_error``), unless it printed it itself."""
-    try:
-        with open(path) as f:
-            error = json.load(f)
-    except (OSError, ValueError):  # no known error (it printed what it had), or none written
-        return
-    if not error["printed"]:
-        print(error["line"], file=sys.stderr, flush=True)
-
-
-def _forward_signals(pids: list[int]) -> dict:
-    """Relay SIGTERM/SIGUSR1/SIGINT from this process to ``pids``; return the handlers it replaced.
-
-    A terminal's Ctrl-C reaches the workers too: they take the relayed one for the same Ctrl-C.
-    """
-
-    def forward(signum, frame) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
-
-    names = (*PREEMPT_SIGNALS, INTERRUPT)
-    return {getattr(signal, name): signal.signal(getattr(signal, name), forward) for name in names}
+    """Run ``main(cfg)`` in ``nproc`` local workers (``--nproc``; runtime/spawn.py), each as ``run_main`` runs it."""
+    return spawn_workers(functools.partial(run_main, main), nproc, cfg)

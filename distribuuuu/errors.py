@@ -5,9 +5,12 @@ No dependencies: imported by all."""
 from __future__ import annotations
 
 import re
+import sys
 
-# Exit code of a run stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it.
-EXIT_INTERRUPTED = 130
+# Every tool's exit codes (a preempted run exits with runtime/preemption.py's EXIT_PREEMPTED, 75):
+EXIT_FAILED = 1  # a run that failed while training (bad image, non-finite loss, collective timeout)
+EXIT_BAD_INPUT = 2  # stopped before anything ran: bad config, data, launcher environment, checkpoint, command line
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (SIGINT): 128 + 2, what a shell reports for it
 # A terminal's Ctrl-C reaches every process of its group, and a launcher may pass the same one on:
 # signals this close to the first are that one Ctrl-C, not a second.
 SAME_CTRL_C_S = 1.0
@@ -24,6 +27,12 @@ class CheckpointError(RuntimeError):
 class RefusedCheckpointError(CheckpointError):
     """A file handed us as a checkpoint that is none (an image, a config) or that would run code if
     loaded: bad input (exit 2), never moved aside as a torn checkpoint is, nothing of it run."""
+
+
+def tool_error(prog: str, message: object, code: int = EXIT_BAD_INPUT) -> int:
+    """Print ``prog: error: message`` (argparse's own form) on stderr; return ``code`` to exit with."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def first_line(e: BaseException) -> str:

@@ -126,7 +126,7 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(ema_run, tmp_path, args, nam
     result = in_process(AVG, str(out_dir), *args, "-o", str(tmp_path / "avg.pth.tar"))
     assert result.returncode == 2, result.stderr
     [line] = [line for line in result.stderr.splitlines() if line.strip()]
-    assert line.startswith("avg_checkpoints: ") and names in line, line
+    assert line.startswith("avg_checkpoints.py: error: ") and names in line, line
     assert not (tmp_path / "avg.pth.tar").exists()
 
 

@@ -138,7 +138,7 @@ def test_packing_without_webdataset_is_one_line_naming_the_extra(tmp_path, monke
     assert result.returncode == 2
     assert (
         result.stderr.strip()
-        == f"pack_dataset: error: packing {DIGITS} needs webdataset: pip install 'distribuuuu[data]'"
+        == f"pack_dataset.py: error: packing {DIGITS} needs webdataset: pip install 'distribuuuu[data]'"
     )
 
 

@@ -55,7 +55,7 @@ def test_make_digit_pairs_without_digits_under_src_is_one_line_and_writes_nothin
     result = in_process(str(TOOLS / "make_digit_pairs.py"), str(out), "--src", str(tmp_path / "src"))
     assert result.returncode == 2, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
-        f"make_digit_pairs: error: no PNG digits in {tmp_path / 'src' / 'train'}/<class>/ "
+        f"make_digit_pairs.py: error: no PNG digits in {tmp_path / 'src' / 'train'}/<class>/ "
         "(--src: an ImageFolder root such as data/digits)"
     ]
     assert not out.exists()

@@ -32,7 +32,7 @@ from distribuuuu.checkpointing.average import (  # noqa: E402
 from distribuuuu.checkpointing.checkpoint import save_checkpoint  # noqa: E402
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import DataError  # noqa: E402
-from distribuuuu.errors import CheckpointError  # noqa: E402
+from distribuuuu.errors import CheckpointError, tool_error  # noqa: E402
 from distribuuuu.logger import setup_logging  # noqa: E402
 from distribuuuu.models import load_model_weights  # noqa: E402
 from distribuuuu.runtime.launcher import DistEnv  # noqa: E402
@@ -40,6 +40,8 @@ from distribuuuu.training.evaluation import precise_bn  # noqa: E402
 from distribuuuu.training.inputs import build_precise_bn_split  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 from distribuuuu.training.stored_config import cfg_from_checkpoint, run_keys  # noqa: E402
+
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             recompute_bn(state, args.precise_bn, args.opts)
         save_checkpoint(state, args.output)
     except (CheckpointError, ConfigError, DataError, OSError) as e:
-        print(f"avg_checkpoints: {e}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, e)
     print(f"wrote {args.output}")
     return 0
 

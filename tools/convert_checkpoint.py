@@ -21,9 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoint  # noqa: E402
 from distribuuuu.config import get_cfg_defaults, stored_config  # noqa: E402
+from distribuuuu.errors import tool_error  # noqa: E402
 from distribuuuu.training.convert import from_single_file, to_single_file  # noqa: E402
 from distribuuuu.training.optim import build_optimizer  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
+
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
 
 def file_to_sharded(path: str, out_dir: str) -> None:
@@ -54,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             file_to_sharded(args.source, args.target)
     except (CheckpointError, OSError) as e:
-        print(f"convert_checkpoint: {e}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, e)
     print(f"wrote {args.target}")
     return 0
 

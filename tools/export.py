@@ -49,12 +49,14 @@ from distribuuuu.checkpointing.checkpoint import CheckpointError  # noqa: E402
 from distribuuuu.config import ConfigError, stored_config  # noqa: E402
 from distribuuuu.data import BadImageError, DataError  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
-from distribuuuu.errors import first_line  # noqa: E402
+from distribuuuu.errors import EXIT_FAILED, first_line, tool_error  # noqa: E402
 from distribuuuu.training.inputs import annotation_spec  # noqa: E402
 from distribuuuu.training.preprocessing import checkpoint_preprocessing  # noqa: E402
 from distribuuuu.training.task import build_task  # noqa: E402
 
-EXIT_DISAGREE, EXIT_BAD_INPUT = 1, 2
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
+
+EXIT_DISAGREE = EXIT_FAILED  # the exported model disagrees with the checkpoint
 INPUT, OUTPUT = "images", "logits"
 
 
@@ -233,8 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return export(args)
     except (ExportError, PredictError, CheckpointError, ConfigError, DataError, BadImageError) as e:
-        print(f"export.py: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return tool_error(PROG, e)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@ from PIL import Image
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from distribuuuu.errors import tool_error  # noqa: E402
 from distribuuuu.records.multilabel import MultiLabelSums  # noqa: E402
+
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
 
 def digit_images(src: str, split: str) -> list[tuple[str, str]]:
@@ -92,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train, val = (make_split(a.src, a.out, s, count, rng) for s, count in (("train", a.train), ("val", a.val)))
     except OSError as e:  # a missing or empty --src, an OUT that cannot be written: one line
-        print(f"make_digit_pairs: error: {e}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, e)
     print(f"{a.out}: {a.train} train and {a.val} val images of two digits, train.csv and val.csv")
     base = frequency_baseline(train, val)
     print(

@@ -37,6 +37,9 @@ from distribuuuu.data import DataError  # noqa: E402
 from distribuuuu.data.annotations import AnnotationSpec  # noqa: E402
 from distribuuuu.data.pack import PackOptions, pack_split, publish_split, verify_split  # noqa: E402
 from distribuuuu.data.remote import is_remote, join  # noqa: E402
+from distribuuuu.errors import tool_error  # noqa: E402
+
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
 
 def progress_printer(split: str) -> callable:
@@ -94,8 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = PackOptions(a.shard_size, a.max_side, a.quality, None if a.no_shuffle else a.shuffle_seed)
         pack(a.src, list(zip(splits, annotations)), a.out, opts, a.staging)
     except (DataError, OSError) as e:
-        print(f"pack_dataset: error: {e}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, e)
     return 0
 
 

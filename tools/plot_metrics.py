@@ -26,8 +26,11 @@ from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from distribuuuu.errors import tool_error  # noqa: E402
 from distribuuuu.records.metrics_file import MetricsError  # noqa: E402
 from distribuuuu.records.plots import PLOT_INSTALL, load_run, save_plot  # noqa: E402
+
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -55,13 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runs = [load_run(d, label) for d, label in zip(args.out_dirs, labels)]
     except MetricsError as e:  # bad input, exit 2 as in every tool
-        print(f"plot_metrics.py: {e}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, e)
     try:
         output = save_plot(runs, args.output or default_output(args.out_dirs))
     except ImportError:
-        print(f"plot_metrics.py needs matplotlib: {PLOT_INSTALL}", file=sys.stderr)
-        return 2
+        return tool_error(PROG, f"needs matplotlib: {PLOT_INSTALL}")
     print(f"wrote {output}")
     return 0
 

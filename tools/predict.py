@@ -37,13 +37,14 @@ from distribuuuu.data.hf import is_saved_hf  # noqa: E402
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
 from distribuuuu.data.packed import is_packed  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
+from distribuuuu.errors import tool_error  # noqa: E402
 from distribuuuu.records.multilabel import predicted  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing  # noqa: E402
 from distribuuuu.training.resume import check_weights_fit, load_full_weights  # noqa: E402
 from distribuuuu.training.stored_config import MODEL_KEYS, cfg_from_checkpoint, fit_hint, stored_cfg  # noqa: E402
 
-EXIT_BAD_INPUT = 2
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
 
 class PredictError(ValueError):
@@ -243,8 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for path, indices, probs in classified:
             print(format_line(path, [state["classes"][i] for i in indices], probs, args.json, key), flush=True)
     except (PredictError, CheckpointError, ConfigError, DataError, BadImageError) as e:
-        print(f"predict.py: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return tool_error(PROG, e)
     except BrokenPipeError:  # the reader stopped reading (`| head`): it has the lines it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush writes nowhere
     return 0

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from distribuuuu.config import ConfigError, run_config_changes  # noqa: E402
+from distribuuuu.errors import tool_error  # noqa: E402
 from distribuuuu.records.metrics_file import MetricsError  # noqa: E402
 from distribuuuu.records.summary import NOTHING_TO_DRAW, format_summary, summarize, write_summary  # noqa: E402
 
-EXIT_BAD_INPUT = 2
+PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,8 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         changes = run_config_changes(args.out_dir)
         text = _printed_only(args.out_dir, changes) if args.no_write else write_summary(args.out_dir, True, changes)
     except (MetricsError, ConfigError, OSError) as e:
-        print(f"summarize.py: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return tool_error(PROG, e)
     print(text, end="")
     return 0
 
