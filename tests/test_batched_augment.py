@@ -4,7 +4,6 @@ any number of workers and from any start, and the prepare thread's hand-over."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from pathlib import Path
 
@@ -17,8 +16,9 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from distribuuuu.config import load_cfg
+from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset
 from distribuuuu.data.datasets import seeded_cpu_rng
-from distribuuuu.data.prefetch import prefetched
+from distribuuuu.data.prefetch import THREAD_NAME
 from distribuuuu.data.resample import EvalGeometry, TrainGeometry, resample_batched, resample_each, size_groups
 from distribuuuu.data.transforms import _after_crop_and_flip, _crop_and_flip
 from distribuuuu.runtime.launcher import DistEnv
@@ -198,65 +198,23 @@ def test_auto_augment_and_erasing_run_per_sample_after_the_batched_crop(photo_tr
         assert torch.equal(image, expected)
 
 
-def test_the_prepare_thread_keeps_order_raises_where_it_failed_and_ends_when_left():
-    names = set()
+def test_without_workers_batches_are_drawn_in_this_thread_and_prepared_on_the_prepare_thread(photo_tree, monkeypatch):
+    # TRAIN.WORKERS 0: the dataset's seeded draws must stay in the training thread (they set the
+    # global RNG), while the decode and resample, whose per-batch sync would drain the training
+    # stream, run on the prepare thread and its side stream.
+    threads: dict[str, set] = {"draw": set(), "prepare": set()}
+    get_item, prepare = EncodedImageDataset.__getitem__, BatchDecoder.prepare
 
-    def prepare(x):
-        names.add(threading.current_thread().name)
-        if x == 5:
-            raise ValueError("bad batch 5")
-        return x * 10
+    def drawn(self, key):
+        threads["draw"].add(threading.current_thread().name)
+        return get_item(self, key)
 
-    assert list(prefetched(range(5), prepare, torch.device("cpu"))) == [0, 10, 20, 30, 40]
-    assert names == {"distribuuuu-batch-prepare"}
-    got = []
-    with pytest.raises(ValueError, match="bad batch 5"):
-        for x in prefetched(range(8), prepare, torch.device("cpu")):
-            got.append(x)
-    assert got == [0, 10, 20, 30, 40]
-    batches = prefetched(iter(range(100)), prepare, torch.device("cpu"))
-    assert next(batches) == 0
-    batches.close()  # the training loop left early
-    assert not any(t.name == "distribuuuu-batch-prepare" for t in threading.enumerate())
+    def prepared(self, batch):
+        threads["prepare"].add(threading.current_thread().name)
+        return prepare(self, batch)
 
-
-def test_the_training_stream_waits_on_each_batchs_event_before_it_is_used(monkeypatch):
-    # Recording stand-ins for CUDA's streams and events: the batch is prepared on the side stream,
-    # its event recorded there, and the training stream waits on that event (not the host) and
-    # marks the batch's tensors as used by it, before the loop sees the batch.
-    log = []
-
-    class Stream:
-        def __init__(self, name="side"):
-            self.name = name
-
-        def wait_event(self, event):
-            log.append(("wait", event.n))
-
-    class Event:
-        count = 0
-
-        def record(self, stream):
-            Event.count += 1
-            self.n = Event.count
-            log.append(("record", self.n, stream.name, threading.current_thread().name))
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream("training"))
-
-    class Prepared:
-        def __init__(self, n):
-            self.n = n
-
-        def tensors(self):
-            return []
-
-    for prepared in prefetched(range(3), Prepared, torch.device("cuda")):
-        log.append(("use", prepared.n))
-    thread = "distribuuuu-batch-prepare"
-    recorded = [entry for entry in log if entry[0] == "record"]
-    assert recorded == [("record", n, "side", thread) for n in (1, 2, 3)]
-    consumer = [entry for entry in log if entry[0] != "record"]
-    assert consumer == [("wait", 1), ("use", 0), ("wait", 2), ("use", 1), ("wait", 3), ("use", 2)]
+    monkeypatch.setattr(EncodedImageDataset, "__getitem__", drawn)
+    monkeypatch.setattr(BatchDecoder, "prepare", prepared)
+    assert len(list(build_train_split(_cfg(photo_tree, "batched", 0), DistEnv()).loader)) == 3
+    assert threads["draw"] == {threading.current_thread().name}
+    assert len(threads["prepare"]) == 1 and threads["prepare"].pop().startswith(THREAD_NAME)

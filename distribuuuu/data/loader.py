@@ -35,10 +35,10 @@ class DeviceLoader:
     """A DataLoader whose batches arrive on the training device as ``(images, targets, dropped)``
     with normalised float images: uint8 pixels (MODEL.DUMMY_INPUT's too) are copied
     (asynchronously from pinned memory) and normalised there; DATA.DECODER batched decodes and
-    augments each batch there first, on a thread one batch ahead when there are workers
-    (prefetch.py: with none, the dataset's seeded draws run in this process and must not race the
-    training thread's). Float batches (already normalised by the batched resample) pass as they
-    are. ``len``, ``sampler``, ``batch_size`` ... are the wrapped loader's. timm's PrefetchLoader
+    augments each batch there first, on a thread one batch ahead (prefetch.py), with or without
+    workers: the loader is read in this thread, so without workers the dataset's seeded draws stay
+    here, and the thread only decodes and resamples. Float batches (already normalised by the
+    batched resample) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the wrapped loader's. timm's PrefetchLoader
     idea without its side stream: the non-blocking copy frees the host at once but queues behind
     the step's kernels on the default stream; a uint8
     batch is a quarter of float32's bytes, small against a training step. ``epoch_transforms``:
@@ -63,9 +63,7 @@ class DeviceLoader:
     def _batches(self):
         if self.decode is None:
             return iter(self.loader)
-        if self.loader.num_workers > 0:
-            return prefetched(self.loader, self.decode.prepare, self.device)
-        return map(self.decode.prepare, self.loader)
+        return prefetched(self.loader, self.decode.prepare, self.device)
 
     def __len__(self) -> int:
         return len(self.loader)
