@@ -231,6 +231,10 @@ _C.DATA.DECODER = "auto"
 # run the per-sample transforms there one image at a time, as before the batched resample (False:
 # the same pixels as "auto", for comparison)
 _C.DATA.BATCHED_AUGMENT = True
+# DATA.DECODER batched: the share of the device's memory its batched resample may hold at once; a
+# batch whose crops need more is resampled in chunks that fit (256 crops of 12 MP photos: ~20 GB
+# unchunked), and a chunk that still runs out of memory is retried in halves (docs/gpu.md)
+_C.DATA.BATCHED_MEMORY_BUDGET = 0.05
 # Folder for shards of a packed dataset read from a URL, and for links to a local one's shards, which
 # the reader opens through it ("": <temp dir>/distribuuuu-shards/<hash>)
 _C.DATA.SHARD_CACHE = ""

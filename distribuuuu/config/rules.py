@@ -135,6 +135,7 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DATA.BAD_IMAGE", _choice(("error", "skip"))),
     ("DATA.DECODER", _choice(DECODERS)),
     ("DATA.MAX_IMAGE_PIXELS", ((lambda v, c: v >= 0), "must be >= 0 (0: no limit)")),
+    ("DATA.BATCHED_MEMORY_BUDGET", _between(0, 1, lo_open=True)),
     ("DATA.DUMMY_SIZE", _POSITIVE),
     ("DATA.SHUFFLE_WINDOW", _NON_NEGATIVE),
     ("DATA.SHUFFLE_WINDOW", ((lambda v, c: v == 0 or c.TRAIN.SAMPLER == "default"),

@@ -221,9 +221,10 @@ class BatchDecoder:
     """Training-process side: decode a batch's JPEGs in one call on ``device``, then augment.
 
     ``prepare`` (safe on another thread: it draws nothing from the global RNG) decodes, and with a
-    ``geometry`` crops, resizes and flips the batch at once (resample.resample) and, when no
-    per-sample step follows, normalises it with ``normalize`` (channels_last with
-    ``channels_last``). ``finish`` (the training thread) runs ``transform`` on each sample under
+    ``geometry`` crops, resizes and flips the batch at once (resample.resample, in chunks of at
+    most ``memory_budget`` bytes of device memory, 0: no limit) and, when no per-sample step
+    follows, normalises it with ``normalize``'s mean and std (channels_last with
+    ``channels_last``) in the same last step. ``finish`` (the training thread) runs ``transform`` on each sample under
     its seed: the whole per-sample transform without a geometry, the steps after the crop and
     flip with one (its draws replayed first, so the steps see today's generator stream). Calling
     the decoder does both, returning ``(images, targets, dropped)`` like the per-sample loaders.
@@ -247,10 +248,15 @@ class BatchDecoder:
         normalize: Callable | None = None,
         channels_last: bool = False,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        memory_budget: int = 0,
     ):
         self.transform, self.device, self.skip_bad, self.max_pixels = transform, device, skip_bad, max_pixels
         self.decode_jpegs = decode_jpegs or jpeg.decode_jpegs
-        self.geometry, self.normalize, self.channels_last = geometry, normalize, channels_last
+        self.geometry, self.memory_budget = geometry, memory_budget
+        self.output = None  # the batch as the resample hands it over when no per-sample step follows
+        if normalize is not None:  # transforms.Normalize: its (C, 1, 1) mean and std
+            mean, std = (tuple(v.flatten().tolist()) for v in (normalize.mean, normalize.std))
+            self.output = resample.OutputFormat(mean, std, channels_last)
         # The last device failure's first line, not the exception: its traceback would hold the
         # prefetch thread's frames, and with them the DataLoader iterator and a batch's tensors.
         self.device_decoder_works, self.last_failure = True, ""
@@ -270,9 +276,10 @@ class BatchDecoder:
         sizes = [tuple(image.shape[1:]) for image in images]
         prepared = PreparedBatch(images, targets, dropped, [batch.seeds[i] for i in kept], sizes)
         if self.geometry is not None:
-            plans = batch.plans[kept]
-            resampled = resample.resample(images, plans, self.geometry.out_size_of(plans))
-            prepared.images = self._normalized(resampled) if self.transform is None else _to_uint8(resampled)
+            plans, output = batch.plans[kept], self.output if self.transform is None else None
+            size = self.geometry.out_size_of(plans)
+            resampled = resample.resample(images, plans, size, output, self.memory_budget)
+            prepared.images = resampled if self.transform is None else _to_uint8(resampled)
         return prepared
 
     def finish(self, prepared: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -289,10 +296,6 @@ class BatchDecoder:
                     transformed.append(self.transform(tv_tensors.Image(image)))
             images = torch.stack(transformed)
         return images, prepared.targets, prepared.dropped
-
-    def _normalized(self, images: torch.Tensor) -> torch.Tensor:
-        images = self.normalize(images)
-        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
 
     def _size_as_planned(self, batch: EncodedBatch, i: int, image: torch.Tensor) -> bool:
         """Whether image ``i`` decoded to the size its header gave (and its crop was drawn for)."""

@@ -162,15 +162,17 @@ def sampled_dataset(
     batched: BatchedDecode | None = None,
     channels_last: bool = False,
     max_pixels: int = 0,
+    memory_budget: int = 0,
 ) -> tuple[Dataset, BatchDecoder | None]:
     """The dataset the sampler's keys index, and the training-process decoder when JPEGs are decoded
     by the batch (``batched``); otherwise ``transform`` runs per sample, seeded by the key. The batched
-    decode's workers refuse a JPEG whose header declares more than ``max_pixels`` (0: no limit)."""
+    decode's workers refuse a JPEG whose header declares more than ``max_pixels`` (0: no limit); its
+    resample takes at most ``memory_budget`` bytes of device memory at once (0: no limit)."""
     if batched is None:
         return SeededTransformDataset(base, transform, seed, skip_bad), None
     decoder = BatchDecoder(
         batched.transform, device, skip_bad, geometry=batched.geometry, normalize=normalize,
-        channels_last=channels_last, max_pixels=max_pixels,
+        channels_last=channels_last, max_pixels=max_pixels, memory_budget=memory_budget,
     )  # fmt: skip
     return EncodedImageDataset(base, seed, skip_bad, batched.worker_geometry, max_pixels), decoder
 

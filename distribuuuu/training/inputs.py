@@ -180,10 +180,20 @@ def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str):
     batched = None
     if cfg.DATA.DECODER == "batched" and takes_batched_decode(base):
         batched = _batched_decode(cfg, transform, split)
+    budget = batched_memory_budget(cfg.DATA.BATCHED_MEMORY_BUDGET, env.device) if batched is not None else 0
     return sampled_dataset(
         base, transform, cfg.RNG_SEED, cfg.DATA.BAD_IMAGE == "skip", env.device, build_normalize(cfg), batched,
-        cfg.TRAIN.CHANNELS_LAST, cfg.DATA.MAX_IMAGE_PIXELS,
+        cfg.TRAIN.CHANNELS_LAST, cfg.DATA.MAX_IMAGE_PIXELS, budget,
     )  # fmt: skip
+
+
+def batched_memory_budget(share: float, device: torch.device) -> int:
+    """DATA.BATCHED_MEMORY_BUDGET in bytes: ``share`` of the device's memory (a CPU's: the host's)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(share * total)
 
 
 def _batched_decode(cfg: CfgNode, transform, split: str) -> BatchedDecode:
