@@ -20,6 +20,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from distribuuuu import cli
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import resample_matmul
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset
@@ -408,3 +409,12 @@ def test_the_memory_budget_is_a_share_of_the_devices_memory_handed_to_the_decode
     for bad in ("0.0", "1.5"):
         with pytest.raises(ConfigError, match=r"DATA.BATCHED_MEMORY_BUDGET must be in \(0, 1\]"):
             load_cfg(None, ["DATA.BATCHED_MEMORY_BUDGET", bad])
+
+
+def test_a_device_out_of_memory_for_one_image_ends_the_tool_in_one_line(capsys):
+    def main(cfg):
+        raise DeviceMemoryError("the device ran out of memory resampling one 4000x3000 crop alone (CUDA out of memory)")
+
+    assert cli.run_main(main, load_cfg(None, [])) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("distribuuuu: error: the device ran out of memory resampling"), err
