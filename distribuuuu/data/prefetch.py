@@ -4,7 +4,7 @@ The caller's thread draws the batches from the loader (with TRAIN.WORKERS 0 the 
 draws then stay in the training thread, never beside its own use of the RNG) and hands each to one
 prepare thread, which decodes and resamples it on the process's one side stream and records an
 event there; the training stream waits on that event, never the host. nvJPEG's one host sync per
-batch (batched.wait_for_queued_kernels) then blocks the prepare thread on the side stream only,
+batch (device_decode.wait_for_queued_kernels) then blocks the prepare thread on the side stream only,
 whatever TRAIN.WORKERS is.
 
 The side stream is made once per device and kept for the process (``side_stream``): the caching
