@@ -82,8 +82,9 @@ def build_run(cfg: CfgNode, env: DistEnv) -> Run:
 
 
 def fused_step(cfg: CfgNode, env: DistEnv) -> bool:
-    """Whether the optimizer steps with its fused kernel: fp16 on a replicated model."""
-    return cfg.TRAIN.PRECISION == "fp16" and not shards(cfg, env)
+    """Whether the optimizer steps with its fused kernel: fp16 or bf16 on a replicated model (one
+    kernel over every parameter rather than foreach's few per group; the same updates, tests/test_levers.py)."""
+    return cfg.TRAIN.PRECISION in ("fp16", "bf16") and not shards(cfg, env)
 
 
 def log_run(
