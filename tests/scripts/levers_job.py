@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from fsdp_job import batch  # the same global batches, 8 of 8x8 pixels, sliced by rank
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -27,7 +28,7 @@ from distribuuuu.training.optim import build_optimizer
 from distribuuuu.training.parallelize import compile_model, ddp_wrap, wrap_model
 from distribuuuu.training.run import fused_step
 
-STEPS, GLOBAL_BATCH, IM, WIDTH = 3, 8, 8, 128
+STEPS, WIDTH = 3, 128
 
 
 class LeversNet(nn.Module):
@@ -45,17 +46,6 @@ class LeversNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(self.stem(x)).mean((2, 3)))
-
-
-def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of the step's global batch: the same global batches for every scenario."""
-    g = torch.Generator().manual_seed(1000 + step)
-    images, targets = (
-        torch.randn(GLOBAL_BATCH, 3, IM, IM, generator=g),
-        torch.randint(0, 10, (GLOBAL_BATCH,), generator=g),
-    )
-    per_rank = GLOBAL_BATCH // world
-    return images[rank * per_rank : (rank + 1) * per_rank], targets[rank * per_rank : (rank + 1) * per_rank]
 
 
 def compiled_then_wrapped(model: nn.Module, cfg, env) -> nn.Module:
