@@ -111,7 +111,7 @@ def test_two_gloo_ranks_pass_the_cpu_checks_and_skip_the_cuda_ones(tmp_path):
     rows = _rows(result.stdout, names)
     assert rows == {n: "PASS" if n in CPU_CHECKS else "SKIP" for n in names}, result.stdout
     assert "0:cpu 1:cpu" in result.stdout  # the rank table, one device per rank
-    assert "7 passed, 0 failed, 8 skipped" in result.stdout
+    assert "7 passed, 0 failed, 11 skipped" in result.stdout
     # The sync windows trained and augmented on the CPU; only the watching needs CUDA.
     assert "no CUDA: the windows trained on the CPU" in result.stdout
 
@@ -225,3 +225,20 @@ def test_every_ranks_share_of_the_jpeg_digits_holds_jpegs_and_pngs(tmp_path, wor
     for rank in range(world):
         kinds = {os.path.splitext(files[i])[1] for i in ExactEvalSampler(len(files), world, rank)}
         assert kinds == {".jpg", ".png"}, f"rank {rank} of {world} reads only {kinds}"
+
+
+def test_the_stream_check_reads_which_thread_launched_each_kernel_and_on_which_stream():
+    # A chrome trace as torch.profiler writes it: kernels carry their stream and the correlation
+    # id of the runtime call that launched them, which carries the launching thread.
+    def launch(tid, correlation):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid, "args": {"correlation": correlation}}
+
+    def kernel(name, stream, correlation):
+        return {"cat": "kernel", "name": name, "args": {"stream": stream, "correlation": correlation}}
+
+    events = [launch(11, 1), kernel("gemm", 21, 1), launch(11, 2), kernel("elementwise", 21, 2)]
+    events += [launch(12, 3), kernel("ncclDevKernel_AllReduce_Sum_f32", 13, 3), launch(12, 4), kernel("reduce", 7, 4)]
+    assert _tool().kernel_streams(events, thread=11) == ({21}, {13})
+    events += [launch(11, 5), kernel("gemm", 13, 5)]  # the prepare thread on NCCL's stream
+    mine, nccl = _tool().kernel_streams(events, thread=11)
+    assert mine & nccl == {13}

@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib.util
+import json
 import math
 import os
 import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -586,6 +589,113 @@ def check_resume(ctx: Context) -> str:
     return f"{arch}{with_syncbn}, 2 epochs: the {len(a['model'])} model tensors and the optimizer state identical"
 
 
+# ------------------------------------------------------------------------------------------------
+# The prepare thread of DATA.DECODER batched on a node of several GPUs (data/prefetch.py)
+# ------------------------------------------------------------------------------------------------
+def primary_contexts() -> set[int]:
+    """The visible GPUs on which this process holds a primary CUDA context, as the driver says
+    (cuDevicePrimaryCtxGetState): what nvidia-smi counts as this process on a GPU."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    active, flags, found = ctypes.c_int(), ctypes.c_uint(), set()
+    for ordinal in range(torch.cuda.device_count()):
+        handle = ctypes.c_int()
+        if driver.cuDeviceGet(ctypes.byref(handle), ordinal) != 0:
+            continue
+        if driver.cuDevicePrimaryCtxGetState(handle, ctypes.byref(flags), ctypes.byref(active)) == 0 and active.value:
+            found.add(ordinal)
+    return found
+
+
+def batched_val_passes(ctx: Context, name: str, passes: int, *opts: str, each: Callable = lambda batch: None) -> list:
+    """``passes`` whole passes of the batched decoder's val loader (the same batches each time:
+    nothing legitimately grows); ``memory_reserved`` after each (CUDA; 0 on the CPU)."""
+    loader = build_val_split(make_cfg(ctx, name, *jpeg_dataset(ctx), *opts), ctx.env).loader
+    reserved = []
+    for _ in range(passes):
+        for batch in loader:
+            each(batch)
+        cuda = ctx.env.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(ctx.env.device)
+        reserved.append(torch.cuda.memory_reserved(ctx.env.device) if cuda else 0)
+    return reserved
+
+
+def check_prefetch_memory(ctx: Context) -> str:
+    """Six passes of the prepare thread leave ``memory_reserved`` where the second left it: each pass
+    reuses the blocks the last freed, on the one side stream (a stream a pass would strand them)."""
+    reserved = batched_val_passes(ctx, "reserved", 6)
+    needs_cuda(ctx)
+    mib = [round(r / 2**20, 1) for r in reserved]
+    expect(reserved[-1] <= reserved[1], f"memory_reserved grew pass after pass (MiB): {mib}")
+    return f"memory_reserved after each of 6 passes (MiB): {mib}"
+
+
+def check_one_context_per_rank(ctx: Context) -> str:
+    """After prefetch passes (the batched checks above ran them), this process holds a CUDA context
+    on its own GPU alone: the prepare thread sets its device before it touches a stream."""
+    device = needs_cuda(ctx)
+    if torch.cuda.device_count() < 2:
+        raise Skip("one GPU visible to this process: no other GPU to find a context on")
+    batched_val_passes(ctx, "contexts", 1, "TRAIN.WORKERS", "2")
+    contexts = primary_contexts()
+    expect(contexts == {device.index}, f"CUDA contexts on GPUs {sorted(contexts)}; this rank's GPU is {device.index}")
+    return f"a context on GPU {device.index} alone of {torch.cuda.device_count()} visible"
+
+
+def kernel_streams(events: list[dict], thread: int) -> tuple[set, set]:
+    """From a chrome trace's events: the streams of the kernels launched by CPU thread ``thread``,
+    and those of NCCL's kernels."""
+    launched_by = {
+        e["args"]["correlation"]: e["tid"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    mine, nccl = set(), set()
+    for e in events:
+        if e.get("cat") != "kernel":
+            continue
+        stream, correlation = e["args"].get("stream"), e["args"].get("correlation")
+        if "nccl" in e.get("name", "").lower():
+            nccl.add(stream)
+        elif launched_by.get(correlation) == thread:
+            mine.add(stream)
+    return mine, nccl
+
+
+def check_side_stream_not_nccls(ctx: Context) -> str:
+    """The prepare thread's kernels never run on one of NCCL's streams, over 40 passes (more than the
+    32 streams of a pool): its one side stream is a high-priority one, NCCL's come from the others."""
+    device = needs_cuda(ctx)
+    if ctx.backend != "nccl":
+        raise Skip(f"the process group is {ctx.backend or 'none'}: no NCCL stream to compare with")
+    threads: set[int] = set()
+    decode = batched.BatchDecoder.prepare
+
+    def noting_thread(self, batch):
+        threads.add(threading.get_native_id())
+        return decode(self, batch)
+
+    batched.BatchDecoder.prepare = noting_thread
+    try:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        ) as prof:
+            batched_val_passes(ctx, "nccl_stream", 40, each=lambda batch: all_reduce_sum(batch[0].sum()[None]))
+    finally:
+        batched.BatchDecoder.prepare = decode
+    path = os.path.join(ctx.work_dir, f"nccl_stream_rank{ctx.env.rank}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    expect(len(threads) == 1, f"batches prepared on {len(threads)} threads, not one")
+    mine, nccl = kernel_streams(events, threads.pop())
+    if not nccl or not mine:
+        raise Skip(f"the trace shows {'no NCCL kernel' if not nccl else 'no kernel of the prepare thread'} on {device}")
+    expect(not mine & nccl, f"the prepare thread ran kernels on NCCL's stream(s) {sorted(mine & nccl)}")
+    return f"40 passes: the prepare thread's stream(s) {sorted(mine)}, NCCL's {sorted(nccl)}"
+
+
 CHECKS = [
     ("all-reduce + rank table", check_all_reduce),
     ("SyncBatchNorm conversion", check_syncbn_conversion),
@@ -599,6 +709,9 @@ CHECKS = [
     ("nvJPEG ran (decode_stats)", check_nvjpeg_ran),
     ("no host sync in training", check_no_host_sync),
     ("no host sync in GPU augment", check_augment_no_host_sync),
+    ("prefetch memory flat, 6 passes", check_prefetch_memory),
+    ("one CUDA context per rank", check_one_context_per_rank),
+    ("side stream is not NCCL's", check_side_stream_not_nccls),
     ("fsdp + sharded checkpoint", check_fsdp_sharded_checkpoint),
     ("fsdp fp16 ShardedGradScaler", check_sharded_scaler_fp16),
     ("resume bit-identical", check_resume),
