@@ -3,7 +3,7 @@ an ImageFolder of two classes (train and val), each unique photo hard-linked ``c
 that decoding costs what it costs while the disk holds few; optionally one CMYK JPEG in every
 ``cmyk_every`` files of train.
 
-    python -m benchmarks.photos ROOT --photos 1024 --copies 12 [--size 375x500] [--cmyk-every 256]
+    python -m benchmarks.photos ROOT --photos 1024 --copies 12 [--size 375x500] [--cmyk-every 256] [--val 256]
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     args.add_argument("--copies", type=int, default=1)
     args.add_argument("--size", default="375x500", help="HEIGHTxWIDTH of the landscape photos")
     args.add_argument("--cmyk-every", type=int, default=0)
+    args.add_argument("--val", type=int, default=0, help="val photos (0: an eighth of --photos)")
     parsed = args.parse_args(argv)
     height, width = map(int, parsed.size.split("x"))
-    written = make_photos(parsed.root, parsed.photos, (height, width), parsed.copies, parsed.cmyk_every)
+    written = make_photos(parsed.root, parsed.photos, (height, width), parsed.copies, parsed.cmyk_every, parsed.val)
     print(f"photos: {written} train files ({parsed.photos} unique, {height}x{width}) under {parsed.root}")
     return 0
 

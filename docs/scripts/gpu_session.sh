@@ -256,13 +256,14 @@ if has steady; then
     echo "=== $name exit $?" | tee -a "$OUT/steady.log" "$OUT/summary.txt"
   }
   # shellcheck disable=SC2086  # the options are words
-  steady ceiling 170 benchmarks.ceiling "${J[@]}" --batches $CEILING_BATCHES --steps $STEPS --warmup $WARM $MODEL
-  steady photos 30 benchmarks.photos "$W/photos" --photos $PHOTOS --copies $COPIES --size $PSIZE
+  steady ceiling 150 benchmarks.ceiling "${J[@]}" --batches $CEILING_BATCHES --steps $STEPS --warmup $WARM $MODEL
+  # One val batch: evaluation compiles one graph
+  steady photos 30 benchmarks.photos "$W/photos" --photos $PHOTOS --copies $COPIES --size $PSIZE --val $BATCH
   # shellcheck disable=SC2086
-  steady epochs 170 benchmarks.epochs "${J[@]}" OUT_DIR "$W/epochs" $JPEGS OPTIM.MAX_EPOCH $EPOCHS TRAIN.PRINT_FREQ 10 $MODEL
+  steady epochs 190 benchmarks.epochs "${J[@]}" OUT_DIR "$W/epochs" $JPEGS OPTIM.MAX_EPOCH $EPOCHS TRAIN.PRINT_FREQ 10 $MODEL
   cp "$W/epochs/log.txt" "$OUT/epochs_log.txt" 2>/dev/null
   # shellcheck disable=SC2086
-  steady resample 60 benchmarks.resample "${J[@]}" --batch $RBATCH --sizes $RSIZES --budget-gib $RBUDGET --repeats 10
+  steady resample 50 benchmarks.resample "${J[@]}" --batch $RBATCH --sizes $RSIZES --budget-gib $RBUDGET --repeats 10
   # shellcheck disable=SC2086
   steady worst_cases 90 benchmarks.worst_cases "${J[@]}" --work "$W/worst" --batch $BATCH --batches 3 --scale $SCALE \
     TRAIN.WORKERS $WORKERS TRAIN.IM_SIZE $IM
