@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     cfg = load_cfg(None, parsed.opts)
     run = trainer.build_run(cfg, env)
-    run.train.sampler.set_epoch(0)
+    trainer.start_epoch_sampler(run, 0)  # the sampler at epoch 0, as train_epoch points it
     batches, sums = iter(run.train.loader), MetricSums(env.device, cfg.TRAIN.TOPK)
     for _ in range(parsed.warmup):
         trainer.train_step(run, [next(batches)], sums)
