@@ -162,9 +162,9 @@ _C.TEST.IM_SIZE = 32
 # MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this (F1,
 # precision, recall; predict.py)
 _C.TEST.THRESHOLD = 0.5
-# MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class (logits in
-# [-16, 16]); the counts take 16 x MODEL.NUM_CLASSES x AP_BINS bytes on each rank, whatever the
-# val set's size (docs/annotations.md)
+# MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class spread over
+# each class's observed logit range; the counts take 8 x MODEL.NUM_CLASSES x AP_BINS bytes on each
+# rank, beside its own share of the logits (docs/annotations.md)
 _C.TEST.AP_BINS = 4096
 # Center-crop size of evaluation (0: TRAIN.IM_SIZE)
 _C.TEST.CROP_SIZE = 0
