@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from torch.nn import functional as F
 
 from distribuuuu.checkpointing import checkpoint as ckpt
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
-from distribuuuu.config import get_cfg_defaults, load_cfg
+from distribuuuu.config import ConfigError, get_cfg_defaults, load_cfg
 from distribuuuu.data import load_image
 from distribuuuu.data.samplers import ExactEvalSampler
 from distribuuuu.losses import MultiLabelBCE
@@ -223,6 +224,18 @@ def test_non_finite_logits_rank_at_the_ends_and_leave_the_others_counted():
     assert sums.reduce()["map"] == pytest.approx(100 * (1 + 2 / 3) / 2, rel=1e-15)
 
 
+@pytest.mark.parametrize("threshold", ["0", "1", "0.0", "1.0"])
+def test_any_threshold_in_0_1_is_accepted_its_ends_included(threshold):
+    # 0: every class predicted (every score is at least 0); 1: only scores that round to 1.
+    assert load_cfg(None, ["MODEL.TASK", "multilabel", "TEST.THRESHOLD", threshold]).TEST.THRESHOLD == float(threshold)
+
+
+@pytest.mark.parametrize("threshold", ["-0.01", "1.01"])
+def test_a_threshold_outside_0_1_is_refused_naming_the_key(threshold):
+    with pytest.raises(ConfigError, match=rf"^TEST\.THRESHOLD must be in \[0, 1\], got {threshold}$"):
+        load_cfg(None, ["MODEL.TASK", "multilabel", "TEST.THRESHOLD", threshold])
+
+
 def test_multilabel_bce_is_the_closed_form_with_smoothing_and_positive_weights():
     logits, targets = _predictions()
     pos_weight = torch.linspace(0.5, 3.0, C)
@@ -289,6 +302,23 @@ def test_a_multilabel_run_records_map_and_f1_and_keeps_the_best_by_map(pairs_run
     assert "last val top-1" not in summary, summary
 
 
+def _val_images(opts: list[str], count: int) -> list[str]:
+    data = Path(opts[opts.index("TRAIN.DATASET") + 1])
+    return sorted(str(p) for p in (data / "val").glob("*.png"))[:count]
+
+
+def _sigmoid_scores(weights: str, images: list[str]) -> tuple[torch.Tensor, list[str]]:
+    """The checkpoint's model's sigmoid scores of ``images``, computed here (independently of
+    predict.py), and its class names."""
+    state = load_checkpoint(weights)
+    cfg = load_cfg(None, [*EVAL_TINY, "MODEL.TASK", "multilabel"])
+    model = build_configured_model(cfg.MODEL).eval()
+    model.load_state_dict(model_state_from(state))
+    transform = build_val_transform(cfg)
+    with torch.no_grad():
+        return torch.sigmoid(model(torch.stack([transform(load_image(p)) for p in images]))), state["classes"]
+
+
 def test_test_net_and_predict_agree_with_the_training_run_on_a_multilabel_checkpoint(pairs_run, tmp_path):
     out, opts = pairs_run
     weights = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(2))
@@ -297,21 +327,46 @@ def test_test_net_and_predict_agree_with_the_training_run_on_a_multilabel_checkp
     [last] = [r for r in read_metrics(out) if r.get("split") == "val" and r["weights"] == "model" and r["epoch"] == 2]
     assert all(tested[f] == last[f] for f in ("map", "f1_macro", "f1_micro", "precision_micro", "recall_macro"))
     # predict.py's classes above the threshold are the model's sigmoid scores >= TEST.THRESHOLD.
-    data = Path(opts[opts.index("TRAIN.DATASET") + 1])
-    images = sorted(str(p) for p in (data / "val").glob("*.png"))[:8]
+    images = _val_images(opts, 8)
     result = in_process(PREDICT, "--weights", weights, "--json", *images)
     assert_ok(result)
     lines = [json.loads(line) for line in result.stdout.splitlines()]
-    state = load_checkpoint(weights)
-    cfg = load_cfg(None, [*EVAL_TINY, "MODEL.TASK", "multilabel"])
-    model = build_configured_model(cfg.MODEL).eval()
-    model.load_state_dict(model_state_from(state))
-    transform = build_val_transform(cfg)
-    with torch.no_grad():
-        scores = torch.sigmoid(model(torch.stack([transform(load_image(p)) for p in images])))
+    scores, classes = _sigmoid_scores(weights, images)
     for line, row in zip(lines, scores):
-        expected = {state["classes"][c]: row[c].item() for c in range(10) if row[c] >= 0.5}
+        expected = {classes[c]: row[c].item() for c in range(10) if row[c] >= 0.5}
         assert {x["class"]: x["prob"] for x in line["labels"]} == pytest.approx(expected, abs=1e-6)
+
+
+def test_predict_gives_every_classs_score_and_the_topk_of_a_multilabel_checkpoint(pairs_run):
+    out, opts = pairs_run
+    weights, images = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(1)), _val_images(opts, 6)
+    scores, classes = _sigmoid_scores(weights, images)
+    as_json = in_process(PREDICT, "--weights", weights, "--json", "--topk", "2", *images)
+    assert_ok(as_json)
+    lines = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert [line["path"] for line in lines] == images
+    for line, row in zip(lines, scores):
+        # Every class's sigmoid score, by name; the two best by score; those at the threshold.
+        assert line["scores"] == pytest.approx({name: row[c].item() for c, name in enumerate(classes)}, abs=1e-6)
+        best = row.argsort(descending=True)[:2].tolist()
+        assert [x["class"] for x in line["topk"]] == [classes[c] for c in best]
+        assert line["threshold"] == 0.5
+    as_text = in_process(PREDICT, "--weights", weights, "--topk", "3", *images)
+    assert_ok(as_text)
+    for text, row in zip(as_text.stdout.splitlines(), scores):
+        listed = re.findall(r"(\S+) \((\d\.\d{3})\)(\*?)", text.split(": ", 1)[1])
+        best = row.argsort(descending=True)[:3].tolist()
+        assert [name for name, _, _ in listed] == [classes[c] for c in best], text
+        assert [mark == "*" for _, _, mark in listed] == [bool(row[c] >= 0.5) for c in best], text
+
+
+def test_predict_takes_threshold_0_every_class_predicted(pairs_run):
+    out, opts = pairs_run
+    weights, images = str(out / ckpt.CKPT_DIR / ckpt.checkpoint_name(1)), _val_images(opts, 2)
+    result = in_process(PREDICT, "--weights", weights, "--json", *images, "TEST.THRESHOLD", "0")
+    assert_ok(result)
+    for line in map(json.loads, result.stdout.splitlines()):
+        assert line["threshold"] == 0.0 and {x["class"] for x in line["labels"]} == set(line["scores"])
 
 
 def test_export_records_a_multilabel_checkpoints_task_and_threshold(pairs_run, tmp_path):

@@ -159,8 +159,8 @@ _C.TEST.ANN_FILE = ""
 _C.TEST.BATCH_SIZE = 64
 # Resize size (shorter side) before the center crop; timm and torchvision name the crop instead
 _C.TEST.IM_SIZE = 32
-# MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this (F1,
-# precision, recall; predict.py)
+# MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this, in [0, 1]
+# (F1, precision, recall; predict.py marks these classes)
 _C.TEST.THRESHOLD = 0.5
 # MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class spread over
 # each class's observed logit range; the counts take 8 x MODEL.NUM_CLASSES x AP_BINS bytes on each

@@ -63,7 +63,7 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TEST.EXTRA_DATASETS", ((lambda v, c: all(isinstance(d, str) and d for d in v)), "must be a list of dataset roots")),
     ("MODEL.NUM_CLASSES", _POSITIVE),
     ("MODEL.TASK", _choice(TASKS)),
-    ("TEST.THRESHOLD", _between(0, 1, lo_open=True, hi_open=True)),
+    ("TEST.THRESHOLD", _between(0, 1)),  # 0: every class predicted; 1: scores that round to 1
     ("TEST.AP_BINS", ((lambda v, c: 2 <= v <= 2**20), "must be in 2..1048576")),
     ("DATA.ANN_LABEL_SEP", ((lambda v, c: v != "" and v != "\n"), "must be a separator such as ' ', ';' or '|'")),
     ("MODEL.TASK", ((lambda v, c: v == "multiclass" or c.TRAIN.SAMPLER != "weighted"),
