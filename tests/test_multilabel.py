@@ -294,7 +294,8 @@ def test_a_multilabel_run_records_map_and_f1_and_keeps_the_best_by_map(pairs_run
     state = load_checkpoint(str(out / ckpt.BEST_NAME))
     assert (state["best_metric"], state["best_value"], state["best_weights"]) == ("map", best["map"], best["weights"])
     summary = (out / "summary.md").read_text()
-    assert f"best val map (TRAIN.BEST_METRIC): {best['map']:.4g} ({best['weights']} weights, epoch" in summary
+    said = f"best val mAP (TRAIN.BEST_METRIC map): {best['map']:.2f}% (F1 macro {best['f1_macro']:.2f}%, {best['weights']} weights, epoch"
+    assert said in summary, summary
     last = {r["weights"]: r for r in vals}  # the last epoch's record of each weights kind
     for weights, r in last.items():
         said = f"last val mAP ({weights}): {r['map']:.2f}% (F1 macro {r['f1_macro']:.2f}%, micro {r['f1_micro']:.2f}%"
