@@ -141,7 +141,8 @@ _C.TRAIN.PROGRESSIVE_START_EPOCH = 0
 # The first epoch (from 0) at TRAIN.IM_SIZE (FFCV's end_ramp): above START_EPOCH; at or past
 # OPTIM.MAX_EPOCH the run ends inside the ramp (a warning says so)
 _C.TRAIN.PROGRESSIVE_END_EPOCH = 0
-# The ramp's sizes are multiples of this (FFCV: 32); PROGRESSIVE_START_SIZE and TRAIN.IM_SIZE must be too
+# The ramp's sizes are multiples of this (FFCV: 32; 8 for 32 px images, docs/recipe.md);
+# PROGRESSIVE_START_SIZE and TRAIN.IM_SIZE must be too
 _C.TRAIN.PROGRESSIVE_SIZE_MULTIPLE = 32
 
 # ------------------------------------------------------------------------------------------------
