@@ -141,7 +141,8 @@ _C.TRAIN.PROGRESSIVE_START_EPOCH = 0
 # The first epoch (from 0) at TRAIN.IM_SIZE (FFCV's end_ramp): above START_EPOCH; at or past
 # OPTIM.MAX_EPOCH the run ends inside the ramp (a warning says so)
 _C.TRAIN.PROGRESSIVE_END_EPOCH = 0
-# The ramp's sizes are multiples of this (FFCV: 32); PROGRESSIVE_START_SIZE and TRAIN.IM_SIZE must be too
+# The ramp's sizes are multiples of this (FFCV: 32; 8 for 32 px images, docs/recipe.md);
+# PROGRESSIVE_START_SIZE and TRAIN.IM_SIZE must be too
 _C.TRAIN.PROGRESSIVE_SIZE_MULTIPLE = 32
 
 # ------------------------------------------------------------------------------------------------
@@ -159,12 +160,12 @@ _C.TEST.ANN_FILE = ""
 _C.TEST.BATCH_SIZE = 64
 # Resize size (shorter side) before the center crop; timm and torchvision name the crop instead
 _C.TEST.IM_SIZE = 32
-# MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this (F1,
-# precision, recall; predict.py)
+# MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this, in [0, 1]
+# (F1, precision, recall; predict.py marks these classes)
 _C.TEST.THRESHOLD = 0.5
-# MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class (logits in
-# [-16, 16]); the counts take 16 x MODEL.NUM_CLASSES x AP_BINS bytes on each rank, whatever the
-# val set's size (docs/annotations.md)
+# MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class spread over
+# each class's observed logit range; the counts take 8 x MODEL.NUM_CLASSES x AP_BINS bytes on each
+# rank, beside its own share of the logits (docs/annotations.md)
 _C.TEST.AP_BINS = 4096
 # Center-crop size of evaluation (0: TRAIN.IM_SIZE)
 _C.TEST.CROP_SIZE = 0

@@ -12,7 +12,17 @@ import os
 from dataclasses import dataclass, field
 
 from distribuuuu.records.metrics_file import METRICS_FILE, Record, read_records
-from distribuuuu.records.plots import PLOT_INSTALL, dedupe, load_run, save_plot
+from distribuuuu.records.plots import (
+    HEADLINE,
+    METRIC_NAMES,
+    PERCENT,
+    PLOT_INSTALL,
+    best_record,
+    dedupe,
+    headline,
+    load_run,
+    save_plot,
+)
 
 SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
 
@@ -62,16 +72,6 @@ def summarize(out_dir: str, records: list[Record] | None = None, config_changes:
     return s
 
 
-def best_record(val_records: list[Record]) -> Record:
-    """The val record the run chose as its best: the last one written marked ``best`` (by
-    TRAIN.BEST_METRIC, as the trainer's ``Best`` decided); in a run recorded before records were
-    marked, the best top-1."""
-    marked = [r for r in val_records if r.get("best")]
-    if marked:
-        return marked[-1]
-    return max((r for r in val_records if "top1" in r), key=lambda r: r["top1"], default={})
-
-
 def format_summary(s: Summary) -> str:
     """The summary as short Markdown."""
     lines = [f"# Run summary: {s.out_dir}", "", f"- epochs trained: {s.epochs}"]
@@ -88,15 +88,18 @@ def format_summary(s: Summary) -> str:
 
 
 def _best_line(best: dict, metric: str) -> str:
-    """The best val record by TRAIN.BEST_METRIC, beside the run's headline metric: mAP for a
-    multi-label run (MODEL.TASK multilabel), top-1 otherwise."""
+    """The best val record by TRAIN.BEST_METRIC, beside the run's headline metrics (mAP and F1 macro
+    for a multi-label run, top-1 otherwise); named unless it is top-1, the default, of a top-1 run."""
     where = f"{best.get('weights', 'model')} weights, epoch {best['epoch']}"
-    headline = "map" if "map" in best else "top1"
-    if metric == headline == "top1":
-        return f"- best val top-1: {best['top1']:.2f}% ({where})"
-    field = metric  # each best metric is the record's field of its name
-    beside = "" if field == headline else f"{'mAP' if headline == 'map' else 'top-1'} {best[headline]:.2f}%, "
-    return f"- best val {field} (TRAIN.BEST_METRIC): {best[field]:.4g} ({beside}{where})"
+    headlines = headline(best)
+    chosen = "" if headlines == HEADLINE == (metric,) else f" (TRAIN.BEST_METRIC {metric})"
+    beside = [f"{METRIC_NAMES[f]} {best[f]:.2f}%, " for f in headlines if f != metric and f in best]
+    return f"- best val {METRIC_NAMES[metric]}{chosen}: {_value(metric, best[metric])} ({''.join(beside)}{where})"
+
+
+def _value(metric: str, value: float) -> str:
+    """A metric's value as the other lines give it: a percentage to 2 decimals, a loss to 4."""
+    return f"{value:.2f}%" if metric in PERCENT else f"{value:.4f}"
 
 
 def _evaluation_line(what: str, weights: str, r: dict) -> str:
