@@ -198,7 +198,9 @@ def test_ranks_may_share_a_gpu_over_gloo_only(monkeypatch, backend):
     both reporting the same GPU (the threaded group has no timed wait: the table without it)."""
     monkeypatch.setattr(gpu_checks, "physical_device", lambda env: "GPU-the-one")
     table = {"host": "node0", "device": "cpu"}
-    monkeypatch.setattr(gpu_checks, "check_group", lambda env, timeout_s: all_gather_object({"rank": env.rank, **table}))
+    monkeypatch.setattr(
+        gpu_checks, "check_group", lambda env, timeout_s: all_gather_object({"rank": env.rank, **table})
+    )
 
     def rank_job(rank: int) -> tuple[str, str]:
         ctx = harness.Context(DistEnv(rank=rank, world_size=2, launcher="torchrun"), "", backend)
