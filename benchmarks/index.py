@@ -118,6 +118,26 @@ def _readings(batch: list) -> list:
     return [item for item in batch if item is not None]
 
 
+class _Epoch:
+    """The batches of an epoch of ``count`` samples in a seeded random order, between ``workers``
+    marks before and after (batches go to the workers in turn: a run of marks reaches each once).
+
+    Drawn as the batches are asked for, after the workers are forked, as a training sampler draws
+    its permutation: batches made before the fork would be pages the workers share, and the rank
+    writing their reference counts as it sends them would make them the workers' own (32 B a
+    sample of the worker's private memory that the worker never touched)."""
+
+    def __init__(self, count: int, workers: int, batch: int):
+        self.count, self.workers, self.batch = count, workers, batch
+
+    def __iter__(self):
+        yield from [[MARK]] * self.workers
+        order = np.random.default_rng(0).permutation(self.count)
+        for start in range(0, self.count, self.batch):
+            yield order[start : start + self.batch].tolist()
+        yield from [[MARK]] * self.workers
+
+
 def worker_growth(samples: Sequence, count: int | None = None, workers: int = 1, batch: int = 4096) -> list[int]:
     """Each DataLoader worker's private-memory growth in bytes over an epoch of reads of the first
     ``count`` samples (all by default) in a seeded random order, as a training sampler draws them:
@@ -125,11 +145,8 @@ def worker_growth(samples: Sequence, count: int | None = None, workers: int = 1,
     import torch
 
     count = len(samples) if count is None else count
-    order = np.random.default_rng(0).permutation(count)
-    # Batches go to the workers in turn: ``workers`` marks in a row reach each worker once.
-    batches = [[MARK]] * workers + [order[i : i + batch].tolist() for i in range(0, count, batch)] + [[MARK]] * workers
     loader = torch.utils.data.DataLoader(
-        IndexReads(samples), batch_sampler=batches, num_workers=workers, collate_fn=_readings,
+        IndexReads(samples), batch_sampler=_Epoch(count, workers, batch), num_workers=workers, collate_fn=_readings,
         multiprocessing_context="fork",
     )  # fmt: skip
     sizes: dict[int, list[int]] = {}

@@ -182,8 +182,8 @@ def _annotated(folder: Path) -> tuple[str, AnnotationSpec]:
 def test_a_dataloader_worker_grows_at_most_16_bytes_a_sample_over_an_epoch(big_folder, reader):
     # Reading a list of tuples writes their reference counts (and the collector their headers), so
     # fork's copy-on-write copies every page the worker reads: 161 B a sample at ImageNet size.
-    # Measured as a slope, between an epoch of a tenth of the samples and one of them all (two
-    # workers forked afresh): what a worker copies at start-up and its first batches is in both.
+    # Measured as a slope, between an epoch of a tenth of the samples and one of them all (with
+    # a worker forked afresh for each): what a worker copies at start-up and its first batches is in both.
     # Margin: one obmalloc arena (1 MiB, the step in which a worker's Python heap grows) either way.
     root, spec = _annotated(big_folder) if reader == "annotations" else (str(big_folder.parent), None)
     dataset, _ = build_base_dataset(root, "train", annotations=spec)

@@ -34,12 +34,14 @@ import io
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.errors import DataError, import_extra
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
+from distribuuuu.data.index import Labels, Samples, Strings
 from distribuuuu.data.remote import BadShardError, download, is_remote, join, read_bytes
 from distribuuuu.data.shard_cache import ShardCache, ShardCacheError, ShardFile, fetch_once
 
@@ -194,12 +196,41 @@ def default_cache_dir(root: str) -> str:
     return os.path.join(tempfile.gettempdir(), "distribuuuu-shards", hashlib.sha256(root.encode()).hexdigest()[:16])
 
 
+@dataclass(frozen=True)
+class PackedIndex:
+    """A packed split's index.json as the reader holds it: class names, (name, target) samples in
+    arrays (data/index.py), the shard list."""
+
+    classes: list[str]
+    samples: Samples
+    shardlist: list[dict]
+
+
+def read_packed_index(root: str, split: str) -> PackedIndex:
+    """The split's index.json (a path or a URL), checked (load_index), its samples in arrays."""
+    import_extra("wids", f"reading the packed dataset {root}", "data")  # what reads the shards: first
+    location = index_location(root, split)
+    index = load_index(location)
+    listed = index["samples"]
+    # A target is a class index, or a list of them (a multi-label annotation file's sample).
+    multilabel = [isinstance(t, list) for _, t in listed]
+    if any(multilabel) and not all(multilabel):
+        raise DataError(f"{location}: some samples have a class index, others a list of them")
+    try:
+        names = Strings.of(name for name, _ in listed)
+        labels = Labels.of([t for _, t in listed], multilabel=bool(listed) and multilabel[0])
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{location}: samples are not (name, class index) pairs: {e}") from None
+    return PackedIndex(list(index["classes"]), Samples(names, labels), index["shardlist"])
+
+
 class PackedDataset(EncodedSamples):
     """A packed split as a map-style dataset of (image, target), like CheckedImageFolder.
 
     ``samples`` lists (name, target) with the original relative path as the name, and
     ``targets`` / ``classes`` are ImageFolder's: class remapping (data/classes.py) and the weighted
-    sampler work unchanged. Sample i is read from the shards' global row ``rows[name]``.
+    sampler work unchanged. Sample i is read from the shards' global row ``samples.row(i)``.
+    ``index``: the split's index already read (read_packed_index; by one rank for all).
     """
 
     def __init__(
@@ -209,16 +240,15 @@ class PackedDataset(EncodedSamples):
         decoder: str = "auto",
         cache_dir: str = "",
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        index: PackedIndex | None = None,
     ):
         wids = import_extra("wids", f"reading the packed dataset {root}", "data")  # only when one is read
 
         self.location = index_location(root, split)
-        index = load_index(self.location)
-        # A target is a class index, or a list of them (a multi-label annotation file's sample).
-        samples = [(name, tuple(t) if isinstance(t, list) else int(t)) for name, t in index["samples"]]
-        super().__init__(samples, list(index["classes"]), decoder, max_pixels)
+        index = index if index is not None else read_packed_index(root, split)
+        super().__init__(index.samples, list(index.classes), decoder, max_pixels)
         base = self.location.rsplit("/", 1)[0]
-        shards = [dict(s, url=join(base, s["url"])) for s in index["shardlist"]]
+        shards = [dict(s, url=join(base, s["url"])) for s in index.shardlist]
         self.remote = is_remote(root)
         self.files = _ShardFiles(shards, cache_dir or default_cache_dir(root))
         with contextlib.redirect_stderr(io.StringIO()):  # wids prints a summary line on every construction
@@ -257,7 +287,7 @@ class PackedDataset(EncodedSamples):
 
     def sample_shards(self) -> list[int]:
         """The shard (its place in the index's shard list) that each sample is read from."""
-        return self._shards_of([self.rows[name] for name, _ in self.samples]).tolist()
+        return self._shards_of(self.samples.all_rows()).tolist()
 
     def _shard_url(self, row: int) -> str:
         return self.shards.shards[int(self._shards_of(row))]["url"]
