@@ -172,8 +172,16 @@ def build(reader: str, folder: str, cache: str = "", decide: Callable | None = N
     return build_base_dataset(root, split, index_cache=cache, **kwargs)[0]
 
 
+def _import_readers() -> None:
+    """Import what the readers need, so that neither a listing's time nor its bytes count the imports."""
+    import torchvision  # noqa: F401
+
+    import distribuuuu.data.datasets  # noqa: F401
+
+
 def _one_rank(reader: str, folder: str, cache: str, workers: int, out) -> None:
     """One fresh process: the scan's time, the rank's growth, each worker's growth over an epoch."""
+    _import_readers()
     gc.collect()
     before = private_bytes()
     start = time.perf_counter()
@@ -186,6 +194,7 @@ def _one_rank(reader: str, folder: str, cache: str, workers: int, out) -> None:
 
 def _retained(reader: str, folder: str, cache: str, out) -> None:
     """One fresh process: what the index retains (tracemalloc) against its paths' own bytes."""
+    _import_readers()
     dataset, retained = retained_bytes(lambda: build(reader, folder, cache))
     out.put({"index_bytes": retained, "path_bytes": path_bytes(dataset.samples), "samples": len(dataset.samples)})
 
@@ -211,6 +220,7 @@ def _rank_main(rank: int, ranks: int, port: int, reader: str, folder: str, cache
 
     from distribuuuu.runtime.process_group import rank0_decides
 
+    _import_readers()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     store = dist.TCPStore("127.0.0.1", port, ranks, rank == 0, timeout=datetime.timedelta(seconds=600))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
@@ -254,6 +264,7 @@ def measure(
         folder = folder or make_linked_folder(os.path.join(scratch, "train"), entries)
         cache = os.path.join(scratch, "index-cache")
         build("imagefolder", folder)  # the directory entries in the page cache, for every reader alike
+        _write_cache(folder, cache)
         records = _per_reader(folder, cache, repeats, workers) + _per_rank_count(folder, cache, ranks, repeats)
         for record in records:
             emit(record)
@@ -262,10 +273,20 @@ def measure(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _write_cache(folder: str, cache: str) -> None:
+    """Write the index cache that ``index_cached`` reads, once the folder is old enough to be cached."""
+    from distribuuuu.data.folder_index import RACY_NS
+
+    newest = max(os.stat(folder).st_mtime_ns, *(e.stat().st_mtime_ns for e in os.scandir(folder) if e.is_dir()))
+    time.sleep(max(0.0, (newest + RACY_NS - time.time_ns()) / 1e9 + 0.5))
+    build("index", folder, cache)
+    if not os.path.isdir(cache) or not os.listdir(cache):
+        raise RuntimeError(f"{folder}: its index was not cached (a folder changed while it was listed?)")
+
+
 def _per_reader(folder: str, cache: str, repeats: int, workers: int) -> list[dict]:
     """Scan time (median of ``repeats`` fresh processes, readers in turn), bytes in the rank and in each worker."""
     runs: dict[str, list[dict]] = {reader: [] for reader in READERS}
-    _in_fresh_process(_retained, "index", folder, cache)  # writes the cache index_cached reads
     for _ in range(repeats):
         for reader in READERS:
             runs[reader].append(_in_fresh_process(_one_rank, reader, folder, _cache_of(reader, cache), workers))

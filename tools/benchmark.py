@@ -66,7 +66,7 @@ from distribuuuu.training.rng import seed_everything  # noqa: E402
 from distribuuuu.training.session import Session  # noqa: E402
 from distribuuuu.training.state import Run, global_batch  # noqa: E402
 
-WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed")
+WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed", "index")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
 PHOTO_SIZE = (500, 375)  # width, height: a typical ImageNet photo
 # --what packed: ImageNet-like mixed sizes (width, height), drawn with these weights.
@@ -107,6 +107,11 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     )  # fmt: skip
     p.add_argument(
         "--archs", default="resnet18", help="--memory-table: comma-separated MODEL.ARCH[:KWARG=VALUE...] values"
+    )
+    p.add_argument("--index-folder", default="", help="--what index: this split folder (default: make ImageNet's)")
+    p.add_argument("--index-entries", type=int, default=1_281_167, help="--what index: files of the folder it makes")
+    p.add_argument(
+        "--index-ranks", type=counts(1), default="2,4", help="--what index: local rank counts whose start-up is timed"
     )
     p.add_argument("--cfg", dest="cfg_file", default=None, help="YAML config file, as train_net.py's")
     p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [KEY VALUE ...]"
@@ -930,6 +935,11 @@ def measure(bench: argparse.Namespace, cfg_args: argparse.Namespace, first: CfgN
         measure_decode(cfg_args, env, bench, report)
     if "packed" in what:
         measure_packed(cfg_args, env, bench, report)
+    if "index" in what and env.is_main_process:  # starts its own ranks: benchmarks/index.py
+        from benchmarks import index
+
+        found = index.measure(report.emit, bench.index_folder, bench.index_entries, bench.index_ranks, bench.repeats)
+        print("\n" + index.table(found), flush=True)
     if env.is_main_process:
         print("\n" + format_table(report.records), flush=True)
     return report.records
