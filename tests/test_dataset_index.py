@@ -149,6 +149,49 @@ def test_two_ranks_started_together_scan_each_split_once(count_scans):
     assert count_scans(DIGITS) - one_process == one_process, "two ranks listed the folders more than one rank does"
 
 
+def _counting(monkeypatch, module, name: str) -> list:
+    """Count the calls of ``module.name`` (made from any thread)."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _annotated_digits(root: Path) -> list[str]:
+    """Annotation files listing the digits' train and val splits: the config keys that read them."""
+    for split in ("train", "val"):
+        reference = _reference(DIGITS / split)
+        with open(root / f"{split}.txt", "w") as f:
+            f.writelines(f"{p} {reference.classes[t]}\n" for p, t in reference.samples)
+    return ["TRAIN.ANN_FILE", "train.txt", "TEST.ANN_FILE", "val.txt", "TRAIN.DATASET", str(root),
+            "TEST.DATASET", str(root)]  # fmt: skip
+
+
+def _packed_digits(root: Path) -> list[str]:
+    from distribuuuu.data.pack import PackOptions, pack_split
+
+    for split in ("train", "val"):
+        pack_split(str(DIGITS), split, str(root / "packed"), PackOptions(shard_size=500))
+    packed = str(root / "packed")
+    return ["TRAIN.DATASET", packed, "TEST.DATASET", packed, "DATA.SHARD_CACHE", str(root / "links")]
+
+
+@pytest.mark.parametrize("kind", ["annotations", "packed"])
+def test_two_ranks_read_an_annotation_file_or_a_packed_index_once_a_split(tmp_path, monkeypatch, kind):
+    from distribuuuu.data import annotations, packed
+
+    config = _cfg(*(_annotated_digits(tmp_path) if kind == "annotations" else _packed_digits(tmp_path)))
+    calls = _counting(monkeypatch, *((annotations, "_read") if kind == "annotations" else (packed, "load_index")))
+    alone = _splits(config, DistEnv())
+    assert len(calls) == 2  # train and val
+    assert on_ranks(2, lambda rank: _splits(config, DistEnv(rank=rank, world_size=2))) == [alone, alone]
+    assert len(calls) == 4, "two ranks read a split's list more than once"
+
+
 def test_a_failed_scan_on_rank_0_is_the_same_one_line_error_on_every_rank(tmp_path):
     shutil.copytree(DIGITS / "train", tmp_path / "train")
     (tmp_path / "train" / "empty class").mkdir()
@@ -313,6 +356,15 @@ def test_an_unwritable_cache_folder_is_a_warning_and_the_index_is_used(tmp_path,
         dataset, classes = _cached_build(split.parent, tmp_path / "a file" / "cache")
     _assert_lists_like_imagefolder(dataset, classes, split)
     assert "index cache" in caplog.text and "not written" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["a file", "http://host/cache"])
+def test_the_index_cache_must_be_a_local_folder(tmp_path, value):
+    from distribuuuu.config import ConfigError
+
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(ConfigError, match="DATA.INDEX_CACHE must be a local folder"):
+        _cfg("DATA.INDEX_CACHE", str(tmp_path / value) if value == "a file" else value)
 
 
 def test_a_job_of_two_ranks_reads_the_cache_another_job_wrote(tmp_path, count_scans):
