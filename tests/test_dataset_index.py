@@ -121,6 +121,36 @@ def test_the_annotation_reader_lists_its_files_samples_in_arrays(tmp_path):
     assert list(dataset.targets) == [t for _, t in texts]
 
 
+@pytest.mark.parametrize("multilabel", [False, True])
+def test_class_remapping_keeps_and_maps_the_samples_a_list_would(multilabel):
+    # The list semantics remap_targets had: a class index the mapping lacks drops its sample; a
+    # multi-label sample keeps the classes it maps, sorted (and itself, with none left: a negative).
+    import numpy as np
+
+    from distribuuuu.data.index import Labels, Samples, Strings
+
+    rng = np.random.default_rng(0)
+    names = [f"c{i % 7}/img {i}.png" for i in range(200)]
+    if multilabel:
+        targets = [tuple(sorted(rng.choice(7, size=rng.integers(0, 4), replace=False).tolist())) for _ in names]
+    else:
+        targets = rng.integers(0, 7, size=len(names)).tolist()
+    mapping = {0: 5, 2: 0, 3: 3, 5: 1, 6: 9}  # 1 and 4 unmapped; the order of classes changes
+    samples = Samples(Strings.of(names), Labels.of(targets, multilabel), "/data", np.arange(200) * 3)
+    if multilabel:
+        expected = [
+            (f"/data/{n}", tuple(sorted(mapping[c] for c in t if c in mapping))) for n, t in zip(names, targets)
+        ]
+        rows = list(range(0, 600, 3))
+    else:
+        kept = [i for i, t in enumerate(targets) if t in mapping]
+        expected = [(f"/data/{names[i]}", mapping[targets[i]]) for i in kept]
+        rows = [3 * i for i in kept]
+    mapped = samples.mapped(mapping)
+    assert list(mapped) == expected and mapped.all_rows().tolist() == rows
+    assert list(mapped.labels) == [t for _, t in expected]
+
+
 # ------------------------------------------------------------------------------------------------
 # Built once per job
 # ------------------------------------------------------------------------------------------------
