@@ -10,4 +10,9 @@ docs/gpu.md has what they measured and the commands.
 - ``worst_cases``: the loader alone on 12 MP photos and on batches with one CMYK JPEG each.
 - ``trace``: a profiler trace of 20 steady training steps.
 - ``photos``: the synthetic photo folders they read.
+
+And one for any machine, too large for tools/benchmark.py itself, which calls it:
+
+- ``index``: the dataset index at ImageNet size (``tools/benchmark.py --what index``): the listing,
+  the index in the rank, each DataLoader worker's growth over an epoch, N local ranks' start-up.
 """

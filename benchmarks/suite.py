@@ -32,7 +32,7 @@ from distribuuuu.runtime.process_group import (
 # ------------------------------------------------------------------------------------------------
 # Table and entry point
 # ------------------------------------------------------------------------------------------------
-WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed")
+WHAT = ("train", "plain", "breakdown", "data", "decode", "eval", "variants", "memory", "packed", "index")
 DEFAULT_WHAT = "train,plain,breakdown,data,decode,eval"
 
 
@@ -140,6 +140,11 @@ def measure(bench: argparse.Namespace, cfg_args: argparse.Namespace, first: CfgN
         measure_decode(cfg_args, env, bench, report)
     if "packed" in what:
         measure_packed(cfg_args, env, bench, report)
+    if "index" in what and env.is_main_process:  # starts its own ranks: benchmarks/index.py
+        from benchmarks import index
+
+        found = index.measure(report.emit, bench.index_folder, bench.index_entries, bench.index_ranks, bench.repeats)
+        print("\n" + index.table(found), flush=True)
     if env.is_main_process:
         print("\n" + format_table(report.records), flush=True)
     return report.records

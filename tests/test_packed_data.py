@@ -274,7 +274,7 @@ def test_a_global_random_order_opens_each_shard_once(packed):
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
     for i in order:
         name = dataset.samples[i][0]
-        dataset.read_row(dataset.rows[name], name)
+        dataset.read_row(dataset.samples.row(i), name)
     assert dataset.shards.get_stats() == (len(dataset), 5)  # (accesses, misses): one open a shard
 
 

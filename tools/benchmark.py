@@ -55,6 +55,11 @@ def parse_bench_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namesp
     p.add_argument("--photos", type=int, default=96, help="synthetic JPEGs generated for --what decode / packed")
     p.add_argument("--bf16-steps", type=int, default=3, help="timed steps of the bf16 variants (slow on CPUs)")
     p.add_argument("--json", default="", help="also append the JSON lines to this file")
+    p.add_argument("--index-folder", default="", help="--what index: this split folder (default: make ImageNet's)")
+    p.add_argument("--index-entries", type=int, default=1_281_167, help="--what index: files of the folder it makes")
+    p.add_argument(
+        "--index-ranks", type=counts(1), default="2,4", help="--what index: local rank counts whose start-up is timed"
+    )
     p.add_argument(
         "--memory-table", type=counts(1), default="", metavar="WORLD_SIZES",
         help="driver: for each world size (e.g. 1,2,4), model (--archs) and strategy (ddp, ddp+ZeRO-1, fsdp)\n"

@@ -251,6 +251,10 @@ _C.DATA.SHUFFLE_WINDOW = 0
 _C.DATA.SHARD_CACHE_LIMIT = 0
 # With DATA.SHARD_CACHE_LIMIT: shards downloaded ahead of need, past the window being read and the next
 _C.DATA.SHARD_PREFETCH = 2
+# Folder that keeps each split folder's index (its listing) between jobs, written by global rank 0,
+# read back when none of the split's folders changed since (their mtimes): a job then lists nothing
+# ("": every job lists each split once, on rank 0; docs/performance.md, "The dataset index")
+_C.DATA.INDEX_CACHE = ""
 # Number of synthetic samples per split when MODEL.DUMMY_INPUT is on
 _C.DATA.DUMMY_SIZE = 1024
 # The first line of TRAIN.ANN_FILE / TEST.ANN_FILE is a header (skipped)

@@ -143,6 +143,8 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
     ("DATA.MAX_IMAGE_PIXELS", ((lambda v, c: v >= 0), "must be >= 0 (0: no limit)")),
     ("DATA.BATCHED_MEMORY_BUDGET", _between(0, 1, lo_open=True)),
     ("DATA.DUMMY_SIZE", _POSITIVE),
+    ("DATA.INDEX_CACHE", ((lambda v, c: not v or ("://" not in v and not os.path.isfile(v))),
+                          "must be a local folder (or '' for none), not a file or a URL")),
     ("DATA.SHUFFLE_WINDOW", _NON_NEGATIVE),
     ("DATA.SHUFFLE_WINDOW", ((lambda v, c: v == 0 or c.TRAIN.SAMPLER == "default"),
                              "needs TRAIN.SAMPLER default (the repeated and weighted samplers draw their own "

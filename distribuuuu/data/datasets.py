@@ -7,8 +7,9 @@ Above the readers: packed.py, hf.py and annotations.py import their base and err
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from typing import Callable
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -17,11 +18,15 @@ from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from distribuuuu.data import hf, packed
-from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
+from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec, read_annotation_index
 from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import BadImageError, DataError
+from distribuuuu.data.folder_index import FolderIndex, folder_index, scan_folder
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
+from distribuuuu.data.index import Samples
 from distribuuuu.data.progressive import for_key_epoch
+
+T = TypeVar("T")
 
 CIFAR_FILES = {
     "cifar10": ("cifar-10-batches-py", ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]),
@@ -30,11 +35,25 @@ CIFAR_FILES = {
 
 
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder that names the file that fails to decode and decodes as DATA.DECODER says."""
+    """ImageFolder over an index listed once into arrays (data/folder_index.py: the samples ImageFolder
+    lists, a few bytes each), that names the file that fails to decode and decodes as DATA.DECODER says."""
 
-    def __init__(self, root: str, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-        # allow_empty: empty class folders are reported by check_classes with a clearer message
-        super().__init__(root, loader=lambda p: load_image(p, decoder, max_pixels), allow_empty=True)
+    def __init__(
+        self,
+        root: str,
+        decoder: str = "auto",
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        index: FolderIndex | None = None,
+    ):
+        # Not ImageFolder.__init__, which lists the folder into a list of tuples: the index replaces it.
+        torchvision.datasets.VisionDataset.__init__(self, root)
+        index = index if index is not None else scan_folder(self.root)
+        self.loader = functools.partial(load_image, decoder=decoder, max_pixels=max_pixels)
+        self.extensions = IMG_EXTENSIONS
+        self.classes = list(index.classes)
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.samples = self.imgs = Samples(index.paths, index.labels, self.root)
+        self.targets = self.samples.labels
 
     def encoded(self, index: int) -> tuple[bytes, str, int]:
         """Sample ``index``'s file bytes, its path, its target (the batched decoder's input)."""
@@ -52,6 +71,11 @@ def check_classes(root: str, dataset: CheckedImageFolder) -> None:
         raise DataError(f"{root}: class folder(s) with no images ({', '.join(IMG_EXTENSIONS)}): {empty}")
 
 
+def here(decide: Callable[[], T]) -> T:
+    """Run ``decide`` in this process: how a lone process (a tool, a test) lists a split."""
+    return decide()
+
+
 def build_base_dataset(
     root: str,
     split: str,
@@ -59,28 +83,43 @@ def build_base_dataset(
     cache_dir: str = "",
     annotations: AnnotationSpec | None = None,
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    index_cache: str = "",
+    decide: Callable[[Callable[[], object]], object] = here,
 ) -> tuple[Dataset, list[str]]:
     """Return an untransformed dataset of (image, target) and its class names: ``annotations``'s
     file under ``root`` when given, else ``root``'s ``split`` in whichever format it is. Images
-    declaring more than ``max_pixels`` pixels (0: no limit) are refused as bad (data/image_size.py)."""
+    declaring more than ``max_pixels`` pixels (0: no limit) are refused as bad (data/image_size.py).
+
+    The split's index (a folder's listing, an annotation file's lines, a packed split's index) is
+    made by ``decide(make)``: in a run, ``rank0_decides``, so that one process lists the split and
+    every rank receives the arrays (or the one error). ``index_cache``: a folder that keeps a split
+    folder's listing between jobs ("": none; data/folder_index.py)."""
     if annotations is not None:
-        dataset = AnnotatedImages(root, annotations, decoder, max_pixels)
+        index = decide(functools.partial(read_annotation_index, root, annotations))
+        dataset = AnnotatedImages(root, annotations, decoder, max_pixels, index)
         return dataset, dataset.classes
     kind, _, path = root.partition(":")
     if kind in CIFAR_FILES:
         return _build_cifar(kind, path, split)
     if packed.is_packed(root, split):
-        dataset = packed.PackedDataset(root, split, decoder, cache_dir, max_pixels)
+        index = decide(functools.partial(packed.read_packed_index, root, split))
+        dataset = packed.PackedDataset(root, split, decoder, cache_dir, max_pixels, index)
         return dataset, dataset.classes
     if hf.is_saved_hf(root, split):
         dataset = hf.HFImageDataset(root, split, decoder, max_pixels)
         return dataset, dataset.classes
     folder = os.path.join(root, split)
-    if not os.path.isdir(folder):
-        raise DataError(f"dataset folder not found: {folder}")
-    dataset = CheckedImageFolder(folder, decoder, max_pixels)
+    dataset = CheckedImageFolder(
+        folder, decoder, max_pixels, decide(functools.partial(_folder_index, folder, index_cache))
+    )
     check_classes(folder, dataset)
     return dataset, list(dataset.classes)
+
+
+def _folder_index(folder: str, index_cache: str) -> FolderIndex:
+    if not os.path.isdir(folder):
+        raise DataError(f"dataset folder not found: {folder}")
+    return folder_index(os.path.expanduser(folder), index_cache)
 
 
 def _build_cifar(kind: str, root: str, split: str) -> tuple[Dataset, list[str]]:

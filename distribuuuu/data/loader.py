@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -186,7 +187,7 @@ def precise_bn_indices(dataset_len: int, images: int, seed: int) -> list[int]:
 def dataset_targets(dataset: Dataset) -> torch.Tensor:
     """Every sample's class index, read from the dataset's labels (no image is decoded)."""
     base = getattr(dataset, "base", dataset)  # SeededTransformDataset / EncodedImageDataset wrap it
-    return torch.as_tensor(base.targets, dtype=torch.int64)
+    return torch.as_tensor(np.asarray(base.targets), dtype=torch.int64)  # a reader's Labels: one array
 
 
 def label_counts(dataset: Dataset, num_classes: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 import torch
 from torch.utils.data import Dataset
@@ -15,7 +16,7 @@ from distribuuuu.config import ConfigError
 from distribuuuu.data import remote
 from distribuuuu.data.annotations import AnnotationSpec
 from distribuuuu.data.classes import map_classes, remap_targets
-from distribuuuu.data.datasets import MultiHotTargets, SyntheticDataset, build_base_dataset
+from distribuuuu.data.datasets import MultiHotTargets, SyntheticDataset, build_base_dataset, here
 from distribuuuu.data.jpeg import jpeg_library
 from distribuuuu.data.loader import (
     BatchedDecode,
@@ -42,6 +43,7 @@ from distribuuuu.data.shard_cache import ProgressReporter, ShardCache, ShardCach
 from distribuuuu.data.transforms import batched_eval_geometry, batched_train_geometry, batched_train_steps
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.process_group import get_world_size, is_dist, rank0_decides
 from distribuuuu.training.preprocessing import (
     build_normalize,
     build_train_transform,
@@ -127,7 +129,19 @@ def loader_options(cfg: CfgNode) -> LoaderOptions:
     return LoaderOptions(t.WORKERS, t.PIN_MEMORY, t.PERSISTENT_WORKERS, t.PREFETCH_FACTOR, cfg.RNG_SEED)
 
 
-def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = False) -> tuple[Dataset, list[str]]:
+def index_decider(env: DistEnv) -> Callable:
+    """Who lists a split (data/datasets.py's ``decide``): global rank 0 for all the ranks of ``env``'s
+    job, which receive the arrays over the process group (one scan of a split per job, and no rank
+    reads the folder's metadata but rank 0, nodes with or without a shared file system alike); a
+    process alone, or one that builds its own split (``env`` of world size 1), lists it itself."""
+    if env.world_size > 1 and is_dist() and get_world_size() == env.world_size:
+        return rank0_decides
+    return here
+
+
+def _base(
+    cfg: CfgNode, env: DistEnv, root: str, split: str, train: bool, matched: bool = False
+) -> tuple[Dataset, list[str]]:
     """The split's dataset and classes. Its classes must fit MODEL.NUM_CLASSES unless ``matched``:
     a val split matched to the model's classes by name, where map_classes names any difference."""
     if cfg.MODEL.DUMMY_INPUT:
@@ -136,7 +150,14 @@ def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = Fals
         return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
     spec = annotation_spec(cfg, train)
     base, classes = build_base_dataset(
-        root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec, cfg.DATA.MAX_IMAGE_PIXELS
+        root,
+        split,
+        cfg.DATA.DECODER,
+        cfg.DATA.SHARD_CACHE,
+        spec,
+        cfg.DATA.MAX_IMAGE_PIXELS,
+        cfg.DATA.INDEX_CACHE,
+        index_decider(env),
     )
     if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
         raise ConfigError(
@@ -216,7 +237,7 @@ def _geometry_at(cfg: CfgNode):
 
 def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
     """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
-    base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+    base, classes = _base(cfg, env, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     _warn_if_head_too_large(cfg, classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else epoch_train_transform(cfg)
     dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
@@ -240,7 +261,7 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
 def build_precise_bn_split(cfg: CfgNode, env: DistEnv) -> Split:
     """BN.PRECISE_IMAGES training images, in fixed batches of TRAIN.BATCH_SIZE dealt to the ranks
     (batch k to rank k mod W), read with BN.PRECISE_TRANSFORM's transform seeded per sample (epoch 0)."""
-    base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+    base, classes = _base(cfg, env, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     if cfg.BN.PRECISE_IMAGES > len(base):
         raise ConfigError(
             f"BN.PRECISE_IMAGES ({cfg.BN.PRECISE_IMAGES}) exceeds the {len(base)} images of "
@@ -323,7 +344,7 @@ def build_val_split(
     name: see data/classes.py.
     """
     root = root or cfg.TEST.DATASET
-    base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
+    base, classes = _base(cfg, env, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
         where = _location(cfg, root, cfg.TEST.SPLIT, train=False)
         lines = getattr(base, "label_lines", None)  # an annotation file's: its messages name the line
