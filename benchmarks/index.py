@@ -165,7 +165,7 @@ def build(reader: str, folder: str, cache: str = "", decide: Callable | None = N
         import torchvision
 
         return torchvision.datasets.ImageFolder(folder, allow_empty=True)
-    from distribuuuu.data.datasets import build_base_dataset
+    from distribuuuu.data.readers import build_base_dataset
 
     root, split = os.path.split(os.path.abspath(folder))
     kwargs = {"decide": decide} if decide is not None else {}

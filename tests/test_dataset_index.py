@@ -20,8 +20,8 @@ from torchvision.datasets import ImageFolder
 from benchmarks.index import make_linked_folder, path_bytes, retained_bytes, worker_growth
 from distribuuuu.config import get_cfg_defaults, validate_cfg
 from distribuuuu.data.annotations import AnnotationSpec, read_annotations
-from distribuuuu.data.datasets import build_base_dataset
 from distribuuuu.data.errors import DataError
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.inputs import build_extra_val_splits, build_train_split, build_val_split
 

@@ -34,9 +34,10 @@ from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
 from distribuuuu.data import DataError, remote
-from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
+from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset
 from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.packed import BadShardError, PackedDataset, key_of
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
 from distribuuuu.runtime.launcher import DistEnv, find_free_port
 from distribuuuu.training.inputs import build_train_split, build_val_split

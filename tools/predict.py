@@ -34,10 +34,8 @@ from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoin
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError, load_image  # noqa: E402
 from distribuuuu.data.annotations import AnnotationSpec  # noqa: E402
-from distribuuuu.data.datasets import build_base_dataset  # noqa: E402
-from distribuuuu.data.hf import is_saved_hf  # noqa: E402
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
-from distribuuuu.data.packed import is_packed  # noqa: E402
+from distribuuuu.data.readers import Source, build_base_dataset, reader_for  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
 from distribuuuu.errors import tool_error  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
@@ -109,7 +107,7 @@ def find_samples(
     of a dataset root in TEST.DATASET's other forms, read as training reads it (build_base_dataset)."""
     samples: list[Sample] = []
     for path in paths:
-        if is_packed(path, split) or is_saved_hf(path, split):
+        if reader_for(Source(path, split)).opaque:  # samples only its reader reaches: read the split
             samples += dataset_samples(path, split, decoder, max_pixels=max_pixels)
         else:
             samples += [Sample(p, partial(load_image, p, decoder, max_pixels)) for p in find_images([path])]
@@ -126,7 +124,8 @@ def dataset_samples(
     """Every sample of ``split`` of a dataset root in any of TEST.DATASET's forms (or the images
     ``annotations`` lists under it), in its order."""
     dataset, _ = build_base_dataset(root, split, decoder, annotations=annotations, max_pixels=max_pixels)
-    return [Sample(name, partial(_image, dataset, i)) for i, (name, _) in enumerate(dataset.samples)]
+    names = [name for name, _ in dataset.samples] if hasattr(dataset, "samples") else None
+    return [Sample(names[i] if names else f"{root}[{i}]", partial(_image, dataset, i)) for i in range(len(dataset))]
 
 
 def _image(dataset, index: int):

@@ -1,14 +1,11 @@
-"""Datasets: the dispatch over formats (ImageFolder, CIFAR, packed shards, Hugging Face, annotation
-files), synthetic data, and per-sample seeded transforms.
-
-Above the readers: packed.py, hf.py and annotations.py import their base and errors from encoded.py and errors.py.
-"""
+"""Datasets: the ImageFolder reader (over an index in arrays), multi-hot targets, synthetic data,
+per-sample seeded transforms and the collate that drops unreadable images. Which reader reads a
+root is readers.py's registry."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -17,21 +14,14 @@ import torchvision
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from distribuuuu.data import hf, packed
-from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec, read_annotation_index
 from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import BadImageError, DataError
-from distribuuuu.data.folder_index import FolderIndex, folder_index, scan_folder
+from distribuuuu.data.folder_index import FolderIndex, scan_folder
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
 from distribuuuu.data.index import Samples
 from distribuuuu.data.progressive import for_key_epoch
 
 T = TypeVar("T")
-
-CIFAR_FILES = {
-    "cifar10": ("cifar-10-batches-py", ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]),
-    "cifar100": ("cifar-100-python", ["meta", "train", "test"]),
-}
 
 
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
@@ -74,68 +64,6 @@ def check_classes(root: str, dataset: CheckedImageFolder) -> None:
 def here(decide: Callable[[], T]) -> T:
     """Run ``decide`` in this process: how a lone process (a tool, a test) lists a split."""
     return decide()
-
-
-def build_base_dataset(
-    root: str,
-    split: str,
-    decoder: str = "auto",
-    cache_dir: str = "",
-    annotations: AnnotationSpec | None = None,
-    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-    index_cache: str = "",
-    decide: Callable[[Callable[[], object]], object] = here,
-) -> tuple[Dataset, list[str]]:
-    """Return an untransformed dataset of (image, target) and its class names: ``annotations``'s
-    file under ``root`` when given, else ``root``'s ``split`` in whichever format it is. Images
-    declaring more than ``max_pixels`` pixels (0: no limit) are refused as bad (data/image_size.py).
-
-    The split's index (a folder's listing, an annotation file's lines, a packed split's index) is
-    made by ``decide(make)``: in a run, ``rank0_decides``, so that one process lists the split and
-    every rank receives the arrays (or the one error). ``index_cache``: a folder that keeps a split
-    folder's listing between jobs ("": none; data/folder_index.py)."""
-    if annotations is not None:
-        index = decide(functools.partial(read_annotation_index, root, annotations))
-        dataset = AnnotatedImages(root, annotations, decoder, max_pixels, index)
-        return dataset, dataset.classes
-    kind, _, path = root.partition(":")
-    if kind in CIFAR_FILES:
-        return _build_cifar(kind, path, split)
-    if packed.is_packed(root, split):
-        index = decide(functools.partial(packed.read_packed_index, root, split))
-        dataset = packed.PackedDataset(root, split, decoder, cache_dir, max_pixels, index)
-        return dataset, dataset.classes
-    if hf.is_saved_hf(root, split):
-        dataset = hf.HFImageDataset(root, split, decoder, max_pixels)
-        return dataset, dataset.classes
-    folder = os.path.join(root, split)
-    dataset = CheckedImageFolder(
-        folder, decoder, max_pixels, decide(functools.partial(_folder_index, folder, index_cache))
-    )
-    check_classes(folder, dataset)
-    return dataset, list(dataset.classes)
-
-
-def _folder_index(folder: str, index_cache: str) -> FolderIndex:
-    if not os.path.isdir(folder):
-        raise DataError(f"dataset folder not found: {folder}")
-    return folder_index(os.path.expanduser(folder), index_cache)
-
-
-def _build_cifar(kind: str, root: str, split: str) -> tuple[Dataset, list[str]]:
-    subdir, files = CIFAR_FILES[kind]
-    missing = [f for f in files if not os.path.isfile(os.path.join(root, subdir, f))]
-    if missing:
-        raise DataError(
-            f"{kind} files missing under {os.path.join(root, subdir)}: {missing} "
-            "(extract the python version of the archive there; nothing is downloaded at run time)"
-        )
-    cls = torchvision.datasets.CIFAR10 if kind == "cifar10" else torchvision.datasets.CIFAR100
-    try:
-        dataset = cls(root, train=split == "train", download=False)
-    except RuntimeError as e:  # torchvision checks each file's MD5: "Dataset not found or corrupted"
-        raise DataError(f"{kind} files under {os.path.join(root, subdir)} do not load: {e}") from None
-    return dataset, list(dataset.classes)
 
 
 class MultiHotTargets(Dataset):

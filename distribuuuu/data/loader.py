@@ -11,10 +11,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from distribuuuu.data.annotations import AnnotatedImages
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
-from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, collate_skipping_bad
-from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.datasets import SeededTransformDataset, collate_skipping_bad
 from distribuuuu.data.prefetch import prefetched
 from distribuuuu.data.progressive import EpochTransforms
 from distribuuuu.data.resample import EvalGeometry, TrainGeometry
@@ -136,10 +134,11 @@ def fixed_batch_loader(
 
 
 def takes_batched_decode(base: Dataset) -> bool:
-    """Whether DATA.DECODER batched can read ``base``'s samples as encoded bytes (folders, annotation
-    files, packed shards, saved Hugging Face datasets; not CIFAR's arrays or synthetic data)."""
-    reader = getattr(base, "base", base)  # MultiHotTargets wraps the reader
-    return isinstance(reader, (CheckedImageFolder, EncodedSamples, AnnotatedImages))
+    """Whether DATA.DECODER batched can read ``base``'s samples as encoded bytes: its reader says so
+    (readers.py: folders, annotation files, packed shards, saved Hugging Face datasets; not CIFAR's
+    arrays or synthetic data, which no reader read)."""
+    reader = getattr(base, "read_by", None)  # MultiHotTargets passes its base's attributes through
+    return reader is not None and reader.batched
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from distribuuuu.config import ConfigError
 from distribuuuu.data import remote
 from distribuuuu.data.annotations import AnnotationSpec
 from distribuuuu.data.classes import map_classes, remap_targets
-from distribuuuu.data.datasets import MultiHotTargets, SyntheticDataset, build_base_dataset, here
+from distribuuuu.data.datasets import MultiHotTargets, SyntheticDataset, here
 from distribuuuu.data.jpeg import jpeg_library
 from distribuuuu.data.loader import (
     BatchedDecode,
@@ -30,6 +30,7 @@ from distribuuuu.data.loader import (
     takes_batched_decode,
 )
 from distribuuuu.data.progressive import EpochTransforms
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
     FixedBatchSampler,
