@@ -11,7 +11,6 @@ autocast and gradient sync (``runtime/parallel.py``), the records (``records/``)
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
@@ -20,16 +19,11 @@ from yacs.config import CfgNode
 
 from distribuuuu.logger import get_logger
 from distribuuuu.records.meters import MetricSums
-from distribuuuu.records.writer import (
-    evaluation_line,
-    log_train_window,
-    write_eval_record,
-    write_train_record,
-)
+from distribuuuu.records.writer import log_train_window, write_train_record
 from distribuuuu.runtime.faults import check_finite, collective_error, is_comm_failure
 from distribuuuu.runtime.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.runtime.preemption import stop_for_preemption
-from distribuuuu.training.evaluation import check_inputs, precise_bn, test_model, validate
+from distribuuuu.training.evaluation import check_inputs, evaluate_epoch, test_model, validate
 from distribuuuu.training.optim import lr_at, set_lr
 from distribuuuu.training.parallelize import agree_on_buffers
 from distribuuuu.training.preprocessing import progressive
@@ -88,7 +82,7 @@ def train_epochs(run: Run, session: Session) -> dict:
             train_one_epoch(run, session, epoch)
             is_best = False
             if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
-                last_val, is_best = evaluate_epoch(run, session, epoch)
+                last_val, is_best = evaluate_epoch(run, session.writer, session.checkpoints.path(epoch + 1), epoch)
             save_training_checkpoint(run, session.checkpoints, is_best, background=True)
             if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
                 break
@@ -269,31 +263,3 @@ def gradient_norm(run: Run) -> torch.Tensor | None:
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
         return norm_value(nn.utils.get_total_norm(grads, foreach=True))
     return None
-
-
-# --- The epoch's end ------------------------------------------------------------
-def evaluate_epoch(run: Run, session: Session, epoch: int) -> tuple[dict, bool]:
-    """Recompute BatchNorm statistics (BN.PRECISE_IMAGES), validate the raw weights (and the EMA
-    weights) on val and TEST.EXTRA_DATASETS, record each; the best is chosen from val alone.
-    Returns the raw weights' val totals and whether they (or the EMA's) are the new best."""
-    if run.precise_bn is not None:  # the same statistics on every rank, then saved
-        precise_bn(
-            {"model": run.model} | ({"ema": run.ema.module} if run.ema else {}), run.precise_bn, run.cfg, run.env
-        )
-    weights = {"model": run.eval_model} | ({"ema": run.ema.module} if run.ema is not None else {})
-    folder, k = os.path.join(run.cfg.OUT_DIR, "evaluation"), run.task.reported_k(run.cfg.TRAIN.TOPK)
-    is_best, val = False, {}
-    for split_name, split in [("val", run.val), *run.extra_val.items()]:
-        for name, module in weights.items():
-            prefix = split_name + ("_ema" if name == "ema" else "")
-            totals = validate(module, split, run.cfg, run.env, run.task, (folder, prefix))
-            improved = split_name == "val" and run.best.improves(totals)
-            if improved:
-                run.best.take(totals, name)
-            write_eval_record(
-                session.writer, split_name, epoch + 1, totals, k, name, run.best.metric if improved else None
-            )
-            logger.info("%s", evaluation_line(f"{split_name} {name} epoch {epoch + 1}", totals, k))
-            is_best |= improved
-            val = totals if (split_name, name) == ("val", "model") else val
-    return val, is_best

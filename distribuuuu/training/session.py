@@ -1,7 +1,7 @@
 """A session: one process's part in a training run (train_net.py) or an evaluation (test_net.py).
 
 Entered as a context manager by ``train_model`` and ``test_model``: it meets the other ranks, holds
-OUT_DIR's lock (training), prepares this process (logging, seeds), opens the outputs once the inputs
+OUT_DIR's lock, prepares this process (logging, seeds), opens the outputs once the inputs
 proved good, names failed collectives and stalled ranks by the run's position, and on every way out
 lets go of all of it: the run it followed (whose model holds the process group) first, then the
 writer, the lock and the process group.
@@ -49,9 +49,10 @@ T = TypeVar("T")
 class Session:
     """This process's part in a run: ``with Session(cfg) as session: ...``.
 
-    ``training`` False is an evaluation: no lock, no config kept in OUT_DIR. ``cleanup`` False keeps
-    the process group for a caller that trains several times in one job. Outside a ``with`` (a
-    benchmark timing the loops) it is a session without outputs: ``env`` as given, records nowhere.
+    ``training`` False is an evaluation: OUT_DIR locked as for training, but no config kept in it.
+    ``cleanup`` False keeps the process group for a caller that trains several times in one job.
+    Outside a ``with`` (a benchmark timing the loops) it is a session without outputs: ``env`` as
+    given, records nowhere.
     """
 
     def __init__(self, cfg: CfgNode, training: bool = True, cleanup: bool = True, env: DistEnv | None = None):
@@ -66,9 +67,9 @@ class Session:
     def __enter__(self) -> Session:
         self.env, self.table = start_process_group(self.cfg)
         try:
-            if self.training:
-                self._lock = out_dir_lock(self.cfg) if self.env.is_main_process else None
-                rank0_decides(lambda: self._lock.acquire())  # before OUT_DIR is read: a live holder stops this run
+            # Evaluations too: a test record written into a folder a training run holds would join its record.
+            self._lock = out_dir_lock(self.cfg) if self.env.is_main_process else None
+            rank0_decides(lambda: self._lock.acquire())  # before OUT_DIR is read: a live holder stops this run
         except BaseException:
             self._leave()
             raise
