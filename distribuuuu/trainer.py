@@ -67,7 +67,9 @@ def train_run(session: Session, resume: ResumePoint) -> dict:
     with session.watching():  # a failed collective or a stalled rank is named with the run's position
         run = session.follow(build_run(session.cfg, session.env))
         resume_or_load_weights(run, session.checkpoints, resume.path)
-        session.open_outputs(resumed_from=resume.path)  # only now: bad data, batch or weights left OUT_DIR as it was
+        session.open_outputs(
+            resume.path, resume.epochs_done
+        )  # only now: bad data, batch or weights left OUT_DIR as it was
         with session.preemptible():
             last_val = train_epochs(run, session)
         session.writer.summarize()  # rank 0 (the others hold a NullWriter): summary.md and the plot

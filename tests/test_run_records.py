@@ -108,3 +108,54 @@ def test_the_summary_gives_a_test_of_weights_the_run_never_evaluated_as_not_its_
     [own, foreign] = [line for line in text.splitlines() if line.startswith("- test")]
     assert "best.pth.tar" in own and "not this run's" not in own, text
     assert ckpt.checkpoint_name(1, 2) in foreign and "not this run's" in foreign, text
+
+
+# ------------------------------------------------------------------------------------------------
+# A fresh run moves an earlier run's outputs aside
+# ------------------------------------------------------------------------------------------------
+def test_a_fresh_run_into_a_folder_of_records_without_checkpoints_moves_them_aside(two_epochs, tmp_path):
+    out = tmp_path / "out"
+    assert_ok(in_process(TEST, "MODEL.WEIGHTS", str(two_epochs / "best.pth.tar"), "OUT_DIR", str(out)))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert "metrics.jsonl" in before
+
+    result = in_process(TINY_TRAIN, "OUT_DIR", str(out), *OPTS, "OPTIM.MAX_EPOCH", "1")
+    assert_ok(result)
+    assert "test" not in [r["split"] for r in read_metrics(out)], "the new run's records only"
+    [aside] = list((out / "previous").iterdir())
+    assert {name: (aside / name).read_bytes() for name in before} == before, "moved whole, not deleted"
+    [said] = [line for line in result.stdout.splitlines() if "moved" in line and str(aside) in line]
+    assert "metrics.jsonl" in said
+    assert "test (test_net.py)" not in (out / "summary.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# A resume: each (split, epoch) once, and a resumed epoch's record is the whole epoch's
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def resumed(two_epochs, tmp_path_factory) -> Path:
+    """two_epochs resumed from its checkpoint 2 steps into epoch 1, as after a kill there (the later
+    checkpoints removed; every record the killed run wrote past that point left in metrics.jsonl)."""
+    out = copy_run(two_epochs, tmp_path_factory.mktemp("resumed") / "run")
+    for path in (out / "checkpoints").iterdir():
+        if path.name != ckpt.checkpoint_name(1, 2):
+            path.unlink()
+    assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(out), *OPTS))
+    return out
+
+
+def test_a_resume_keeps_each_split_and_epoch_once_and_moves_the_records_past_it_aside(two_epochs, resumed):
+    records = read_metrics(resumed)
+    assert split_epochs(records) == split_epochs(read_metrics(two_epochs)) == [
+        ("train", 1), ("val", 1), ("train", 2), ("val", 2)
+    ]  # fmt: skip
+    [aside] = list((resumed / "previous").iterdir())
+    assert (aside / "metrics.jsonl").read_bytes() == (two_epochs / "metrics.jsonl").read_bytes(), (
+        "every record past the checkpoint (all of them: it is in epoch 1) moved aside as written"
+    )
+    for r in records:  # the rerun's: its val records name the rerun's checkpoints
+        if r["split"] == "val":
+            path = resumed / "checkpoints" / ckpt.checkpoint_name(r["epoch"])
+            assert sha256_of(weights_of(path)).startswith(r["checkpoint"]["sha256"])
+    log = (resumed / "log.txt").read_text()
+    assert f"resumed from {resumed / 'checkpoints' / ckpt.checkpoint_name(1, 2)} at epoch 1, step 2" in log
