@@ -111,7 +111,8 @@ def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
 
 # --- An epoch ------------------------------------------------------------
 def train_epoch(run: Run, session: Session, epoch: int) -> dict:
-    """Train one epoch (from run.state.step_in_epoch on); return the epoch's reduced totals.
+    """Train one epoch (from run.state.step_in_epoch on); return the epoch's reduced totals (a resumed
+    epoch's include its checkpoint's: ``run.epoch_totals``).
 
     Metrics stay on the device between synchronisation points: every PRINT_FREQ steps, at a
     mid-epoch checkpoint and at the last step, one all-reduce carries the metrics, the preemption
@@ -120,8 +121,8 @@ def train_epoch(run: Run, session: Session, epoch: int) -> dict:
     t = run.cfg.TRAIN
     start, end = start_epoch_sampler(run, epoch)
     run.forward_model.train()
-    batches, started = iter(run.train.loader), time.perf_counter()
-    window, epoch_sums = Window(run.env.device, t.TOPK), MetricSums(torch.device("cpu"), t.TOPK)
+    run.epoch_totals.begin(start)  # a resumed epoch goes on from its checkpoint's sums
+    batches, window = iter(run.train.loader), Window(run.env.device, t.TOPK)
     for step in range(start, end):
         micro_batches = window.next_batches(batches, t.ACCUM_STEPS)
         set_lr(run.optimizer, lr_at(run.schedule_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
@@ -130,10 +131,10 @@ def train_epoch(run: Run, session: Session, epoch: int) -> dict:
         run.state.samples_in_epoch += run.global_batch
         checkpoint_due = bool(t.CKPT_PERIOD_ITERS) and (step + 1) % t.CKPT_PERIOD_ITERS == 0 and step + 1 < end
         if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == end or checkpoint_due:  # a checkpoint's weights pass the check
-            epoch_sums.add_totals(sync_point(run, session, window, epoch, step + 1, end))
+            sync_point(run, session, window, epoch, step + 1, end)
         if checkpoint_due:
             save_training_checkpoint(run, session.checkpoints, background=True)
-    return dict(epoch_sums.totals(), time_s=time.perf_counter() - started)
+    return run.epoch_totals.totals()
 
 
 def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
@@ -153,9 +154,10 @@ def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
 
 
 def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int, end: int) -> dict:
-    """Reduce the window's metrics over ranks (one all-reduce), check, log and reset them; stop here if
-    a rank was asked to (preemption, Ctrl-C), a checkpoint on disk first. ``step``: the step just
-    taken; ``end``: the epoch's last (another global batch's resume continues the saved numbers)."""
+    """Reduce the window's metrics over ranks (one all-reduce), check, log, add them to the epoch's and
+    reset them; stop here if a rank was asked to (preemption, Ctrl-C), a checkpoint on disk first.
+    ``step``: the step just taken; ``end``: the epoch's last (another global batch's resume
+    continues the saved numbers)."""
     preempt = session.preempt
     window.sums.add_field("stop", float(preempt is not None and preempt.requested))
     window.sums.add_field("interrupt", float(preempt is not None and preempt.interrupted))
@@ -167,6 +169,7 @@ def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int
     check_finite(totals, window.losses, epoch, step, run.cfg.TRAIN.NAN_POLICY)
     log_window(run, session, window, totals, epoch, step, end)
     window.reset()
+    run.epoch_totals.add(totals)  # before a stop's checkpoint, which keeps them
     if totals["stop"]:
         save = functools.partial(save_training_checkpoint, run, session.checkpoints)  # on disk before the exit
         stop_for_preemption(preempt, run.position(), save, run.cfg.DIST.REQUEUE, interrupted=bool(totals["interrupt"]))

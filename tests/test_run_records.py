@@ -159,3 +159,28 @@ def test_a_resume_keeps_each_split_and_epoch_once_and_moves_the_records_past_it_
             assert sha256_of(weights_of(path)).startswith(r["checkpoint"]["sha256"])
     log = (resumed / "log.txt").read_text()
     assert f"resumed from {resumed / 'checkpoints' / ckpt.checkpoint_name(1, 2)} at epoch 1, step 2" in log
+
+
+def test_a_resumed_epochs_record_sums_the_interrupted_part_and_says_it_was_resumed(two_epochs, resumed):
+    whole = {r["epoch"]: r for r in read_metrics(two_epochs) if r["split"] == "train"}
+    again = {r["epoch"]: r for r in read_metrics(resumed) if r["split"] == "train"}
+    assert again[1]["samples"] == whole[1]["samples"] == STEPS_PER_EPOCH * 16
+    # Bit-identical resume: the same windows' sums, so the same means as the uninterrupted epoch's.
+    for key in ("loss", "top1", "step", "nonfinite_steps"):
+        assert again[1][key] == pytest.approx(whole[1][key], rel=1e-12), key
+    assert again[1]["resumed_at_steps"] == [2] and "resumed_at_steps" not in again[2]
+    assert "resumed_at_steps" not in whole[1]
+
+
+def test_the_summary_lists_the_starts_and_the_training_and_precise_bn_time(resumed):
+    records = read_metrics(resumed)
+    text = (resumed / "summary.md").read_text()
+    starts = sorted(p.name for p in (resumed / "starts").iterdir())
+    assert len(starts) == 2
+    [line] = [line for line in text.splitlines() if line.startswith("- starts:")]
+    assert line.startswith("- starts: 2 ") and "a new run" in line
+    assert f"resumed from {resumed / 'checkpoints' / ckpt.checkpoint_name(1, 2)}" in line
+    precise = sum(r["precise_bn_s"] for r in records if "precise_bn_s" in r)
+    assert precise > 0 and len([r for r in records if "precise_bn_s" in r]) == 2  # one per evaluated epoch
+    train_s = sum(r["time_s"] for r in records if r["split"] == "train")
+    assert f"- time: {train_s:.1f} s training over 2 starts" in text and f"{precise:.1f} s precise BN" in text

@@ -18,9 +18,8 @@ import torch
 import torchvision
 
 from distribuuuu.records.set_aside import numbered_folder
+from distribuuuu.records.starts import MANIFEST_FILE, STARTS_DIR
 from distribuuuu.runtime.launcher import DistEnv
-
-STARTS_DIR = "starts"
 
 
 def record_start(
@@ -32,7 +31,7 @@ def record_start(
     for where in (out_dir, folder):
         with open(os.path.join(where, cfg_dest), "w") as f:
             f.write(config_yaml)
-    with open(os.path.join(folder, "manifest.json"), "w") as f:
+    with open(os.path.join(folder, MANIFEST_FILE), "w") as f:
         json.dump(manifest(env, table, resumed_from), f, indent=2)
     return folder
 

@@ -23,6 +23,7 @@ from distribuuuu.records.plots import (
     load_run,
     save_plot,
 )
+from distribuuuu.records.starts import read_starts
 
 SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
 
@@ -40,8 +41,10 @@ class Summary:
         default_factory=list
     )  # the last test record (tools/test_net.py) of each checkpoint and weights
     own_weights: set = field(default_factory=set)  # the SHA-256 prefixes of the weights this run evaluated (val)
-    train_s: float = 0.0
+    train_s: float = 0.0  # the train records' time: every epoch's training across the starts that trained it
     val_s: float = 0.0
+    precise_bn_s: float = 0.0  # BN.PRECISE_IMAGES: the recomputation before each evaluation
+    starts: list = field(default_factory=list)  # records/starts.py's Start of each start (OUT_DIR/starts/)
     images_per_s: float = 0.0  # training images over training time, all epochs
     config_changes: list = field(default_factory=list)  # (key, default, value)
     plot: str = ""
@@ -71,6 +74,8 @@ def summarize(out_dir: str, records: list[Record] | None = None, config_changes:
     s.best_metric = s.best.get("best", "top1")
     s.train_s = sum(r["time_s"] for r in train)
     s.val_s = sum(r["time_s"] for recs in vals.values() for r in recs)
+    s.precise_bn_s = sum(r.get("precise_bn_s", 0.0) for recs in vals.values() for r in recs)
+    s.starts = read_starts(out_dir)
     s.images_per_s = sum(r["samples"] for r in train) / s.train_s if s.train_s else 0.0
     s.config_changes = list(config_changes or [])
     return s
@@ -86,12 +91,21 @@ def format_summary(s: Summary) -> str:
         for weights, r in sorted(s.last.items())
     ]
     lines += [_test_line(s, r) for r in s.tested]
-    lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
+    if s.starts:
+        lines.append(f"- starts: {len(s.starts)} ({'; '.join(start.describe() for start in s.starts)})")
+    lines.append(_time_line(s))
     lines.append(f"- training throughput: {s.images_per_s:.0f} images/s")
     lines.append(f"- plot: {s.plot}" if s.plot else f"- plot: none ({s.no_plot})")
     lines += ["", "## Config changes from the defaults", ""]
     lines += [f"- `{k}`: {v!r} (default {d!r})" for k, d, v in s.config_changes] or ["- none"]
     return "\n".join(lines) + "\n"
+
+
+def _time_line(s: Summary) -> str:
+    """Training time (over the starts, when OUT_DIR records them), validation time and precise BN's."""
+    starts = f" over {len(s.starts)} start{'s' if len(s.starts) != 1 else ''}" if s.starts else ""
+    precise = f", {s.precise_bn_s:.1f} s precise BN" if s.precise_bn_s else ""
+    return f"- time: {s.train_s:.1f} s training{starts}, {s.val_s:.1f} s validation{precise}"
 
 
 def last_tests(records: list[Record]) -> list[Record]:

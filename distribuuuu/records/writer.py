@@ -76,6 +76,8 @@ def write_train_record(
             "scaler_skips": skipped if fp16 else 0,
             "step": step,
             "im_size": im_size,
+            # An epoch taken up again by a later start (its sums are the whole epoch's): the steps where it was.
+            **({"resumed_at_steps": totals["resumed_at_steps"]} if totals.get("resumed_at_steps") else {}),
         }
     )
 

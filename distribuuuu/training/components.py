@@ -220,6 +220,22 @@ class Position(Component):
             log_global_batch_change(run, saved_batch, state_dict)
 
 
+class EpochProgress(Component):
+    """The epoch in progress's training sums, seconds and resumed steps (``state.EpochTotals``):
+    ``epoch_totals``. Read back only where the checkpoint is mid-epoch (after Position)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def state_dict(self) -> dict:
+        return {"epoch_totals": self.run.epoch_totals.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        step = self.run.state.step_in_epoch
+        if step:
+            self.run.epoch_totals.resume(state_dict.get("epoch_totals"), step)
+
+
 def saved_global_batch(state: dict) -> int:
     """The global batch of a checkpoint written before it recorded one: from its config and world size."""
     return global_batch(stored_config(state["cfg"], "the checkpoint").TRAIN, state["world_size"])
@@ -293,6 +309,7 @@ def run_components(run: Run) -> dict[str, Component]:
         "model": Model(run.model),
         "progress": Progress(run),
         "position": Position(run),  # after progress: its log names the epoch
+        "epoch_totals": EpochProgress(run),  # after position: only a mid-epoch checkpoint's are taken up
         "optimizer": Optimizer(run.model, run.optimizer, run.cfg.OPTIM.OPTIMIZER),
         "ema": EMA(run.ema),
         "scaler": Scaler(run.scaler),
