@@ -18,8 +18,9 @@ _C.MODEL = CN()
 # Architecture: a torchvision classification model name, a timm name (if timm is installed), or a
 # name registered with distribuuuu.models.register_model
 _C.MODEL.ARCH = "resnet18"
-# Number of output classes
-_C.MODEL.NUM_CLASSES = 10
+# Number of output classes; 0: the training data's count (class folders, annotation labels, a packed
+# index, a Hugging Face ClassLabel), said in the log and stored with the run's config
+_C.MODEL.NUM_CLASSES = 0
 # "multiclass" (one class an image: softmax, cross-entropy, top-k accuracy) or "multilabel" (any
 # number of classes an image: per-class sigmoid, BCE, mAP and F1; docs/annotations.md)
 _C.MODEL.TASK = "multiclass"

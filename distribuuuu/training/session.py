@@ -125,8 +125,9 @@ class Session:
         return self.writer
 
     def follow(self, run: Run) -> Run:
-        """Name ``run``'s position in failed collectives and heartbeats (``watching``); let go of it on the way out."""
-        self.run = run
+        """Name ``run``'s position in failed collectives and heartbeats (``watching``); let go of it on
+        the way out. Its config is the session's from here on (a class count taken from the data)."""
+        self.run, self.cfg = run, run.cfg
         return run
 
     @contextlib.contextmanager

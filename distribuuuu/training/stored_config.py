@@ -12,6 +12,7 @@ from yacs.config import CfgNode
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, named_by
 from distribuuuu.checkpointing.names import CKPT_DIR, FILE, SHARDED
 from distribuuuu.config import flatten, get_cfg_defaults, keys_given, load_cfg, merge_pairs, stored_config
+from distribuuuu.training.class_count import LEGACY_CLASSES
 
 # Keys that make another experiment: resuming a checkpoint trained with other values would mix
 # two runs in one OUT_DIR (and one record). TRAIN.RESUME_ANYWAY overrides.
@@ -52,10 +53,10 @@ def cfg_from_checkpoint(
 ) -> CfgNode:
     """Defaults < the checkpoint's ``keys`` (its classes and arch where it names them) < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
     base = get_cfg_defaults()
-    classes = len(state.get("classes") or ())
-    if classes:  # for checkpoints without a config
-        base.MODEL.NUM_CLASSES = classes
-        base.TRAIN.TOPK = min(base.TRAIN.TOPK, classes)
+    # For checkpoints without a config: their classes, else the count the default was before it was the data's.
+    classes = len(state.get("classes") or ()) or LEGACY_CLASSES
+    base.MODEL.NUM_CLASSES = classes
+    base.TRAIN.TOPK = min(base.TRAIN.TOPK, classes)
     saved, known = flatten(stored_cfg(state)), flatten(base)
     # Keys a later version dropped are skipped: the checkpoint still loads.
     merge_pairs(base, {k: saved[k] for k in keys if k in saved and k in known}, f"{source}'s config")
