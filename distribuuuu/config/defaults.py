@@ -120,8 +120,9 @@ _C.TRAIN.REPEATED_AUG = 3
 _C.TRAIN.NAN_POLICY = "stop"
 # Also write a checkpoint every N optimizer steps inside an epoch (0: only at epoch end)
 _C.TRAIN.CKPT_PERIOD_ITERS = 0
-# How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart)
-_C.TRAIN.KEEP_CKPTS = 3
+# How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart); 1:
+# the one a resume takes, a file read back and verified before the previous one goes (docs/out-dir.md)
+_C.TRAIN.KEEP_CKPTS = 1
 # Write checkpoint files in the background while training goes on (rank 0 keeps a host copy of
 # the state until the file is on disk; one write at a time); False: each write blocks training
 _C.TRAIN.CKPT_ASYNC = True
