@@ -172,7 +172,8 @@ def check_inputs(cfg: CfgNode) -> None:
 
 
 def test_model(cfg: CfgNode) -> dict:
-    """Evaluate MODEL.WEIGHTS on the val split; append a ``test`` line to OUT_DIR/metrics.jsonl.
+    """Evaluate MODEL.WEIGHTS on the val split; append a ``test`` line naming it to OUT_DIR/metrics.jsonl
+    (test_net.py's OUT_DIR: its own folder beside the checkpoint unless given, stored_config.py).
 
     OUT_DIR's config.yaml is left alone: evaluating into a training run's folder keeps its record.
     """
@@ -191,18 +192,23 @@ def test_model(cfg: CfgNode) -> dict:
         # Only now is OUT_DIR written: weights that do not fit or a bad val set left it as it was.
         writer = session.open_outputs()
         totals, precise_s = evaluate_weights(model, val, bn_split, cfg, session.env)
-        epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
         k = build_task(cfg.MODEL, cfg.TEST).reported_k(cfg.TRAIN.TOPK)
-        evaluated = checkpoint_field(
-            cfg.MODEL.WEIGHTS, epoch, weights_digest(model_state_from(state, cfg.MODEL.WEIGHTS_KIND))
-        )
-        write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND, None, evaluated, precise_s)
+        write_test_record(writer, cfg, state, totals, k, precise_s)
         logger.info(
             "test %s: top1 %.3f%s%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
             cfg.MODEL.WEIGHTS, totals["top1_acc"], topk_text(k, totals["topk_acc"], 3), multilabel_text(totals, 3),
             totals["loss"], totals["samples"], cfg.OUT_DIR,
         )  # fmt: skip
         return totals
+
+
+def write_test_record(writer, cfg: CfgNode, state: dict, totals: dict, k: int | None, precise_s: float | None) -> None:
+    """The ``test`` line of MODEL.WEIGHTS (``state``, as loaded): its epoch, and the checkpoint named by
+    its path and the SHA-256 of the weights evaluated (MODEL.WEIGHTS_KIND's, as the file holds them)."""
+    epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
+    digest = weights_digest(model_state_from(state, cfg.MODEL.WEIGHTS_KIND))
+    named = checkpoint_field(cfg.MODEL.WEIGHTS, epoch, digest)
+    write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND, None, named, precise_s)
 
 
 def evaluate_weights(

@@ -76,8 +76,8 @@ def find_checkpoint_to_resume(cfg: CfgNode, checkpoints: Checkpointer | None = N
     path, small = (checkpoints or checkpointer(cfg)).find_resumable()  # a converted copy beside it: this format's
     if path is None:
         return ResumePoint()
-    saved = small.get("cfg")
-    changes = config_changes(stored := stored_config(saved, path), as_trained(cfg, stored)) if saved else []
+    stored = stored_config(small["cfg"], path) if small.get("cfg") else None
+    changes = config_changes(stored, as_trained(cfg, stored)) if stored is not None else []
     # Without LOAD_OPT the optimizer state is not restored: a new optimizer on the old weights is a
     # deliberate continuation, not a second experiment.
     keys = [k for k in EXPERIMENT_KEYS if cfg.TRAIN.LOAD_OPT or k != "OPTIM.OPTIMIZER"]
