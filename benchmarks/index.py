@@ -176,7 +176,7 @@ def _import_readers() -> None:
     """Import what the readers need, so that neither a listing's time nor its bytes count the imports."""
     import torchvision  # noqa: F401
 
-    import distribuuuu.data.datasets  # noqa: F401
+    import distribuuuu.data.readers  # noqa: F401  (build's own module: every reader it may ask)
 
 
 def _one_rank(reader: str, folder: str, cache: str, workers: int, out) -> None:

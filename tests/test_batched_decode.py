@@ -150,7 +150,16 @@ def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_pa
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
         # The batched resample (the default): on a CPU, "auto"'s pixels exactly, prepared on a thread
-        args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
+        args += [
+            "DATA.DECODER",
+            decoder,
+            "TRAIN.WORKERS",
+            str(workers),
+            "OPTIM.MAX_EPOCH",
+            "2",
+            "TRAIN.KEEP_CKPTS",
+            "2",
+        ]
         args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", TINY_ARCH]  # any model will do
         assert_ok(in_process(TINY_TRAIN, *args))
         weights = [

@@ -18,8 +18,9 @@ _C.MODEL = CN()
 # Architecture: a torchvision classification model name, a timm name (if timm is installed), or a
 # name registered with distribuuuu.models.register_model
 _C.MODEL.ARCH = "resnet18"
-# Number of output classes
-_C.MODEL.NUM_CLASSES = 10
+# Number of output classes; 0: the training data's count (class folders, annotation labels, a packed
+# index, a Hugging Face ClassLabel), said in the log and stored with the run's config
+_C.MODEL.NUM_CLASSES = 0
 # "multiclass" (one class an image: softmax, cross-entropy, top-k accuracy) or "multilabel" (any
 # number of classes an image: per-class sigmoid, BCE, mAP and F1; docs/annotations.md)
 _C.MODEL.TASK = "multiclass"
@@ -119,8 +120,9 @@ _C.TRAIN.REPEATED_AUG = 3
 _C.TRAIN.NAN_POLICY = "stop"
 # Also write a checkpoint every N optimizer steps inside an epoch (0: only at epoch end)
 _C.TRAIN.CKPT_PERIOD_ITERS = 0
-# How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart)
-_C.TRAIN.KEEP_CKPTS = 3
+# How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart); 1:
+# the one a resume takes, a file read back and verified before the previous one goes (docs/out-dir.md)
+_C.TRAIN.KEEP_CKPTS = 1
 # Write checkpoint files in the background while training goes on (rank 0 keeps a host copy of
 # the state until the file is on disk; one write at a time); False: each write blocks training
 _C.TRAIN.CKPT_ASYNC = True

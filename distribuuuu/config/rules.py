@@ -62,7 +62,7 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
     ("TEST.CROP_PCT", _between(0, 1)),
     ("TEST.INTERPOLATION", _choice(INTERPOLATIONS)),
     ("TEST.EXTRA_DATASETS", ((lambda v, c: all(isinstance(d, str) and d for d in v)), "must be a list of dataset roots")),
-    ("MODEL.NUM_CLASSES", _POSITIVE),
+    ("MODEL.NUM_CLASSES", ((lambda v, c: v >= 0), "must be >= 0 (0: the training data's class count)")),
     ("MODEL.TASK", _choice(TASKS)),
     ("TEST.THRESHOLD", _between(0, 1)),  # 0: every class predicted; 1: scores that round to 1
     ("TEST.AP_BINS", ((lambda v, c: 2 <= v <= 2**20), "must be in 2..1048576")),
@@ -76,7 +76,9 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
     ("DISTILL.TEACHER", ((lambda v, c: not v or c.MODEL.TASK == "multiclass"),
                          "distils a softmax over one label per image (KL between the teacher's and the "
                          "student's class distributions): MODEL.TASK multilabel has none; set DISTILL.TEACHER ''")),
-    ("TRAIN.TOPK", ((lambda v, c: 1 <= v <= c.MODEL.NUM_CLASSES), "must be in 1..MODEL.NUM_CLASSES")),
+    # MODEL.NUM_CLASSES 0 (the data's count): the run lowers TRAIN.TOPK to that count (training/class_count.py)
+    ("TRAIN.TOPK", ((lambda v, c: 1 <= v and (c.MODEL.NUM_CLASSES == 0 or v <= c.MODEL.NUM_CLASSES)),
+                    "must be in 1..MODEL.NUM_CLASSES")),
     ("TRAIN.PRINT_FREQ", _POSITIVE),
     ("TEST.PRINT_FREQ", _POSITIVE),
     ("TRAIN.WORKERS", _NON_NEGATIVE),

@@ -45,6 +45,7 @@ from distribuuuu.data.transforms import batched_eval_geometry, batched_train_geo
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.process_group import get_world_size, is_dist, rank0_decides
+from distribuuuu.training.class_count import DUMMY_CLASSES, FROM_THE_DATA
 from distribuuuu.training.preprocessing import (
     build_normalize,
     build_train_transform,
@@ -146,9 +147,10 @@ def _base(
     """The split's dataset and classes. Its classes must fit MODEL.NUM_CLASSES unless ``matched``:
     a val split matched to the model's classes by name, where map_classes names any difference."""
     if cfg.MODEL.DUMMY_INPUT:
-        size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(cfg.MODEL.NUM_CLASSES)]
+        count = cfg.MODEL.NUM_CLASSES or DUMMY_CLASSES
+        size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(count)]
         seed = cfg.RNG_SEED + (0 if train else 1)
-        return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
+        return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, count, seed), classes
     spec = annotation_spec(cfg, train)
     base, classes = build_base_dataset(
         root,
@@ -160,7 +162,7 @@ def _base(
         cfg.DATA.INDEX_CACHE,
         index_decider(env),
     )
-    if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
+    if cfg.MODEL.NUM_CLASSES != FROM_THE_DATA and len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
         raise ConfigError(
             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {_location(cfg, root, split, train)} has "
             f"{len(classes)} {'classes' if spec else 'class folders'}"
@@ -185,10 +187,10 @@ def _warn_if_head_too_large(cfg: CfgNode, classes: list[str]) -> None:
         )  # fmt: skip
 
 
-def _targets_for_task(cfg: CfgNode, base: Dataset) -> Dataset:
+def _targets_for_task(cfg: CfgNode, base: Dataset, classes: list[str]) -> Dataset:
     """``base`` with multi-hot targets for a multi-label task (after any class remapping), else itself."""
     if _multilabel(cfg):
-        return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES)
+        return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES or len(classes))
     if any(isinstance(t, tuple) for t in getattr(base, "targets", [])[:1]):  # a multi-label pack
         raise ConfigError("the dataset's samples have several classes each: set MODEL.TASK multilabel")
     return base
@@ -236,12 +238,26 @@ def _geometry_at(cfg: CfgNode):
     return lambda size: batched_train_geometry(aug.at(size))
 
 
-def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
-    """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
-    base, classes = _base(cfg, env, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+def train_data(cfg: CfgNode, env: DistEnv) -> tuple[Dataset, list[str]]:
+    """The training split's dataset and classes, as its format lists them (class folders, annotation
+    labels, a packed index, a Hugging Face ClassLabel): what MODEL.NUM_CLASSES 0 takes its count from."""
+    return _base(cfg, env, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+
+
+def train_location(cfg: CfgNode) -> str:
+    """The training split as messages name it: its folder, its annotation file, or synthetic data."""
+    if cfg.MODEL.DUMMY_INPUT:
+        return "synthetic data (MODEL.DUMMY_INPUT)"
+    return _location(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, True)
+
+
+def build_train_split(cfg: CfgNode, env: DistEnv, data: tuple[Dataset, list[str]] | None = None) -> Split:
+    """Training loader: seeded per-sample augmentation, resumable DistributedSampler (of ``data``,
+    ``train_data``'s, when already read)."""
+    base, classes = data or train_data(cfg, env)
     _warn_if_head_too_large(cfg, classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else epoch_train_transform(cfg)
-    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base, classes), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)  # how its keys' rounds count epochs
     rank_batch = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS  # one rank's share of an optimizer step
@@ -352,7 +368,7 @@ def build_val_split(
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where, lines))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "val")
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base, classes), transform, "val")
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = make_loader(
         dataset, sampler, cfg.TEST.BATCH_SIZE, env.device, build_normalize(cfg), loader_options(cfg), False, decoder
@@ -379,4 +395,6 @@ __all__ = [
     "check_data",
     "check_dataset_paths",
     "progressive",
+    "train_data",
+    "train_location",
 ]

@@ -19,6 +19,7 @@ from distribuuuu.models import NotFetched, build_model, find_blocks, has_batchno
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
 from distribuuuu.runtime.process_group import broadcast_buffers
+from distribuuuu.training.class_count import LEGACY_CLASSES
 from distribuuuu.training.ema import ModelEMA
 from distribuuuu.training.optim import freeze
 from distribuuuu.training.preprocessing import progressive
@@ -61,12 +62,15 @@ def training_mesh(cfg: CfgNode, env: DistEnv) -> DeviceMesh:
 
 def build_configured_model(model_cfg: CfgNode) -> nn.Module:
     """MODEL.ARCH with MODEL.NUM_CLASSES outputs, MODEL.KWARGS, its pretrained weights (MODEL.PRETRAINED_WEIGHTS,
-    or the default ones for MODEL.PRETRAINED), MODEL.ZERO_INIT_RESIDUAL and MODEL.GRAD_CHECKPOINT."""
+    or the default ones for MODEL.PRETRAINED), MODEL.ZERO_INIT_RESIDUAL and MODEL.GRAD_CHECKPOINT.
+
+    A run's config has its class count decided (``build_run``: the data's, for MODEL.NUM_CLASSES 0);
+    a model built from a config alone, with no data read, keeps the former default's 10 outputs."""
     m = model_cfg
     weights = m.PRETRAINED_WEIGHTS or ("DEFAULT" if m.PRETRAINED else None)
-    kwargs = parse_model_kwargs(m.KWARGS)
+    kwargs, outputs = parse_model_kwargs(m.KWARGS), m.NUM_CLASSES or LEGACY_CLASSES
     try:
-        return build_model(m.ARCH, m.NUM_CLASSES, kwargs, weights, m.ZERO_INIT_RESIDUAL, m.GRAD_CHECKPOINT)
+        return build_model(m.ARCH, outputs, kwargs, weights, m.ZERO_INIT_RESIDUAL, m.GRAD_CHECKPOINT)
     except TypeError as e:  # a keyword the constructor does not take
         raise ConfigError(f"MODEL.KWARGS {m.KWARGS}: {m.ARCH} refuses them ({first_line(e)})") from None
     except NotFetched as e:  # named by the key the user set: MODEL.PRETRAINED_WEIGHTS wins over MODEL.PRETRAINED
