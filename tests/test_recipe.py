@@ -290,7 +290,8 @@ def test_label_smoothing_changes_the_loss_exactly_as_its_formula_says(tmp_path):
 
 
 def _mixer(*opts: str):
-    return build_batch_mixer(load_cfg(None, list(opts)))
+    # A run's mixer is built once build_run has resolved the class count (MODEL.NUM_CLASSES 0: the data's)
+    return build_batch_mixer(load_cfg(None, ["MODEL.NUM_CLASSES", "10", *opts]))
 
 
 def test_mixup_gives_soft_targets_summing_to_one_that_match_the_mixed_images():

@@ -146,10 +146,11 @@ def load_state(path: str) -> dict:
 def build_cfg(state: dict, cfg_file: str | None, opts: Sequence[str]) -> CfgNode:
     """Defaults < the checkpoint's model/input keys (MODEL_KEYS) < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
     cfg = cfg_from_checkpoint(state, cfg_file, opts, MODEL_KEYS)
+    classes = len(state["classes"])
     cfg.defrost()
     cfg.MODEL.PRETRAINED = False  # the checkpoint provides every weight: never fetch pretrained ones
+    cfg.MODEL.NUM_CLASSES = cfg.MODEL.NUM_CLASSES or classes  # 0: the data's count, which the checkpoint names
     cfg.freeze()
-    classes = len(state["classes"])
     if cfg.MODEL.NUM_CLASSES != classes:
         raise ConfigError(f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but the checkpoint names {classes} classes")
     return cfg
