@@ -149,9 +149,6 @@ def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
     """
     sampler, start, rank_batch = run.train.sampler, run.state.step_in_epoch, run.global_batch // run.env.world_size
     sampler.set_epoch(epoch)
-    if not hasattr(sampler, "set_position"):  # repeated/weighted samplers: per-rank position only
-        sampler.set_start(start * rank_batch)
-        return start, run.steps_per_epoch
     sampler.set_position(run.state.samples_in_epoch)
     return start, start + len(sampler) // rank_batch
 
