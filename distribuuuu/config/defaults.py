@@ -198,8 +198,12 @@ _C.DATA.STD = [0.229, 0.224, 0.225]
 _C.DATA.CROP_SCALE_MIN = 0.6
 # Probability of a horizontal flip in training (ImageNet's usual: 0.5; digits must not be flipped)
 _C.DATA.HFLIP_PROB = 0.0
-# Automatic augmentation policy: "", "randaugment", "trivialaugment" or "autoaugment"
+# Automatic augmentation policy: "", "randaugment", "trivialaugment", "autoaugment" or "threeaugment"
+# (DeiT III's 3-Augment: one of grayscale, solarization, Gaussian blur per image, then DATA.COLOR_JITTER)
 _C.DATA.AUTO_AUGMENT = ""
+# Colour jitter (brightness, contrast, saturation factors in 1 +- this) after DATA.AUTO_AUGMENT
+# threeaugment's operation (DeiT III: 0.3; 0: none); the other policies take none
+_C.DATA.COLOR_JITTER = 0.3
 # RandAugment magnitude (0-30)
 _C.DATA.RANDAUGMENT_MAGNITUDE = 9
 # Probability of random erasing on each training image (0 disables)
@@ -436,7 +440,7 @@ SAMPLERS = ("default", "repeated", "weighted")
 TASKS = ("multiclass", "multilabel")
 # TRAIN.BEST_METRIC: each metric's metrics.jsonl field and whether a lower value is better
 BEST_METRICS = {"top1": ("top1", False), "map": ("map", False), "f1_macro": ("f1_macro", False), "loss": ("loss", True)}
-AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
+AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment", "threeaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 CKPT_FORMATS = ("", "sharded", "file")

@@ -127,6 +127,7 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DATA.CROP_SCALE_MIN", _between(0, 1, lo_open=True)),
     ("DATA.HFLIP_PROB", _PROBABILITY),
     ("DATA.AUTO_AUGMENT", _choice(AUTO_AUGMENTS)),
+    ("DATA.COLOR_JITTER", _NON_NEGATIVE),
     ("DATA.RANDOM_ERASING", _PROBABILITY),
     ("DATA.MIXUP_ALPHA", _NON_NEGATIVE),
     ("DATA.CUTMIX_ALPHA", _NON_NEGATIVE),
