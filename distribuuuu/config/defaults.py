@@ -174,6 +174,9 @@ _C.TEST.CROP_PCT = 0.0
 # Resize interpolation of evaluation: "bilinear", "bicubic" or "nearest" ("": bilinear, or a
 # pretrained timm model's own)
 _C.TEST.INTERPOLATION = ""
+# Test-time augmentation of every evaluation: "" (none) or "flip" (the mean of the logits of each
+# image and of its horizontal flip, one forward of both; timm's --tta averages logits too)
+_C.TEST.TTA = ""
 # More evaluation sets after each epoch: roots in TEST.DATASET's forms, each read at TEST.SPLIT
 _C.TEST.EXTRA_DATASETS = []
 # Also save the confusion matrix and per-class accuracy (CSV, JSON, PNG) of each evaluation
@@ -436,6 +439,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 INTERPOLATIONS = ("", "bilinear", "bicubic", "nearest")
+TTAS = ("", "flip")
 SAMPLERS = ("default", "repeated", "weighted")
 TASKS = ("multiclass", "multilabel")
 # TRAIN.BEST_METRIC: each metric's metrics.jsonl field and whether a lower value is better

@@ -26,6 +26,7 @@ from distribuuuu.config.defaults import (
     STRATEGIES,
     TASKS,
     TRACKERS,
+    TTAS,
 )
 from distribuuuu.config.keys import flatten, get_key
 from distribuuuu.config.values import decode, shown
@@ -60,6 +61,7 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
                       "must be >= TEST.CROP_SIZE (0: TRAIN.IM_SIZE)")),
     ("TEST.CROP_PCT", _between(0, 1)),
     ("TEST.INTERPOLATION", _choice(INTERPOLATIONS)),
+    ("TEST.TTA", _choice(TTAS)),
     ("TEST.EXTRA_DATASETS", ((lambda v, c: all(isinstance(d, str) and d for d in v)), "must be a list of dataset roots")),
     ("MODEL.NUM_CLASSES", _POSITIVE),
     ("MODEL.TASK", _choice(TASKS)),
