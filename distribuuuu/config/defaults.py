@@ -308,7 +308,8 @@ _C.CUDNN.DETERMINISTIC = False
 # Optimizer and learning-rate schedule (the schedule is updated every optimizer step)
 # ------------------------------------------------------------------------------------------------
 _C.OPTIM = CN()
-# Optimizer: "sgd", "adamw", "lars" or "lamb"
+# Optimizer: "sgd", "adamw", "lars", "lamb" or "muon" (torch.optim.Muon on the hidden 2-D weight matrices,
+# AdamW with OPTIM.BETAS on biases, norms, embeddings, convolution kernels and the head; docs/recipe.md#muon)
 _C.OPTIM.OPTIMIZER = "sgd"
 # Number of training epochs
 _C.OPTIM.MAX_EPOCH = 10
@@ -347,6 +348,11 @@ _C.OPTIM.LAYER_DECAY = 0.0
 _C.OPTIM.BETAS = [0.9, 0.999]
 # LARS trust coefficient
 _C.OPTIM.LARS_TRUST = 0.001
+# Muon's momentum (OPTIM.OPTIMIZER muon; Nesterov's with OPTIM.NESTEROV)
+_C.OPTIM.MUON_MOMENTUM = 0.95
+# Muon's LR per matrix shape (A, B): "match_rms_adamw" (Moonshot: x 0.2 sqrt(max(A, B)), so BASE_LR and
+# WEIGHT_DECAY are AdamW's for both), "original" (Keller Jordan: x sqrt(max(1, A / B))) or "spectral_unclamped"
+_C.OPTIM.MUON_ADJUST_LR = "match_rms_adamw"
 # Linear scaling rule: if > 0, BASE_LR is multiplied by global_batch / REFERENCE_BATCH
 _C.OPTIM.REFERENCE_BATCH = 0
 # Shard optimizer state across ranks (ZeRO stage 1, ZeroRedundancyOptimizer)
@@ -437,7 +443,8 @@ _C.LOG.PLOT = True
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb", "muon")
+MUON_ADJUST_LRS = ("original", "match_rms_adamw", "spectral_unclamped")
 INTERPOLATIONS = ("", "bilinear", "bicubic", "nearest")
 TTAS = ("", "flip")
 SAMPLERS = ("default", "repeated", "weighted")
