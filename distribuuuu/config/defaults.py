@@ -35,7 +35,14 @@ _C.MODEL.KWARGS = []
 # ResNet, RegNet), so that each block starts as the identity (Goyal et al. 2017; timm's default;
 # docs/recipe.md#defaults): other models, and pretrained weights, are left as they are
 _C.MODEL.ZERO_INIT_RESIDUAL = True
-# Activation (gradient) checkpointing of the repeated blocks: less memory, one more forward per step
+# Activation checkpointing of the repeated blocks (models.find_blocks: the ones FSDP wraps): "none",
+# "full" (every block: least memory, one more forward of the blocks a step) or "selective" (every
+# MODEL.ACTIVATION_CHECKPOINTING_EVERY-th block); non-reentrant, BatchNorm statistics updated once
+# (docs/performance.md#activation-checkpointing)
+_C.MODEL.ACTIVATION_CHECKPOINTING = "none"
+# "selective": checkpoint blocks k, 2k, 3k, ... (from 1) for this k (torchtitan's per-layer selective)
+_C.MODEL.ACTIVATION_CHECKPOINTING_EVERY = 2
+# The original key: True is MODEL.ACTIVATION_CHECKPOINTING full
 _C.MODEL.GRAD_CHECKPOINT = False
 # Freeze parameters whose names match any of these fnmatch patterns (["conv1.*", "bn1.*"])
 _C.MODEL.FREEZE = []
@@ -449,6 +456,7 @@ INTERPOLATIONS = ("", "bilinear", "bicubic", "nearest")
 TTAS = ("", "flip")
 SAMPLERS = ("default", "repeated", "weighted")
 TASKS = ("multiclass", "multilabel")
+CHECKPOINTING_MODES = ("none", "full", "selective")
 # TRAIN.BEST_METRIC: each metric's metrics.jsonl field and whether a lower value is better
 BEST_METRICS = {"top1": ("top1", False), "map": ("map", False), "f1_macro": ("f1_macro", False), "loss": ("loss", True)}
 AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment", "threeaugment")
