@@ -444,6 +444,12 @@ _C.LOG.MLFLOW_URI = ""
 _C.LOG.PROGRESS = True
 # Rank 0 logs to stdout as well as OUT_DIR/log.txt (False: log.txt only, for a tool that prints its own report)
 _C.LOG.CONSOLE = True
+# Peak TFLOP/s of one device, for the model FLOPs utilisation (MFU) in the log, metrics.jsonl and
+# TensorBoard (e.g. 989 for an H100's dense bf16; 0: no MFU, the achieved TFLOP/s alone)
+_C.LOG.PEAK_TFLOPS = 0.0
+# Warn, naming rank and host, when a rank is this many median steps behind the others at a sync point
+# (its step time, or its data wait, the others wait for in the gradient all-reduce; 0: never)
+_C.LOG.STRAGGLER_FACTOR = 1.5
 # Draw OUT_DIR/metrics.png at the end of training (~1 s of one core, with matplotlib); False: summary.md
 # without it, for sweeps of short runs (tools/plot_metrics.py OUT_DIR draws it at any time)
 _C.LOG.PLOT = True

@@ -226,6 +226,8 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
                       f"must be a list of distinct names from {TRACKERS}")),
     ("LOG.PROJECT", ((lambda v, c: bool(v)), "must not be empty")),
     ("LOG.WANDB_MODE", _choice(("offline", "online"))),
+    ("LOG.PEAK_TFLOPS", _NON_NEGATIVE),
+    ("LOG.STRAGGLER_FACTOR", ((lambda v, c: v == 0 or v > 1), "must be 0 (off) or above 1 (median steps behind)")),
 ]  # fmt: skip
 
 
