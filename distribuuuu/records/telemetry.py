@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from distribuuuu.logger import get_logger
+from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 
 logger = get_logger("trainer")
 # A training record's telemetry fields (``Telemetry.end_epoch``), what metrics.jsonl keeps of them
@@ -112,7 +112,7 @@ class Telemetry:
             "the others' median: %.3gs, %.3gs) > LOG.STRAGGLER_FACTOR %g",
             where, rank, hosts[rank] if rank < len(hosts) else "?", score, step_s[rank], data_s[rank],
             statistics.median(step_s[r] for r in others), statistics.median(data_s[r] for r in others),
-            self.straggler_factor,
+            self.straggler_factor, extra=SAME_ON_EVERY_RANK,  # reduced values: rank 0 says it once
         )  # fmt: skip
 
     def end_epoch(self) -> dict:
