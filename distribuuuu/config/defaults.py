@@ -402,8 +402,9 @@ _C.DIST.PREEMPT_GRACE_S = 60
 # One run per OUT_DIR: a lock untouched for this many seconds is stale (its run is gone) and taken
 # over; a running holder touches it every 30 s
 _C.DIST.LOCK_STALE_S = 120.0
-# A requeued or restarted job (SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT > 0) waits this many
-# seconds for its predecessor to let go of OUT_DIR; a first start stops at once
+# A requeued or restarted job (SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT or, on Kubernetes,
+# JOBSET_RESTART_ATTEMPT > 0) waits this many seconds for its predecessor to let go of OUT_DIR; a first
+# start stops at once
 _C.DIST.LOCK_WAIT_S = 300.0
 # Data parallelism: "ddp" (replicated weights), "fsdp" (FSDP2: parameters, gradients and optimizer
 # state sharded over all ranks) or "hsdp" (sharded within a node, replicated across nodes)
