@@ -34,6 +34,8 @@ CANDIDATES = {
     "resnet18, defaults": SMALL,
     "resnet18, repeated augmentation x3": SMALL + ["TRAIN.SAMPLER", "repeated", "TRAIN.REPEATED_AUG", "3"],
     "resnet18, 3-Augment (jitter 0.3)": SMALL + ["DATA.AUTO_AUGMENT", "threeaugment", "DATA.COLOR_JITTER", "0.3"],
+    # flip TTA averages two views the model was trained on only if training flips too
+    "resnet18, flips in training (HFLIP 0.5)": SMALL + ["DATA.HFLIP_PROB", "0.5"],
     "ViT-Tiny/4 x4 blocks, AdamW": VIT + ["OPTIM.OPTIMIZER", "adamw"],
     "ViT-Tiny/4 x4 blocks, Muon + AdamW": VIT + ["OPTIM.OPTIMIZER", "muon"],
 }
