@@ -43,12 +43,13 @@ def saved_bytes(model, images, targets) -> int:
     parameters (saved by reference, no memory of their own); a checkpointed block keeps only its input."""
     import torch
 
-    parameters = {p.data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}  # storage -> bytes: views of one storage count once
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in parameters:
-            kept[t.data_ptr()] = max(kept.get(t.data_ptr(), 0), t.untyped_storage().nbytes())
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

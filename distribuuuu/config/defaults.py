@@ -316,7 +316,7 @@ _C.CUDNN.DETERMINISTIC = False
 # ------------------------------------------------------------------------------------------------
 _C.OPTIM = CN()
 # Optimizer: "sgd", "adamw", "lars", "lamb" or "muon" (torch.optim.Muon on the hidden 2-D weight matrices,
-# AdamW with OPTIM.BETAS on biases, norms, embeddings, convolution kernels and the head; docs/recipe.md#muon)
+# AdamW with OPTIM.BETAS on biases, norms, embeddings, convolution kernels and the head; docs/recipe.md#recipes-for-larger-jobs)
 _C.OPTIM.OPTIMIZER = "sgd"
 # Number of training epochs
 _C.OPTIM.MAX_EPOCH = 10
