@@ -17,7 +17,7 @@ from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.checkpoint import CheckpointError
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.data import BadImageError, DataError
+from distribuuuu.data import BadImageError, DataError, DeviceMemoryError
 from distribuuuu.errors import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, RefusedCheckpointError, first_line
 from distribuuuu.runtime.faults import CollectiveError, NonFiniteLossError
 from distribuuuu.runtime.launcher import SPAWN_ERROR_VAR, LaunchError, RankLaunchError, detect_env_rank
@@ -28,7 +28,7 @@ from distribuuuu.startup import interrupted_while_starting
 
 # Errors raised identically on every rank: rank 0 alone prints them, so they appear once.
 _SAME_ON_EVERY_RANK = (ConfigError, DataError, LaunchError, CheckpointError, NonFiniteLossError)
-_KNOWN = _SAME_ON_EVERY_RANK + (BadImageError, CollectiveError)
+_KNOWN = _SAME_ON_EVERY_RANK + (BadImageError, DeviceMemoryError, CollectiveError)
 
 
 def parse_args(argv: Sequence[str] | None = None, description: str = "") -> argparse.Namespace:

@@ -11,7 +11,6 @@ autocast and gradient sync (``runtime/parallel.py``), the records (``records/``)
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
@@ -20,16 +19,11 @@ from yacs.config import CfgNode
 
 from distribuuuu.logger import get_logger
 from distribuuuu.records.meters import MetricSums
-from distribuuuu.records.writer import (
-    evaluation_line,
-    log_train_window,
-    write_eval_record,
-    write_train_record,
-)
+from distribuuuu.records.writer import log_train_window, write_train_record
 from distribuuuu.runtime.faults import check_finite, collective_error, is_comm_failure
 from distribuuuu.runtime.parallel import autocast, gradient_sync, norm_value, to_device
 from distribuuuu.runtime.preemption import stop_for_preemption
-from distribuuuu.training.evaluation import check_inputs, precise_bn, test_model, validate
+from distribuuuu.training.evaluation import check_inputs, evaluate_epoch, test_model, validate
 from distribuuuu.training.optim import lr_at, set_lr
 from distribuuuu.training.parallelize import agree_on_buffers
 from distribuuuu.training.preprocessing import progressive
@@ -73,7 +67,9 @@ def train_run(session: Session, resume: ResumePoint) -> dict:
     with session.watching():  # a failed collective or a stalled rank is named with the run's position
         run = session.follow(build_run(session.cfg, session.env))
         resume_or_load_weights(run, session.checkpoints, resume.path)
-        session.open_outputs(resumed_from=resume.path)  # only now: bad data, batch or weights left OUT_DIR as it was
+        session.open_outputs(
+            resume.path, resume.epochs_done
+        )  # only now: bad data, batch or weights left OUT_DIR as it was
         with session.preemptible():
             last_val = train_epochs(run, session)
         session.writer.summarize()  # rank 0 (the others hold a NullWriter): summary.md and the plot
@@ -88,7 +84,7 @@ def train_epochs(run: Run, session: Session) -> dict:
             train_one_epoch(run, session, epoch)
             is_best = False
             if (epoch + 1) % cfg.TRAIN.EVAL_PERIOD == 0 or epoch + 1 == cfg.OPTIM.MAX_EPOCH:
-                last_val, is_best = evaluate_epoch(run, session, epoch)
+                last_val, is_best = evaluate_epoch(run, session.writer, session.checkpoints.path(epoch + 1), epoch)
             save_training_checkpoint(run, session.checkpoints, is_best, background=True)
             if cfg.TRAIN.STOP_AFTER_EPOCHS and epoch + 1 - first_epoch >= cfg.TRAIN.STOP_AFTER_EPOCHS:
                 break
@@ -115,7 +111,8 @@ def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
 
 # --- An epoch ------------------------------------------------------------
 def train_epoch(run: Run, session: Session, epoch: int) -> dict:
-    """Train one epoch (from run.state.step_in_epoch on); return the epoch's reduced totals.
+    """Train one epoch (from run.state.step_in_epoch on); return the epoch's reduced totals (a resumed
+    epoch's include its checkpoint's: ``run.epoch_totals``).
 
     Metrics stay on the device between synchronisation points: every PRINT_FREQ steps, at a
     mid-epoch checkpoint and at the last step, one all-reduce carries the metrics, the preemption
@@ -124,8 +121,8 @@ def train_epoch(run: Run, session: Session, epoch: int) -> dict:
     t = run.cfg.TRAIN
     start, end = start_epoch_sampler(run, epoch)
     run.forward_model.train()
-    batches, started = iter(run.train.loader), time.perf_counter()
-    window, epoch_sums = Window(run.env.device, t.TOPK, run.env.world_size), MetricSums(torch.device("cpu"), t.TOPK)
+    run.epoch_totals.begin(start)  # a resumed epoch goes on from its checkpoint's sums
+    batches, window = iter(run.train.loader), Window(run.env.device, t.TOPK, run.env.world_size)
     for step in range(start, end):
         micro_batches = window.next_batches(batches, t.ACCUM_STEPS)
         set_lr(run.optimizer, lr_at(run.schedule_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
@@ -134,10 +131,10 @@ def train_epoch(run: Run, session: Session, epoch: int) -> dict:
         run.state.samples_in_epoch += run.global_batch
         checkpoint_due = bool(t.CKPT_PERIOD_ITERS) and (step + 1) % t.CKPT_PERIOD_ITERS == 0 and step + 1 < end
         if (step + 1) % t.PRINT_FREQ == 0 or step + 1 == end or checkpoint_due:  # a checkpoint's weights pass the check
-            epoch_sums.add_totals(sync_point(run, session, window, epoch, step + 1, end))
+            sync_point(run, session, window, epoch, step + 1, end)
         if checkpoint_due:
             save_training_checkpoint(run, session.checkpoints, background=True)
-    return dict(epoch_sums.totals(), time_s=time.perf_counter() - started)
+    return run.epoch_totals.totals()
 
 
 def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
@@ -154,9 +151,10 @@ def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
 
 
 def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int, end: int) -> dict:
-    """Reduce the window's metrics over ranks (one all-reduce), check, log and reset them; stop here if
-    a rank was asked to (preemption, Ctrl-C), a checkpoint on disk first. ``step``: the step just
-    taken; ``end``: the epoch's last (another global batch's resume continues the saved numbers)."""
+    """Reduce the window's metrics over ranks (one all-reduce), check, log, add them to the epoch's and
+    reset them; stop here if a rank was asked to (preemption, Ctrl-C), a checkpoint on disk first.
+    ``step``: the step just taken; ``end``: the epoch's last (another global batch's resume
+    continues the saved numbers)."""
     preempt = session.preempt
     stop, interrupt = (preempt.requested, preempt.interrupted) if preempt is not None else (False, False)
     try:  # the metrics, the stop flags, every rank's step time and data wait: one all-reduce
@@ -167,6 +165,7 @@ def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int
     check_finite(totals, window.losses, epoch, step, run.cfg.TRAIN.NAN_POLICY)
     log_window(run, session, window, totals, epoch, step, end)
     window.reset()
+    run.epoch_totals.add(totals)  # before a stop's checkpoint, which keeps them
     if totals["stop"]:
         save = functools.partial(save_training_checkpoint, run, session.checkpoints)  # on disk before the exit
         stop_for_preemption(preempt, run.position(), save, run.cfg.DIST.REQUEUE, interrupted=bool(totals["interrupt"]))
@@ -267,31 +266,3 @@ def gradient_norm(run: Run) -> torch.Tensor | None:
         grads = [p.grad for p in run.model.parameters() if p.grad is not None]
         return norm_value(nn.utils.get_total_norm(grads, foreach=True))
     return None
-
-
-# --- The epoch's end ------------------------------------------------------------
-def evaluate_epoch(run: Run, session: Session, epoch: int) -> tuple[dict, bool]:
-    """Recompute BatchNorm statistics (BN.PRECISE_IMAGES), validate the raw weights (and the EMA
-    weights) on val and TEST.EXTRA_DATASETS, record each; the best is chosen from val alone.
-    Returns the raw weights' val totals and whether they (or the EMA's) are the new best."""
-    if run.precise_bn is not None:  # the same statistics on every rank, then saved
-        precise_bn(
-            {"model": run.model} | ({"ema": run.ema.module} if run.ema else {}), run.precise_bn, run.cfg, run.env
-        )
-    weights = {"model": run.eval_model} | ({"ema": run.ema.module} if run.ema is not None else {})
-    folder, k = os.path.join(run.cfg.OUT_DIR, "evaluation"), run.task.reported_k(run.cfg.TRAIN.TOPK)
-    is_best, val = False, {}
-    for split_name, split in [("val", run.val), *run.extra_val.items()]:
-        for name, module in weights.items():
-            prefix = split_name + ("_ema" if name == "ema" else "")
-            totals = validate(module, split, run.cfg, run.env, run.task, (folder, prefix))
-            improved = split_name == "val" and run.best.improves(totals)
-            if improved:
-                run.best.take(totals, name)
-            write_eval_record(
-                session.writer, split_name, epoch + 1, totals, k, name, run.best.metric if improved else None
-            )
-            logger.info("%s", evaluation_line(f"{split_name} {name} epoch {epoch + 1}", totals, k))
-            is_best |= improved
-            val = totals if (split_name, name) == ("val", "model") else val
-    return val, is_best

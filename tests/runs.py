@@ -10,11 +10,13 @@ import pytest
 from helpers import EVAL_TINY, REPO, TINY_TRAIN, TRAIN, assert_ok, in_process, lone_env, run_torchrun, serve_folder
 
 # The single-process run: the tiny CNN with EMA at a high LR (each epoch's weights, and the EMA's,
-# differ), input keys away from the defaults a tool must take from its checkpoint (top-1 57-75%, 4 seeds).
+# differ), input keys away from the defaults a tool must take from its checkpoint (top-1 57-75%, 4 seeds);
+# every epoch's checkpoint kept (the default keeps the newest), which averaging and evaluation read.
 EMA_EPOCHS = 3
 EMA_RUN_OPTS = [
     *EVAL_TINY, "TRAIN.IM_SIZE", "24", "TEST.IM_SIZE", "28", "DATA.MEAN", "[0.5, 0.5, 0.5]", "DATA.STD", "[0.5, 0.5, 0.5]",
     "OPTIM.MAX_EPOCH", str(EMA_EPOCHS), "OPTIM.BASE_LR", "0.4", "OPTIM.EMA_DECAY", "0.5", "TRAIN.PRINT_FREQ", "10",
+    "TRAIN.KEEP_CKPTS", str(EMA_EPOCHS),
 ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_fr
 from distribuuuu.config import load_cfg
 from distribuuuu.data import DataError
 from distribuuuu.data.annotations import AnnotationSpec, read_annotations
-from distribuuuu.data.datasets import build_base_dataset
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.inputs import build_train_split, build_val_split
 

@@ -21,9 +21,10 @@ from PIL import Image
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.data import BadImageError, batched, jpeg
+from distribuuuu.data import BadImageError, batched, device_decode, jpeg
 from distribuuuu.data.batched import BatchDecoder, EncodedSample, collate_encoded, decode_stats
 from distribuuuu.data.encoded import decode_image_bytes
+from distribuuuu.data.errors import DeviceMemoryError
 from distribuuuu.data.loader import DeviceLoader
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.evaluation import check_inputs
@@ -149,7 +150,16 @@ def test_a_batched_run_trains_the_weights_of_a_per_sample_run(mixed_tree, tmp_pa
         out = tmp_path / decoder
         args = ["OUT_DIR", str(out), "TRAIN.DATASET", str(mixed_tree), "TEST.DATASET", str(mixed_tree)]
         # The batched resample (the default): on a CPU, "auto"'s pixels exactly, prepared on a thread
-        args += ["DATA.DECODER", decoder, "TRAIN.WORKERS", str(workers), "OPTIM.MAX_EPOCH", "2"]
+        args += [
+            "DATA.DECODER",
+            decoder,
+            "TRAIN.WORKERS",
+            str(workers),
+            "OPTIM.MAX_EPOCH",
+            "2",
+            "TRAIN.KEEP_CKPTS",
+            "2",
+        ]
         args += ["TRAIN.BATCH_SIZE", "16", "TRAIN.PRINT_FREQ", "5", "MODEL.ARCH", TINY_ARCH]  # any model will do
         assert_ok(in_process(TINY_TRAIN, *args))
         weights = [
@@ -220,7 +230,7 @@ def _pil_pixels(data: bytes) -> torch.Tensor:
 @pytest.fixture
 def fresh_stats(monkeypatch):
     """decode_stats at zero and no fallback warned about yet in this process."""
-    monkeypatch.setattr(batched, "_warned", set())
+    monkeypatch.setattr(device_decode, "_warned", set())
     decode_stats.reset()
     yield decode_stats
     decode_stats.reset()
@@ -261,9 +271,9 @@ def test_a_missing_device_decoder_falls_back_to_the_cpu_once_with_one_warning(fr
     with caplog.at_level(logging.WARNING, logger="distribuuuu.data"):
         first, second = decoder.decode(batch), decoder.decode(batch)
         BatchDecoder(lambda image: image, torch.device("cpu"), decode_jpegs=no_nvjpeg).decode(batch)
-    # The batched call, then each image alone (to tell a broken decoder from one bad file), then
-    # no more device calls on that decoder; the second decoder (the val split's) tries once more.
-    assert calls == [4, 1, 1, 1, 1, 4, 1, 1, 1, 1]
+    # The error says the decoder is missing: no more device calls on that decoder, not even one
+    # image at a time; the second decoder (the val split's) tries once more.
+    assert calls == [4, 4]
     warnings = [r.getMessage() for r in caplog.records if "batched JPEG decoder" in r.getMessage()]
     assert len(warnings) == 1 and "not compiled with nvJPEG" in warnings[0], caplog.text
     assert fresh_stats.gpu_images == 0 and fresh_stats.cpu_fallback_images == 12
@@ -278,7 +288,114 @@ def test_a_corrupt_jpeg_among_good_ones_is_skipped_and_the_device_decoder_kept(f
     decoder = BatchDecoder(lambda image: image, torch.device("cpu"), skip_bad=True)
     with caplog.at_level(logging.WARNING, logger="distribuuuu.data"):
         pixels = decoder.decode(batch)
-    assert pixels[4] is None and decoder.device_decoder_works
+    assert pixels[4] is None and decoder.jpegs.works
     assert all(torch.equal(image, _pil_pixels(data)) for image, (_, data) in zip(pixels[:4], files))
     assert fresh_stats.gpu_images == 4 and fresh_stats.cpu_fallback_images == 0
     assert "batched JPEG decoder" not in caplog.text
+
+
+def _nvjpeg_like(calls: list[int]):
+    """A device decoder that, like nvJPEG, fails the whole call when one file is no 1- or 3-component
+    JPEG ("Unknown chroma subsampling"), else decodes the JPEGs (with libjpeg-turbo, on the CPU)."""
+
+    def decode(data, device):
+        calls.append(len(data))
+        for d in data:
+            header = Image.open(io.BytesIO(d.numpy().tobytes()))
+            if header.format != "JPEG" or header.mode not in ("L", "RGB"):
+                raise RuntimeError("Unknown chroma subsampling")
+        return jpeg.decode_jpegs(data, torch.device("cpu"))
+
+    return decode
+
+
+class _Files(torch.utils.data.Dataset):
+    """A reader of (name, bytes) files, as the dataset formats' ``encoded`` gives them."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def __len__(self):
+        return len(self.files)
+
+    def encoded(self, index):
+        name, data = self.files[index]
+        return data, name, 0
+
+
+def test_files_nvjpeg_cannot_take_are_decoded_on_the_cpu_one_each_and_the_rest_stay_in_one_call(
+    fresh_stats, monkeypatch
+):
+    # A CMYK JPEG (ImageNet has ~22) and a PNG named .JPEG: their headers, read in the workers, send
+    # them to the CPU decoder there; the batch's other JPEGs stay one device call, not one each.
+    _, files = _jpeg_batch()
+    rgb = Image.open(io.BytesIO(files[0][1])).convert("RGB")
+    cmyk, png = io.BytesIO(), io.BytesIO()
+    rgb.convert("CMYK").save(cmyk, "JPEG", quality=90)
+    rgb.save(png, "PNG")
+    files = files * 4 + [("cmyk.JPEG", cmyk.getvalue()), ("png_inside.JPEG", png.getvalue())]
+    cpu_decodes, calls = [], []
+    for module in (batched, device_decode):
+        counted = module.decode_image_bytes
+        monkeypatch.setattr(
+            module, "decode_image_bytes", lambda *a, counted=counted: cpu_decodes.append(a[1]) or counted(*a)
+        )
+    dataset = batched.EncodedImageDataset(_Files(files), seed=0)
+    batch = collate_encoded([dataset[i] for i in range(len(files))])
+    pixels = BatchDecoder(None, torch.device("cpu"), decode_jpegs=_nvjpeg_like(calls)).decode(batch)
+    assert calls == [16] and sorted(cpu_decodes) == ["cmyk.JPEG", "png_inside.JPEG"]
+    assert fresh_stats.gpu_images == 16 and fresh_stats.cpu_fallback_images == 0
+    for image, (_, data) in zip(pixels, files):
+        assert torch.equal(image, _pil_pixels(data))
+
+
+def one_sample(batch, i: int) -> EncodedSample:
+    return EncodedSample(batch.data(i), True, 5, 0, batch.paths[i])
+
+
+def test_out_of_memory_halves_the_call_and_one_image_alone_fails_in_one_line(fresh_stats):
+    batch, files = _jpeg_batch(*_jpeg_batch()[1])  # 8 JPEGs
+    calls = []
+
+    def short_of_memory(data, device):
+        calls.append(len(data))
+        if len(data) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return jpeg.decode_jpegs(data, device)
+
+    decoder = BatchDecoder(None, torch.device("cpu"), decode_jpegs=short_of_memory)
+    pixels = decoder.decode(batch)
+    assert calls == [8, 4, 2, 2, 4, 2, 2] and decoder.jpegs.works  # halved until it fit: retried, not given up
+    assert fresh_stats.gpu_images == 8 and fresh_stats.cpu_fallback_images == 0
+    assert all(torch.equal(image, _pil_pixels(data)) for image, (_, data) in zip(pixels, files))
+    one, _ = _jpeg_batch()
+    with pytest.raises(DeviceMemoryError) as e:
+        BatchDecoder(
+            None, torch.device("cpu"), decode_jpegs=lambda data, device: short_of_memory(data * 3, device)
+        ).decode(collate_encoded([one_sample(one, 0)]))
+    assert "\n" not in str(e.value) and "out of memory decoding" in str(e.value) and files[0][0] in str(e.value)
+
+
+def test_a_failed_call_that_is_no_missing_decoder_keeps_the_device_decoder(fresh_stats, caplog):
+    # A CUDA error on every call of one batch (each image alone too): that batch is decoded on the
+    # CPU, and the next batch goes to the device again. Before, one such batch turned it off for
+    # the rest of the run.
+    batch, files = _jpeg_batch()
+    calls, failing = [], [True]
+
+    def flaky(data, device):
+        calls.append(len(data))
+        if failing[0]:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return jpeg.decode_jpegs(data, device)
+
+    decoder = BatchDecoder(None, torch.device("cpu"), decode_jpegs=flaky)
+    with caplog.at_level(logging.WARNING, logger="distribuuuu.data"):
+        first = decoder.decode(batch)
+        failing[0] = False
+        second = decoder.decode(batch)
+    assert calls == [4, 2, 1, 1, 2, 1, 1, 4] and decoder.jpegs.works
+    assert fresh_stats.gpu_images == 4 and fresh_stats.cpu_fallback_images == 4
+    assert "missing" not in caplog.text
+    for pixels in (first, second):
+        assert all(torch.equal(image, _pil_pixels(data)) for image, (_, data) in zip(pixels, files))

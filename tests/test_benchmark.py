@@ -17,6 +17,7 @@ import torch
 from helpers import REPO, assert_ok, clean_env, gloo_threads, in_process, run_torchrun
 from models import TINY_ARCH
 
+from benchmarks import loading, suite
 from distribuuuu.runtime.launcher import find_free_port
 
 BENCH = str(REPO / "tools" / "benchmark.py")
@@ -104,14 +105,21 @@ def test_benchmark_packed_measures_every_path_on_the_same_photos():
     assert all(r["images_per_s_per_core"] > 0 and r["im_size"] == 224 for r in records)
 
 
-@pytest.mark.parametrize("tool", ["benchmark.py", "gpu_check.py"])
+@pytest.mark.parametrize(
+    "tool",
+    [
+        "tools/benchmark.py",
+        "tools/gpu_check.py",
+        *(str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.py")),
+    ],
+)
 def test_tools_drive_the_trainer_through_its_public_functions(tool):
     """No write to a run's position or sampler, no replaced trainer attribute: a tool that set
     them itself would break silently when the package changes (Run.move_to, train_one_epoch)."""
-    source = (REPO / "tools" / tool).read_text()
+    source = (REPO / tool).read_text()
     for pattern in (
         r"\brun\.state(\.\w+)?\s*=[^=]",
-        r"(train|split)\.sampler\.set_\w+\(",  # the trainer's sampler (the plain loop has its own)
+        r"\brun\.train\.sampler\.set_\w+\(",  # a run's sampler (a loader measured alone, or the plain loop, has its own)
         r"\btrainer\.\w+\s*=[^=]",
     ):
         assert not re.search(pattern, source), f"{tool} matches {pattern}: {re.search(pattern, source).group(0)}"
@@ -157,13 +165,13 @@ def test_ctrl_c_in_a_benchmark_is_one_line_and_exit_130(monkeypatch, capsys):
     def interrupted(*args) -> list[dict]:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tool, "measure", interrupted)
+    monkeypatch.setattr(suite, "measure", interrupted)
     try:
         code = tool.main(["--what", "data"])
     except KeyboardInterrupt:
         pytest.fail("the Ctrl-C went past main: Python's traceback, on every rank")
     assert code == 130
-    assert capsys.readouterr().err.splitlines() == ["benchmark: interrupted (Ctrl-C); exiting with 130"]
+    assert capsys.readouterr().err.splitlines() == ["benchmark.py: interrupted (Ctrl-C); exiting with 130"]
 
 
 @pytest.fixture
@@ -237,8 +245,10 @@ def test_a_memory_table_job_that_fails_is_one_error_line_naming_its_rank_and_exi
     args = ["--memory-table", "1", "--steps", "1", "--repeats", "1", "--warmup", "1", "--archs", "no_such_arch", *TINY]
     result = in_process(BENCH, *args)
     assert result.returncode == 1, result.stderr[-3000:]
-    failed = [line for line in result.stderr.splitlines() if line.startswith("benchmark: error: a --what memory job")]
-    assert failed == ["benchmark: error: a --what memory job failed: rank 0 exited 2"], result.stderr[-3000:]
+    failed = [
+        line for line in result.stderr.splitlines() if line.startswith("benchmark.py: error: a --what memory job")
+    ]
+    assert failed == ["benchmark.py: error: a --what memory job failed: rank 0 exited 2"], result.stderr[-3000:]
     assert "unknown model 'no_such_arch'" in result.stderr and "Traceback" not in result.stderr
     assert "| model |" not in result.stdout, "no table from a failed job"
 
@@ -265,7 +275,7 @@ def test_the_data_rate_is_what_the_workers_sustain_not_the_queue_they_filled_bef
     loader = torch.utils.data.DataLoader(
         _SlowSamples(200, seconds), batch_size=batch, num_workers=workers, prefetch_factor=2
     )
-    rate, images = _benchmark_module().steady_rate(loader, timed=2, workers=workers, queued=2 * workers)
+    rate, images = loading.steady_rate(loader, timed=2, workers=workers, queued=2 * workers)
     assert images == workers * batch, "the window is rounded up to one whole round of the workers"
     # The bug over-reported (thousands of images/s). Sleeping workers on a busy machine wake late, so
     # the rate may fall short of the closed form (132 of 200 seen mid-suite), never exceed it.

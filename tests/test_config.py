@@ -176,17 +176,21 @@ BAD_INPUTS = {
             (
                 "start-off-the-multiple",
                 ["TRAIN.PROGRESSIVE_START_SIZE", "24"],
-                "TRAIN.PROGRESSIVE_START_SIZE must be 0 (off) or a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE",
+                "TRAIN.PROGRESSIVE_START_SIZE must be 0 (off) or a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE (16) "
+                "no larger than TRAIN.IM_SIZE (32, where the ramp ends), got 24: TRAIN.PROGRESSIVE_SIZE_MULTIPLE 8 "
+                "(or a divisor of it) fits a ramp from 24 to 32 px",
             ),
             (
                 "start-above-im-size",
                 ["TRAIN.PROGRESSIVE_START_SIZE", "48"],
-                "TRAIN.PROGRESSIVE_START_SIZE must be 0 (off) or a multiple",
+                "no larger than TRAIN.IM_SIZE (32, where the ramp ends), got 48",
             ),
             (
                 "im-size-off-the-multiple",
                 ["TRAIN.IM_SIZE", "40", "TEST.IM_SIZE", "40"],
-                "TRAIN.IM_SIZE must be a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE",
+                "TRAIN.IM_SIZE must be a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE (16) with progressive resizing "
+                "(the ramp ends there), got 40: TRAIN.PROGRESSIVE_SIZE_MULTIPLE 8 (or a divisor of it) fits a ramp "
+                "from 16 to 40 px",
             ),
             (
                 "ramp-ends-before-it-starts",
@@ -196,6 +200,13 @@ BAD_INPUTS = {
             ("on-synthetic-data", ["MODEL.DUMMY_INPUT", "True"], "TRAIN.PROGRESSIVE_START_SIZE needs real images"),
         ]
     },  # fmt: skip
+    # 32 px images with the default multiple, 32: the line says so, and what would fit
+    "progressive-from-16-px-at-the-default-multiple": (
+        ["TRAIN.PROGRESSIVE_START_SIZE", "16", "TRAIN.PROGRESSIVE_END_EPOCH", "3"],
+        "TRAIN.PROGRESSIVE_START_SIZE must be 0 (off) or a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE (32) no larger "
+        "than TRAIN.IM_SIZE (32, where the ramp ends), got 16: TRAIN.PROGRESSIVE_SIZE_MULTIPLE 16 (or a divisor of it) "
+        "fits a ramp from 16 to 32 px",
+    ),
 }
 
 

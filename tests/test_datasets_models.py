@@ -13,7 +13,7 @@ from PIL import Image
 
 from distribuuuu.config import ConfigError, load_cfg
 from distribuuuu.data import DataError
-from distribuuuu.data.datasets import build_base_dataset
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.inputs import build_train_split
 from distribuuuu.training.parallelize import build_configured_model

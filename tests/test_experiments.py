@@ -210,7 +210,8 @@ def test_a_val_folder_with_one_class_more_than_the_model_is_matched_by_name_not_
 def test_a_head_larger_than_the_training_classes_is_one_warning_with_the_count_to_set(tmp_path, caplog):
     for name, digit in {"cat": "0", "dog house": "1", "zebra": "2"}.items():
         shutil.copytree(DIGITS / "train" / digit, tmp_path / "train" / name)
-    cfg = load_cfg(None, ["TRAIN.DATASET", str(tmp_path), "TRAIN.WORKERS", "0", "TRAIN.BATCH_SIZE", "8"])  # 10 classes
+    opts = ["TRAIN.DATASET", str(tmp_path), "TRAIN.WORKERS", "0", "TRAIN.BATCH_SIZE", "8"]
+    cfg = load_cfg(None, [*opts, "MODEL.NUM_CLASSES", "10"])  # set on purpose: 0, the default, takes the data's 3
     with caplog.at_level("WARNING", logger="distribuuuu"):
         build_train_split(cfg, DistEnv())
     [said] = [r.getMessage() for r in caplog.records if "MODEL.NUM_CLASSES" in r.getMessage()]

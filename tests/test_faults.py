@@ -57,9 +57,11 @@ from distribuuuu.runtime.preemption import PreemptionHandler
 
 DIGITS = str(REPO / "data" / "digits")
 # Mixup draws from the global RNG and EMA has its own state: an exact resume must restore both.
+# Three checkpoints kept (the default keeps one): the resumes below fall back to an older one.
 TINY = [
     "MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "2",
     "DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9", "TRAIN.DATASET", DIGITS, "TEST.DATASET", DIGITS,
+    "TRAIN.KEEP_CKPTS", "3",
 ]  # fmt: skip
 ONE = [*TINY, "TRAIN.PRINT_FREQ", "5", "TRAIN.CKPT_PERIOD_ITERS", "10"]
 # 2 ranks: one epoch of 22 steps (the single-process runs cover resuming into a later epoch).
@@ -113,7 +115,7 @@ def reference_one_dir(tmp_path_factory) -> Path:
     """OUT_DIR of an uninterrupted single-process run (WORKERS 0): the reference of every resume of ONE."""
     out = tmp_path_factory.mktemp("reference_one")
     assert_ok(in_process(TINY_TRAIN, "OUT_DIR", str(out), *ONE, env=ENV))  # the resumed runs: fresh processes
-    # TRAIN.KEEP_CKPTS 3 (default) of the 8 mid-epoch and 2 epoch-end checkpoints; best kept apart.
+    # TRAIN.KEEP_CKPTS 3 (TINY's) of the 8 mid-epoch and 2 epoch-end checkpoints; best kept apart.
     kept = [ckpt.checkpoint_name(2, 30), ckpt.checkpoint_name(2, 40), ckpt.checkpoint_name(2)]
     assert [Path(p).name for p in ckpt.list_checkpoints(str(out / "checkpoints"))] == kept
     assert (out / ckpt.BEST_NAME).is_file()

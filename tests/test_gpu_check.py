@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 from helpers import REPO, assert_ok, in_process, on_ranks, run_torchrun, two_nodes
 
+from benchmarks import gpu_checks
+from benchmarks import gpu_harness as harness
+from distribuuuu import trainer
 from distribuuuu.runtime.launcher import DistEnv, LaunchError, find_free_port
 from distribuuuu.runtime.preemption import Interrupted
 from distribuuuu.runtime.process_group import (
@@ -89,12 +92,13 @@ def test_the_resume_check_trains_in_the_tools_process_group_and_leaves_stdout_to
     tmp_path, monkeypatch, capsys
 ):
     """gpu_check's public path into the trainer: train_model(cfg, cleanup=False) with LOG.CONSOLE False."""
-    tool = _tool()
     env = _one_rank(monkeypatch)
     try:
-        ctx = tool.Context(env, str(tmp_path))
-        cfg = tool.make_cfg(ctx, "run", "MODEL.ARCH", tool.TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "128")
-        tool.trainer.train_model(cfg, cleanup=False)
+        ctx = harness.Context(env, str(tmp_path))
+        cfg = harness.make_cfg(
+            ctx, "run", "MODEL.ARCH", harness.TINY, "OPTIM.MAX_EPOCH", "1", "TRAIN.BATCH_SIZE", "128"
+        )
+        trainer.train_model(cfg, cleanup=False)
         assert dist.is_initialized(), "train_model destroyed the caller's process group"
         assert all_reduce_sum(torch.ones(1)).item() == 1  # and it still serves collectives
     finally:
@@ -107,38 +111,37 @@ def test_the_resume_check_trains_in_the_tools_process_group_and_leaves_stdout_to
 def test_two_gloo_ranks_pass_the_cpu_checks_and_skip_the_cuda_ones(tmp_path):
     result = run_torchrun(2, GPU_CHECK, "--device", "cpu", "--work-dir", str(tmp_path), timeout=300)
     assert_ok(result)
-    names = [name for name, _ in _tool().CHECKS]
+    names = [name for name, _ in gpu_checks.CHECKS]
     rows = _rows(result.stdout, names)
     assert rows == {n: "PASS" if n in CPU_CHECKS else "SKIP" for n in names}, result.stdout
     assert "0:cpu 1:cpu" in result.stdout  # the rank table, one device per rank
-    assert "7 passed, 0 failed, 8 skipped" in result.stdout
+    assert "7 passed, 0 failed, 11 skipped" in result.stdout
     # The sync windows trained and augmented on the CPU; only the watching needs CUDA.
     assert "no CUDA: the windows trained on the CPU" in result.stdout
 
 
 def test_a_check_that_raises_is_a_fail_row_and_the_others_still_run():
-    tool = _tool()
 
     def broken(ctx):
         raise RuntimeError("CUDA error: an illegal memory access\nmore lines")
 
     def not_here(ctx):
-        raise tool.Skip("needs 2 or more ranks")
+        raise harness.Skip("needs 2 or more ranks")
 
     def fails(ctx):
-        tool.expect(False, "loss did not fall")
+        harness.expect(False, "loss did not fall")
 
     printed: list[str] = []
     checks = [("raises", broken), ("skips", not_here), ("expects", fails), ("passes", lambda ctx: "fine")]
-    results = tool.run_checks(checks, ctx=None, print_row=printed.append)
+    results = harness.run_checks(checks, ctx=None, print_row=printed.append)
     assert [(r.name, r.status) for r in results] == [
         ("raises", "FAIL"), ("skips", "SKIP"), ("expects", "FAIL"), ("passes", "PASS"),
     ]  # fmt: skip
     assert results[0].detail == "RuntimeError: CUDA error: an illegal memory access"
     assert results[2].detail == "CheckFailed: loss did not fall"
     assert len(printed) == 1 + len(checks) and "FAIL" in printed[1] and "illegal memory access" in printed[1]
-    assert tool.exit_code(results) == 1
-    assert tool.exit_code(results[1:2] + results[3:]) == 0  # SKIP and PASS only
+    assert harness.exit_code(results) == 1
+    assert harness.exit_code(results[1:2] + results[3:]) == 0  # SKIP and PASS only
 
 
 @pytest.mark.parametrize("stop", ["Ctrl-C in training", "Ctrl-C between steps"])
@@ -166,21 +169,21 @@ def test_a_ctrl_c_stops_the_checks_in_one_line_with_exit_130(stop, monkeypatch, 
 
 
 def test_a_failure_on_any_rank_fails_the_row_and_names_the_rank():
-    tool = _tool()
-    ok, bad = tool.Result("x", "PASS", 1.0, "fine"), tool.Result("x", "FAIL", 2.5, "TypeError: boom")
-    merged = tool.merge_ranks([ok, bad, ok])
+    ok, bad = harness.Result("x", "PASS", 1.0, "fine"), harness.Result("x", "FAIL", 2.5, "TypeError: boom")
+    merged = harness.merge_ranks([ok, bad, ok])
     assert (merged.status, merged.seconds, merged.detail) == ("FAIL", 2.5, "rank 1: TypeError: boom")
-    assert tool.merge_ranks([ok, ok]).detail == "fine"
+    assert harness.merge_ranks([ok, ok]).detail == "fine"
 
 
 @pytest.mark.usefixtures("plain_logging")
 def test_the_fsdp_checkpoint_check_runs_on_a_single_rank_as_on_a_one_gpu_machine(tmp_path, monkeypatch):
     """One GPU is where most users first run the tool: fsdp on one rank trains the plain model and
     writes DCP folders, so that check runs there (it was a SKIP row); the sharded scaler's skips."""
-    tool = _tool()
-    ctx = tool.Context(_one_rank(monkeypatch), str(tmp_path))
+    ctx = harness.Context(_one_rank(monkeypatch), str(tmp_path))
     try:
-        rows = {name: tool.run_check(name, check, ctx) for name, check in tool.CHECKS if name.startswith("fsdp")}
+        rows = {
+            name: harness.run_check(name, check, ctx) for name, check in gpu_checks.CHECKS if name.startswith("fsdp")
+        }
     finally:
         cleanup_distributed()
     dcp, scaler = rows["fsdp + sharded checkpoint"], rows["fsdp fp16 ShardedGradScaler"]
@@ -193,14 +196,15 @@ def test_ranks_may_share_a_gpu_over_gloo_only(monkeypatch, backend):
     """--backend gloo: two ranks on the one GPU of a machine pass the rank table (NCCL refuses that
     launch; were ranks ever to share a GPU under it, the row fails). Two ranks of a threaded group,
     both reporting the same GPU (the threaded group has no timed wait: the table without it)."""
-    tool = _tool()
-    monkeypatch.setattr(tool, "physical_device", lambda env: "GPU-the-one")
+    monkeypatch.setattr(gpu_checks, "physical_device", lambda env: "GPU-the-one")
     table = {"host": "node0", "device": "cpu"}
-    monkeypatch.setattr(tool, "check_group", lambda env, timeout_s: all_gather_object({"rank": env.rank, **table}))
+    monkeypatch.setattr(
+        gpu_checks, "check_group", lambda env, timeout_s: all_gather_object({"rank": env.rank, **table})
+    )
 
     def rank_job(rank: int) -> tuple[str, str]:
-        ctx = tool.Context(DistEnv(rank=rank, world_size=2, launcher="torchrun"), "", backend)
-        r = tool.run_check("all-reduce + rank table", tool.check_all_reduce, ctx)
+        ctx = harness.Context(DistEnv(rank=rank, world_size=2, launcher="torchrun"), "", backend)
+        r = harness.run_check("all-reduce + rank table", gpu_checks.check_all_reduce, ctx)
         return r.status, r.detail
 
     for status, detail in on_ranks(2, rank_job):
@@ -219,9 +223,26 @@ def test_every_ranks_share_of_the_jpeg_digits_holds_jpegs_and_pngs(tmp_path, wor
 
     from distribuuuu.data.samplers import ExactEvalSampler
 
-    root = _tool().jpeg_tree(str(tmp_path / "tree"), per_class=4 * world + 4)  # as jpeg_dataset sizes it
+    root = harness.jpeg_tree(str(tmp_path / "tree"), per_class=4 * world + 4)  # as jpeg_dataset sizes it
     files = [path for path, _ in ImageFolder(str(tmp_path / "tree" / "val")).samples]
     assert root == str(tmp_path / "tree")
     for rank in range(world):
         kinds = {os.path.splitext(files[i])[1] for i in ExactEvalSampler(len(files), world, rank)}
         assert kinds == {".jpg", ".png"}, f"rank {rank} of {world} reads only {kinds}"
+
+
+def test_the_stream_check_reads_which_thread_launched_each_kernel_and_on_which_stream():
+    # A chrome trace as torch.profiler writes it: kernels carry their stream and the correlation
+    # id of the runtime call that launched them, which carries the launching thread.
+    def launch(tid, correlation):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": tid, "args": {"correlation": correlation}}
+
+    def kernel(name, stream, correlation):
+        return {"cat": "kernel", "name": name, "args": {"stream": stream, "correlation": correlation}}
+
+    events = [launch(11, 1), kernel("gemm", 21, 1), launch(11, 2), kernel("elementwise", 21, 2)]
+    events += [launch(12, 3), kernel("ncclDevKernel_AllReduce_Sum_f32", 13, 3), launch(12, 4), kernel("reduce", 7, 4)]
+    assert harness.kernel_streams(events, thread=11) == ({21}, {13})
+    events += [launch(11, 5), kernel("gemm", 13, 5)]  # the prepare thread on NCCL's stream
+    mine, nccl = harness.kernel_streams(events, thread=11)
+    assert mine & nccl == {13}

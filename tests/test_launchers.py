@@ -138,3 +138,41 @@ def test_a_spawned_worker_that_fails_first_has_its_error_printed_once(tmp_path):
     for result in map(job, ["DataError", "RankLaunchError"]):
         assert result.returncode == 2, result.stderr
         assert result.stderr.count("distribuuuu: error: rank 1 fails first") == 1, result.stderr
+
+
+# Both ranks stop for the same Ctrl-C; rank 0 (which writes the checkpoint) ends seconds after rank 1.
+BOTH_STOP = """
+import os, sys, time
+from pathlib import Path
+from distribuuuu import cli
+from distribuuuu.config import load_cfg
+from distribuuuu.runtime.preemption import Interrupted
+
+def main(cfg):
+    mark = Path(sys.argv[1])
+    if os.environ["RANK"] == "0":
+        while not mark.exists():  # rank 1 is about to end
+            time.sleep(0.1)
+        time.sleep(3)
+        mark.write_text("rank 0 ended on its own")
+    else:
+        mark.write_text("rank 1 ends")
+    raise Interrupted("interrupted (Ctrl-C) at epoch 1, step 20, its checkpoint written")
+
+if __name__ == "__main__":
+    sys.exit(cli.spawn(main, 2, load_cfg()))
+"""
+
+
+@pytest.mark.slow  # launches two workers: 10-15 s
+def test_spawned_workers_stopping_for_a_ctrl_c_end_on_their_own_and_quietly(tmp_path):
+    # The first to exit 130 must not have the others terminated (torch's join sends SIGTERM and warns).
+    script, mark = tmp_path / "both_stop.py", tmp_path / "rank0"
+    script.write_text(BOTH_STOP)
+    result = in_process(str(script), str(mark))
+    assert result.returncode == 130, result.stderr
+    assert mark.read_text() == "rank 0 ended on its own"
+    assert result.stderr.strip().splitlines() == [
+        "distribuuuu: interrupted (Ctrl-C) at epoch 1, step 20, its checkpoint written; exiting with 130 "
+        "(run the same command again to resume there)"
+    ], result.stderr

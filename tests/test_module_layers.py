@@ -144,6 +144,42 @@ def test_the_subpackage_check_names_an_import_of_a_subpackage_above(tmp_path):
         ]
 
 
+# The layers below the run's set-up take explicit arguments: none of them reads the config.
+CONFIG_FREE = ("data", "records", "checkpointing", "runtime", "models")
+
+
+def config_imports(modules: dict[str, Path]) -> list[str]:
+    """'file:line imports X' for each import of distribuuuu.config or yacs by a config-free subpackage."""
+    found = []
+    for module, path in modules.items():
+        if module.split(".")[1:2] not in ([p] for p in CONFIG_FREE):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad = [n for n in names if n == "yacs" or n.startswith(("yacs.", "distribuuuu.config"))]
+            found += [f"{path}:{node.lineno} imports {n}" for n in bad]
+    return found
+
+
+def test_the_layers_below_the_runs_set_up_know_nothing_of_the_config():
+    found = config_imports(package_modules())
+    assert not found, (
+        "modules of " + ", ".join(f"{p}/" for p in CONFIG_FREE) + " take explicit arguments; the config is read in "
+        "training/ (inputs.py, preprocessing.py, parallelize.py, run.py):\n" + "\n".join(found)
+    )
+
+
+def test_the_config_check_sees_an_import_of_the_config_below_the_set_up(tmp_path):
+    (tmp_path / "distribuuuu" / "data").mkdir(parents=True)
+    path = tmp_path / "distribuuuu" / "data" / "bad.py"
+    path.write_text("from yacs.config import CfgNode\n\ndef f():\n    from distribuuuu.config import load_cfg\n")
+    assert config_imports({"distribuuuu.data.bad": path}) == [
+        f"{path}:1 imports yacs.config",
+        f"{path}:4 imports distribuuuu.config",
+    ]
+
+
 def test_no_imports_close_a_circle():
     modules = package_modules()
     edges: dict[str, dict[str, int]] = {m: {} for m in modules}

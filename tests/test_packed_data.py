@@ -34,9 +34,10 @@ from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
 from distribuuuu.data import DataError, remote
-from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, build_base_dataset
+from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset
 from distribuuuu.data.pack import PackOptions, pack_split
 from distribuuuu.data.packed import BadShardError, PackedDataset, key_of
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
 from distribuuuu.runtime.launcher import DistEnv, find_free_port
 from distribuuuu.training.inputs import build_train_split, build_val_split
@@ -274,7 +275,7 @@ def test_a_global_random_order_opens_each_shard_once(packed):
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
     for i in order:
         name = dataset.samples[i][0]
-        dataset.read_row(dataset.rows[name], name)
+        dataset.read_row(dataset.samples.row(i), name)
     assert dataset.shards.get_stats() == (len(dataset), 5)  # (accesses, misses): one open a shard
 
 

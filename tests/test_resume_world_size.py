@@ -53,7 +53,7 @@ CHAIN = [
     "MODEL.ARCH", "tiny_cnn", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16", "OPTIM.MAX_EPOCH", "1",
     "TRAIN.DATASET", str(DIGITS), "TEST.DATASET", str(DIGITS), "OPTIM.EMA_DECAY", "0.9", "DATA.MIXUP_ALPHA", "0.2",
     "TRAIN.BATCH_SIZE", str(BATCH), "TRAIN.ACCUM_STEPS", str(ACCUM), "TRAIN.CLIP_GRAD_NORM", "0.5",
-    "TRAIN.PRINT_FREQ", "3", "TRAIN.WORKERS", "1",
+    "TRAIN.PRINT_FREQ", "3", "TRAIN.WORKERS", "1", "TRAIN.KEEP_CKPTS", "3",  # each segment's checkpoint is read
     "TEST.BATCH_SIZE", "4",  # 361 val images on 2 ranks: 46 and 45 batches, so fsdp's eval pads one forward
 ]  # fmt: skip
 # (ranks, FAULT_SIGNAL_AT_STEP): the ranks stop at the next PRINT_FREQ sync point after that step.

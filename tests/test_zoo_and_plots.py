@@ -175,20 +175,78 @@ def test_the_summary_of_an_evaluation_folder_gives_its_test_records_and_draws_no
     assert not (tmp_path / "metrics.png").exists()
 
 
+MULTILABEL = {"top1": 40.0, "map": 91.25, "f1_macro": 80.5}
+
+
 @pytest.mark.parametrize(
     "metric, record, said",
     [
         ("top1", {"top1": 97.5}, "- best val top-1: 97.50% (ema weights, epoch 3)"),
-        ("loss", {"top1": 97.5, "loss": 0.125}, "- best val loss (TRAIN.BEST_METRIC): 0.125 (top-1 97.50%, ema weights, epoch 3)"),
-        ("map", {"top1": 40.0, "map": 91.25}, "- best val map (TRAIN.BEST_METRIC): 91.25 (ema weights, epoch 3)"),
-        ("f1_macro", {"top1": 40.0, "map": 91.25, "f1_macro": 80.5}, "- best val f1_macro (TRAIN.BEST_METRIC): 80.5 (mAP 91.25%, ema weights, epoch 3)"),
+        ("loss", {"top1": 97.5, "loss": 0.125}, "- best val loss (TRAIN.BEST_METRIC loss): 0.1250 (top-1 97.50%, ema weights, epoch 3)"),
+        ("map", MULTILABEL, "- best val mAP (TRAIN.BEST_METRIC map): 91.25% (F1 macro 80.50%, ema weights, epoch 3)"),
+        ("f1_macro", MULTILABEL, "- best val F1 macro (TRAIN.BEST_METRIC f1_macro): 80.50% (mAP 91.25%, ema weights, epoch 3)"),
+        ("loss", {**MULTILABEL, "loss": 0.125}, "- best val loss (TRAIN.BEST_METRIC loss): 0.1250 (mAP 91.25%, F1 macro 80.50%, ema weights, epoch 3)"),
+        ("top1", MULTILABEL, "- best val top-1 (TRAIN.BEST_METRIC top1): 40.00% (mAP 91.25%, F1 macro 80.50%, ema weights, epoch 3)"),
     ],
 )  # fmt: skip
-def test_the_best_line_gives_the_best_metric_beside_the_runs_headline_metric(metric, record, said):
+def test_the_best_line_gives_the_best_metric_beside_the_runs_headline_metrics(metric, record, said):
     from distribuuuu.records.summary import Summary, format_summary
 
     summary = Summary(out_dir="run", best={**record, "weights": "ema", "epoch": 3}, best_metric=metric)
     assert said in format_summary(summary).splitlines()
+
+
+def _multilabel_run(folder: Path, epochs: int, best: str = "map") -> None:
+    """metrics.jsonl of a multi-label run: train records with precision at 1, val records (raw and
+    EMA) with mAP and F1, the best by ``best`` marked as the trainer marks it."""
+    records = []
+    for epoch in range(1, epochs + 1):
+        records.append(_record(epoch, "train", 1.0 / epoch, lr=0.1))
+        for weights, gain in (("model", 0.0), ("ema", 2.0)):
+            scores = {"map": 50.0 + 10 * epoch + gain, "f1_macro": 30.0 + 10 * epoch + gain}
+            records.append(_record(epoch, "val", 0.5 / epoch, weights=weights, **scores))
+    records[-1]["best"] = best  # the last epoch's EMA evaluation
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _figure(folder: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from distribuuuu.records.plots import load_run, make_figure
+
+    return plt, make_figure(plt, [load_run(str(folder), "r")])
+
+
+def test_a_multilabel_runs_plot_draws_val_map_and_f1_and_marks_the_best(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    _multilabel_run(tmp_path, epochs=3)
+    plt, fig = _figure(tmp_path)
+    metric_axis = fig.axes[1]
+    assert "mAP" in metric_axis.get_title() and "F1" in metric_axis.get_title()
+    drawn = {line.get_label(): list(line.get_ydata()) for line in metric_axis.get_lines()}
+    assert drawn == {
+        "r val mAP": [60.0, 70.0, 80.0],
+        "r val (ema) mAP": [62.0, 72.0, 82.0],
+        "r val F1 macro": [40.0, 50.0, 60.0],
+        "r val (ema) F1 macro": [42.0, 52.0, 62.0],
+        "r best (mAP, ema weights)": [82.0],
+    }  # and no top-1: a multi-label run's top-1 is precision at 1
+    plt.close("all")
+
+
+@pytest.mark.parametrize("epochs", [1, 2, 3])
+def test_every_axis_ticks_whole_epochs(tmp_path: Path, epochs: int) -> None:
+    pytest.importorskip("matplotlib")
+    _multilabel_run(tmp_path, epochs=epochs)
+    plt, fig = _figure(tmp_path)
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.xaxis.get_major_locator()() if low <= t <= high]
+        assert ticks and all(t == int(t) for t in ticks), (ax.get_title(), ticks)
+    plt.close("all")
 
 
 def test_plot_metrics_missing_file_exits_2(tmp_path: Path) -> None:

@@ -4,11 +4,14 @@ Usage:
     python tools/plot_metrics.py OUT_DIR [OUT_DIR ...] [-o out.png] [--labels NAME ...]
 
 Reads OUT_DIR/metrics.jsonl of each run (one JSON object per line, written by the trainer) and
-draws a 2x2 grid: loss, top-1 accuracy, learning rate and training throughput (images/s) against
-the epoch. Several runs are overlaid, each in its own colour and labelled by its OUT_DIR's base
-name (or by --labels). Train curves are thin lines, val curves carry markers, and val curves of
-the EMA weights (lines with "weights": "ema") are dashed. Lines of the "test" split are ignored.
-A resumed run may log an epoch twice: the last line per (epoch, split, weights) wins.
+draws a 2x2 grid: loss, top-1 accuracy (a multi-label run's val mAP and F1 macro), learning rate
+and training throughput (images/s) against the epoch, ticked at whole epochs. Several runs are
+overlaid, each in its own colour and labelled by its OUT_DIR's base name (or by --labels). Train
+curves are thin lines, val curves carry markers (mAP circles, F1 triangles), and val curves of the
+EMA weights (lines with "weights": "ema") are dashed; a star marks the evaluation the run chose as
+its best (the val line marked "best": TRAIN.BEST_METRIC), on the loss or the metric axis. Lines of
+the "test" split are ignored. A resumed run may log an epoch twice: the last line per (epoch,
+split, weights) wins.
 
 The PNG goes to -o if given, else to OUT_DIR/metrics.png for a single run and ./metrics.png for
 several. Needs matplotlib (pip install -e ".[plot]"); draws with the Agg backend, no display.

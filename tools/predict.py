@@ -7,8 +7,10 @@ checkpoint file or a sharded checkpoint folder (``best.dcp``). The model is rebu
 checkpoint's own model and evaluation keys (MODEL_KEYS; ``--cfg FILE`` and trailing ``KEY VALUE``
 pairs override them), images get the preprocessing the run validated with (stored in the
 checkpoint), and one line per image gives the top-k class names with probabilities (``--json``:
-one JSON object per line); a multi-label model's line (MODEL.TASK multilabel) gives every class
-whose sigmoid score reaches the run's TEST.THRESHOLD, with its score (``labels`` in JSON).
+one JSON object per line). A multi-label model's (MODEL.TASK multilabel) probabilities are its
+sigmoid scores: its line marks with ``*`` the classes of the top-k that reach the run's
+TEST.THRESHOLD (the classes it predicts) and counts those beyond the top-k; its JSON also has every
+class's score by name (``scores``), the threshold, and the classes that reach it (``labels``).
 """
 
 from __future__ import annotations
@@ -32,17 +34,15 @@ from distribuuuu.checkpointing.checkpoint import CheckpointError, load_checkpoin
 from distribuuuu.config import ConfigError  # noqa: E402
 from distribuuuu.data import BadImageError, DataError, load_image  # noqa: E402
 from distribuuuu.data.annotations import AnnotationSpec  # noqa: E402
-from distribuuuu.data.datasets import build_base_dataset  # noqa: E402
-from distribuuuu.data.hf import is_saved_hf  # noqa: E402
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
-from distribuuuu.data.packed import is_packed  # noqa: E402
+from distribuuuu.data.readers import Source, build_base_dataset, reader_for  # noqa: E402
 from distribuuuu.data.transforms import EvalPreprocessing, build_eval_transform  # noqa: E402
 from distribuuuu.errors import tool_error  # noqa: E402
-from distribuuuu.records.multilabel import predicted  # noqa: E402
 from distribuuuu.training.parallelize import build_configured_model  # noqa: E402
 from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing  # noqa: E402
 from distribuuuu.training.resume import check_weights_fit, load_full_weights  # noqa: E402
 from distribuuuu.training.stored_config import MODEL_KEYS, cfg_from_checkpoint, fit_hint, stored_cfg  # noqa: E402
+from distribuuuu.training.task import Task, build_task  # noqa: E402
 
 PROG = os.path.basename(__file__)  # what argparse calls this tool in its errors
 
@@ -107,7 +107,7 @@ def find_samples(
     of a dataset root in TEST.DATASET's other forms, read as training reads it (build_base_dataset)."""
     samples: list[Sample] = []
     for path in paths:
-        if is_packed(path, split) or is_saved_hf(path, split):
+        if reader_for(Source(path, split)).opaque:  # samples only its reader reaches: read the split
             samples += dataset_samples(path, split, decoder, max_pixels=max_pixels)
         else:
             samples += [Sample(p, partial(load_image, p, decoder, max_pixels)) for p in find_images([path])]
@@ -124,7 +124,8 @@ def dataset_samples(
     """Every sample of ``split`` of a dataset root in any of TEST.DATASET's forms (or the images
     ``annotations`` lists under it), in its order."""
     dataset, _ = build_base_dataset(root, split, decoder, annotations=annotations, max_pixels=max_pixels)
-    return [Sample(name, partial(_image, dataset, i)) for i, (name, _) in enumerate(dataset.samples)]
+    names = [name for name, _ in dataset.samples] if hasattr(dataset, "samples") else None
+    return [Sample(names[i] if names else f"{root}[{i}]", partial(_image, dataset, i)) for i in range(len(dataset))]
 
 
 def _image(dataset, index: int):
@@ -193,36 +194,39 @@ def batches(items: list, size: int) -> Iterator[list]:
 
 @torch.no_grad()
 def predict(
-    model: nn.Module,
-    samples: list[Sample],
-    transform: Callable,
-    device: torch.device,
-    batch_size: int,
-    k: int,
-    threshold: float | None = None,
-):
-    """Yield (name, class indices, their probabilities) per sample, batch by batch: the top-k by
-    softmax, or with ``threshold`` (MODEL.TASK multilabel) every class whose sigmoid score reaches
-    it, highest first."""
+    model: nn.Module, samples: list[Sample], transform: Callable, device: torch.device, batch_size: int, task: Task
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, every class's probability) per sample, batch by batch: the task's reading of the
+    head (a softmax, or a sigmoid per class)."""
     for batch in batches(samples, batch_size):
         inputs = torch.stack([transform(sample.load()) for sample in batch]).to(device)
-        logits = model(inputs).float()
-        names = [sample.name for sample in batch]
-        if threshold is None:
-            probs, indices = logits.softmax(dim=1).topk(k, dim=1)
-            yield from zip(names, indices.tolist(), probs.tolist())
-            continue
-        for name, row in zip(names, logits):
-            order = row.argsort(descending=True)
-            kept = order[predicted(row[order], threshold)]
-            yield name, kept.tolist(), torch.sigmoid(row[kept]).tolist()
+        yield from zip([sample.name for sample in batch], task.scores(model(inputs)).cpu())
 
 
-def format_line(path: str, names: list[str], probs: list[float], as_json: bool, key: str = "topk") -> str:
-    """One output line: ``path: name (p), ...`` or a JSON object (its list under ``key``)."""
+def format_line(path: str, scores: torch.Tensor, task: Task, classes: Sequence[str], k: int, as_json: bool) -> str:
+    """One output line of a sample's ``scores``: its ``k`` best classes, ``path: name (p), ...``, those
+    the threshold predicts marked ``*``; or a JSON object (``topk``, and with a threshold every
+    class's score, the threshold and the classes it predicts)."""
+    [(top, probs)] = task.chosen(scores[None], k)
+    chosen = task.predicted(scores)
     if as_json:
-        return json.dumps({"path": path, key: [{"class": n, "prob": round(p, 6)} for n, p in zip(names, probs)]})
-    return f"{path}: " + (", ".join(f"{n} ({p:.3f})" for n, p in zip(names, probs)) or "(none)")
+        record: dict[str, Any] = {"path": path, "topk": [_named(classes[i], p) for i, p in zip(top, probs)]}
+        if chosen is not None:
+            labels = [i for i in scores.argsort(descending=True).tolist() if chosen[i]]
+            record |= {
+                "labels": [_named(classes[i], scores[i].item()) for i in labels],
+                "scores": {name: round(p, 6) for name, p in zip(classes, scores.tolist())},
+                "threshold": task.threshold,
+            }
+        return json.dumps(record)
+    marked = [chosen is not None and bool(chosen[i]) for i in top]
+    line = f"{path}: " + ", ".join(f"{classes[i]} ({p:.3f}){'*' * m}" for i, p, m in zip(top, probs, marked))
+    beyond = int(chosen.sum()) - sum(marked) if chosen is not None else 0
+    return line + (f" (+{beyond} more at or above {task.threshold:g})" if beyond else "")
+
+
+def _named(name: str, prob: float) -> dict[str, Any]:
+    return {"class": name, "prob": round(prob, 6)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -237,12 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         transform = build_eval_transform(resolve_preprocessing(state, args.cfg_file, args.opts), cfg.DATA.DECODER)
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         model = load_model(state, cfg, "ema" if args.ema else "model", device, args.weights)
-        k = min(args.topk, cfg.MODEL.NUM_CLASSES)
-        threshold = cfg.TEST.THRESHOLD if cfg.MODEL.TASK == "multilabel" else None
-        classified = predict(model, images, transform, device, args.batch_size, k, threshold)
-        key = "topk" if threshold is None else "labels"
-        for path, indices, probs in classified:
-            print(format_line(path, [state["classes"][i] for i in indices], probs, args.json, key), flush=True)
+        task, k = build_task(cfg.MODEL, cfg.TEST), min(args.topk, cfg.MODEL.NUM_CLASSES)
+        for path, scores in predict(model, images, transform, device, args.batch_size, task):
+            print(format_line(path, scores, task, state["classes"], k, args.json), flush=True)
     except (PredictError, CheckpointError, ConfigError, DataError, BadImageError) as e:
         return tool_error(PROG, e)
     except BrokenPipeError:  # the reader stopped reading (`| head`): it has the lines it wanted

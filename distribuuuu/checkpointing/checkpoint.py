@@ -32,7 +32,13 @@ from distribuuuu.checkpointing.names import (  # noqa: F401  (re-exported)
     list_checkpoints,
     stale_temporaries,
 )
-from distribuuuu.checkpointing.single_file import load_file, model_state_from, save_checkpoint, state_checksum  # noqa: F401
+from distribuuuu.checkpointing.single_file import (  # noqa: F401
+    load_file,
+    model_state_from,
+    save_checkpoint,
+    state_checksum,
+    weights_digest,
+)
 from distribuuuu.errors import CheckpointError, ConfigError, RefusedCheckpointError
 from distribuuuu.runtime.process_group import is_main_process
 

@@ -78,6 +78,10 @@ class Format(abc.ABC):
     def small_state(self, path: str) -> dict:
         """``path`` verified, and its small state (epoch, cfg, ...); a CheckpointError if it does not verify."""
 
+    @abc.abstractmethod
+    def check_written(self, path: str) -> None:
+        """Rank 0, once ``path`` is written: a CheckpointError unless it reads back whole."""
+
 
 class SingleFile(Format):
     """One file: the components' entries merged into one flat dict (the keys the tools read: "model",
@@ -102,6 +106,9 @@ class SingleFile(Format):
 
     def small_state(self, path):
         return load_file(path)
+
+    def check_written(self, path):
+        load_file(path)  # the checksum was of the state in memory: this is of the bytes on disk
 
 
 class Sharded(Format):
@@ -137,6 +144,9 @@ class Sharded(Format):
     def small_state(self, path):
         shards.verify_sharded(path)
         return shards.read_extra(path)
+
+    def check_written(self, path):
+        return None  # each rank hashed its shard files, as written, for the manifest: read back already
 
 
 FORMATS: dict[str, type[Format]] = {f.name: f for f in (SingleFile, Sharded)}

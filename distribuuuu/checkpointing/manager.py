@@ -18,7 +18,7 @@ from distribuuuu.checkpointing.background_write import BackgroundWriter
 from distribuuuu.checkpointing.checkpoint import find_resumable, prune_checkpoints
 from distribuuuu.checkpointing.formats import Components, Format, format_of
 from distribuuuu.checkpointing.names import CKPT_DIR, checkpoint_name
-from distribuuuu.runtime.process_group import rank0_decides
+from distribuuuu.runtime.process_group import is_main_process, rank0_decides
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,13 @@ class Checkpointer:
         return path
 
     def _complete(self, finish: Callable[[], None] | None, path: str, is_best: bool) -> None:
-        """Finish the write, then (rank 0) prune the old checkpoints and say it is saved."""
+        """Finish the write, then (rank 0) prune the old checkpoints and say it is saved. Keeping one,
+        the new one is read back first: the previous one, the only other a resume could take, goes
+        only once it does (a failed check is the run's error, and the previous one stays)."""
         if finish is not None:
             finish()
+        if self.keep == 1 and is_main_process():
+            self.format.check_written(path)
         prune_checkpoints(self.ckpt_dir, self.keep, self.format.name)
         logger.info("saved %s%s", path, " (best)" if is_best else "")
 

@@ -41,6 +41,11 @@ def state_checksum(state: dict) -> str:
     return digest.hexdigest()
 
 
+def weights_digest(weights: dict) -> str:
+    """SHA-256 over the bytes of every tensor of ``weights``, by sorted name: the checkpoint checksum's hash."""
+    return state_checksum({"model": weights})
+
+
 def save_checkpoint(state: dict, path: str) -> None:
     """Write ``state`` to ``path`` atomically on the main process (other ranks return at once).
 

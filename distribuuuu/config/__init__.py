@@ -22,7 +22,7 @@ from distribuuuu.config.defaults import (
     get_cfg_defaults,
 )
 from distribuuuu.config.keys import changes_from_defaults, config_changes, config_diff, flatten, get_key
-from distribuuuu.config.load import dump_cfg, load_cfg, merge_pairs, run_config_changes, stored_config
+from distribuuuu.config.load import dump_cfg, keys_given, load_cfg, merge_pairs, run_config_changes, stored_config
 from distribuuuu.config.rules import parse_model_kwargs, validate_cfg
 from distribuuuu.errors import ConfigError
 
@@ -48,6 +48,7 @@ __all__ = [
     "flatten",
     "get_cfg_defaults",
     "get_key",
+    "keys_given",
     "load_cfg",
     "merge_pairs",
     "parse_model_kwargs",

@@ -18,8 +18,9 @@ _C.MODEL = CN()
 # Architecture: a torchvision classification model name, a timm name (if timm is installed), or a
 # name registered with distribuuuu.models.register_model
 _C.MODEL.ARCH = "resnet18"
-# Number of output classes
-_C.MODEL.NUM_CLASSES = 10
+# Number of output classes; 0: the training data's count (class folders, annotation labels, a packed
+# index, a Hugging Face ClassLabel), said in the log and stored with the run's config
+_C.MODEL.NUM_CLASSES = 0
 # "multiclass" (one class an image: softmax, cross-entropy, top-k accuracy) or "multilabel" (any
 # number of classes an image: per-class sigmoid, BCE, mAP and F1; docs/annotations.md)
 _C.MODEL.TASK = "multiclass"
@@ -126,8 +127,9 @@ _C.TRAIN.REPEATED_AUG = 3
 _C.TRAIN.NAN_POLICY = "stop"
 # Also write a checkpoint every N optimizer steps inside an epoch (0: only at epoch end)
 _C.TRAIN.CKPT_PERIOD_ITERS = 0
-# How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart)
-_C.TRAIN.KEEP_CKPTS = 3
+# How many of the newest checkpoints to keep in OUT_DIR/checkpoints (best.pth.tar is kept apart); 1:
+# the one a resume takes, a file read back and verified before the previous one goes (docs/out-dir.md)
+_C.TRAIN.KEEP_CKPTS = 1
 # Write checkpoint files in the background while training goes on (rank 0 keeps a host copy of
 # the state until the file is on disk; one write at a time); False: each write blocks training
 _C.TRAIN.CKPT_ASYNC = True
@@ -148,7 +150,8 @@ _C.TRAIN.PROGRESSIVE_START_EPOCH = 0
 # The first epoch (from 0) at TRAIN.IM_SIZE (FFCV's end_ramp): above START_EPOCH; at or past
 # OPTIM.MAX_EPOCH the run ends inside the ramp (a warning says so)
 _C.TRAIN.PROGRESSIVE_END_EPOCH = 0
-# The ramp's sizes are multiples of this (FFCV: 32); PROGRESSIVE_START_SIZE and TRAIN.IM_SIZE must be too
+# The ramp's sizes are multiples of this (FFCV: 32; 8 for 32 px images, docs/recipe.md);
+# PROGRESSIVE_START_SIZE and TRAIN.IM_SIZE must be too
 _C.TRAIN.PROGRESSIVE_SIZE_MULTIPLE = 32
 
 # ------------------------------------------------------------------------------------------------
@@ -166,12 +169,12 @@ _C.TEST.ANN_FILE = ""
 _C.TEST.BATCH_SIZE = 64
 # Resize size (shorter side) before the center crop; timm and torchvision name the crop instead
 _C.TEST.IM_SIZE = 32
-# MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this (F1,
-# precision, recall; predict.py)
+# MODEL.TASK multilabel: a class is predicted when its sigmoid score is at least this, in [0, 1]
+# (F1, precision, recall; predict.py marks these classes)
 _C.TEST.THRESHOLD = 0.5
-# MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class (logits in
-# [-16, 16]); the counts take 16 x MODEL.NUM_CLASSES x AP_BINS bytes on each rank, whatever the
-# val set's size (docs/annotations.md)
+# MODEL.TASK multilabel: the score quantisation of the exact mAP, levels per class spread over
+# each class's observed logit range; the counts take 8 x MODEL.NUM_CLASSES x AP_BINS bytes on each
+# rank, beside its own share of the logits (docs/annotations.md)
 _C.TEST.AP_BINS = 4096
 # Center-crop size of evaluation (0: TRAIN.IM_SIZE)
 _C.TEST.CROP_SIZE = 0
@@ -245,6 +248,10 @@ _C.DATA.DECODER = "auto"
 # run the per-sample transforms there one image at a time, as before the batched resample (False:
 # the same pixels as "auto", for comparison)
 _C.DATA.BATCHED_AUGMENT = True
+# DATA.DECODER batched: the share of the device's memory its batched resample may hold at once; a
+# batch whose crops need more is resampled in chunks that fit (256 crops of 12 MP photos: ~20 GB
+# unchunked), and a chunk that still runs out of memory is retried in halves (docs/gpu.md)
+_C.DATA.BATCHED_MEMORY_BUDGET = 0.05
 # Folder for shards of a packed dataset read from a URL, and for links to a local one's shards, which
 # the reader opens through it ("": <temp dir>/distribuuuu-shards/<hash>)
 _C.DATA.SHARD_CACHE = ""
@@ -260,6 +267,10 @@ _C.DATA.SHUFFLE_WINDOW = 0
 _C.DATA.SHARD_CACHE_LIMIT = 0
 # With DATA.SHARD_CACHE_LIMIT: shards downloaded ahead of need, past the window being read and the next
 _C.DATA.SHARD_PREFETCH = 2
+# Folder that keeps each split folder's index (its listing) between jobs, written by global rank 0,
+# read back when none of the split's folders changed since (their mtimes): a job then lists nothing
+# ("": every job lists each split once, on rank 0; docs/performance.md, "The dataset index")
+_C.DATA.INDEX_CACHE = ""
 # Number of synthetic samples per split when MODEL.DUMMY_INPUT is on
 _C.DATA.DUMMY_SIZE = 1024
 # The first line of TRAIN.ANN_FILE / TEST.ANN_FILE is a header (skipped)

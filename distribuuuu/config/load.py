@@ -35,6 +35,13 @@ def load_cfg(cfg_file: str | None = None, opts: Sequence[str] = (), base: CN | N
     return config
 
 
+def keys_given(cfg_file: str | None = None, opts: Sequence[str] = ()) -> set[str]:
+    """The dotted keys a YAML file and KEY VALUE pairs set: what a user chose, where a key's default
+    cannot tell (a value equal to the default may be chosen or not)."""
+    given = set(flatten(_read_yaml(cfg_file))) if cfg_file else set()
+    return given | {str(key) for key in opts[0::2]}
+
+
 def _read_yaml(path: str) -> dict:
     """The mapping in a YAML file, or a ConfigError naming the file, the problem and its position."""
     if path.endswith(".py"):  # yacs's merge_from_file would run it (its _load_cfg_py_source): a config is data

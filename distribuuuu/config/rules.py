@@ -53,8 +53,9 @@ _PROBABILITY = _between(0, 1)
 _STRINGS = (lambda v, c: all(isinstance(s, str) and s for s in v)), "must be a list of non-empty strings"
 
 # Every rule: (key, (test(value, config) -> bool, what the value must be)). The first failing
-# rule raises ConfigError("KEY what, got VALUE"). Rules that read other keys say so in their text.
-_RULES: list[tuple[str, tuple[Callable, str]]] = [
+# rule raises ConfigError("KEY what, got VALUE"). Rules that read other keys say so in their text;
+# where it names their values, ``what`` is a function (value, config) of the whole text after KEY.
+_RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
     ("TRAIN.BATCH_SIZE", _POSITIVE),
     ("TEST.BATCH_SIZE", _POSITIVE),
     ("TRAIN.IM_SIZE", _POSITIVE),
@@ -65,9 +66,9 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TEST.INTERPOLATION", _choice(INTERPOLATIONS)),
     ("TEST.TTA", _choice(TTAS)),
     ("TEST.EXTRA_DATASETS", ((lambda v, c: all(isinstance(d, str) and d for d in v)), "must be a list of dataset roots")),
-    ("MODEL.NUM_CLASSES", _POSITIVE),
+    ("MODEL.NUM_CLASSES", ((lambda v, c: v >= 0), "must be >= 0 (0: the training data's class count)")),
     ("MODEL.TASK", _choice(TASKS)),
-    ("TEST.THRESHOLD", _between(0, 1, lo_open=True, hi_open=True)),
+    ("TEST.THRESHOLD", _between(0, 1)),  # 0: every class predicted; 1: scores that round to 1
     ("TEST.AP_BINS", ((lambda v, c: 2 <= v <= 2**20), "must be in 2..1048576")),
     ("DATA.ANN_LABEL_SEP", ((lambda v, c: v != "" and v != "\n"), "must be a separator such as ' ', ';' or '|'")),
     ("MODEL.TASK", ((lambda v, c: v == "multiclass" or c.TRAIN.SAMPLER != "weighted"),
@@ -79,7 +80,9 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DISTILL.TEACHER", ((lambda v, c: not v or c.MODEL.TASK == "multiclass"),
                          "distils a softmax over one label per image (KL between the teacher's and the "
                          "student's class distributions): MODEL.TASK multilabel has none; set DISTILL.TEACHER ''")),
-    ("TRAIN.TOPK", ((lambda v, c: 1 <= v <= c.MODEL.NUM_CLASSES), "must be in 1..MODEL.NUM_CLASSES")),
+    # MODEL.NUM_CLASSES 0 (the data's count): the run lowers TRAIN.TOPK to that count (training/class_count.py)
+    ("TRAIN.TOPK", ((lambda v, c: 1 <= v and (c.MODEL.NUM_CLASSES == 0 or v <= c.MODEL.NUM_CLASSES)),
+                    "must be in 1..MODEL.NUM_CLASSES")),
     ("TRAIN.PRINT_FREQ", _POSITIVE),
     ("TEST.PRINT_FREQ", _POSITIVE),
     ("TRAIN.WORKERS", _NON_NEGATIVE),
@@ -88,7 +91,7 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TRAIN.PRECISION", _choice(PRECISIONS)),
     ("TRAIN.CLIP_GRAD_NORM", _NON_NEGATIVE),
     ("TRAIN.LABEL_SMOOTHING", _between(0, 1, hi_open=True)),
-    ("TRAIN.LOSS", ((lambda v, c: v in _loss_names()), lambda: f"must be one of {_loss_names()}")),
+    ("TRAIN.LOSS", ((lambda v, c: v in _loss_names()), lambda v, c: f"must be one of {_loss_names()}, got {shown(v)}")),
     ("TRAIN.BCE_TARGET_THRESHOLD", _between(0, 1, hi_open=True)),
     ("TRAIN.CLASS_WEIGHTS", _choice(("none", "balanced"))),
     ("TRAIN.SAMPLER", _choice(SAMPLERS)),
@@ -106,14 +109,19 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("TRAIN.PROGRESSIVE_START_SIZE", _NON_NEGATIVE),
     ("TRAIN.PROGRESSIVE_START_SIZE", ((lambda v, c: v == 0 or (v % c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE == 0
                                                                 and v <= c.TRAIN.IM_SIZE)),
-                                      "must be 0 (off) or a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE no larger "
-                                      "than TRAIN.IM_SIZE (where the ramp ends)")),
+                                      lambda v, c: (
+                                          f"must be 0 (off) or a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE "
+                                          f"({c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE}) no larger than TRAIN.IM_SIZE "
+                                          f"({c.TRAIN.IM_SIZE}, where the ramp ends), got {shown(v)}"
+                                          + _fitting_multiple(v, c.TRAIN.IM_SIZE, c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE)))),
     ("TRAIN.PROGRESSIVE_START_SIZE", ((lambda v, c: v == 0 or not c.MODEL.DUMMY_INPUT),
                                       "needs real images (MODEL.DUMMY_INPUT's are made at TRAIN.IM_SIZE, with no "
                                       "transform to resize them): set TRAIN.PROGRESSIVE_START_SIZE 0")),
     ("TRAIN.IM_SIZE", ((lambda v, c: not c.TRAIN.PROGRESSIVE_START_SIZE or v % c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE == 0),
-                       "must be a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE with progressive resizing (the ramp "
-                       "ends there)")),
+                       lambda v, c: (
+                           f"must be a multiple of TRAIN.PROGRESSIVE_SIZE_MULTIPLE ({c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE}) "
+                           f"with progressive resizing (the ramp ends there), got {shown(v)}"
+                           + _fitting_multiple(c.TRAIN.PROGRESSIVE_START_SIZE, v, c.TRAIN.PROGRESSIVE_SIZE_MULTIPLE)))),
     ("TRAIN.PROGRESSIVE_START_EPOCH", _NON_NEGATIVE),
     # Not bounded by OPTIM.MAX_EPOCH: test_net.py takes these keys from a checkpoint but not
     # MAX_EPOCH (a runtime key), and a shortened run may stop inside the ramp (the run logs it).
@@ -145,7 +153,10 @@ _RULES: list[tuple[str, tuple[Callable, str]]] = [
     ("DATA.BAD_IMAGE", _choice(("error", "skip"))),
     ("DATA.DECODER", _choice(DECODERS)),
     ("DATA.MAX_IMAGE_PIXELS", ((lambda v, c: v >= 0), "must be >= 0 (0: no limit)")),
+    ("DATA.BATCHED_MEMORY_BUDGET", _between(0, 1, lo_open=True)),
     ("DATA.DUMMY_SIZE", _POSITIVE),
+    ("DATA.INDEX_CACHE", ((lambda v, c: not v or ("://" not in v and not os.path.isfile(v))),
+                          "must be a local folder (or '' for none), not a file or a URL")),
     ("DATA.SHUFFLE_WINDOW", _NON_NEGATIVE),
     ("DATA.SHUFFLE_WINDOW", ((lambda v, c: v == 0 or c.TRAIN.SAMPLER == "default"),
                              "needs TRAIN.SAMPLER default (the repeated and weighted samplers draw their own "
@@ -237,7 +248,16 @@ def validate_cfg(c: CN) -> None:
     for key, (test, what) in _RULES:
         value = get_key(c, key)
         if not test(value, c):
-            raise ConfigError(f"{key} {what() if callable(what) else what}, got {shown(value)}")
+            raise ConfigError(f"{key} {what(value, c) if callable(what) else f'{what}, got {shown(value)}'}")
+
+
+def _fitting_multiple(start: int, end: int, multiple: int) -> str:
+    """Which TRAIN.PROGRESSIVE_SIZE_MULTIPLE would fit a ramp from ``start`` to ``end`` px, when
+    ``multiple`` does not: their greatest common divisor (or any divisor of it)."""
+    if not 0 < start <= end or (start % multiple == 0 and end % multiple == 0):
+        return ""
+    fits = math.gcd(start, end)
+    return f": TRAIN.PROGRESSIVE_SIZE_MULTIPLE {fits} (or a divisor of it) fits a ramp from {start} to {end} px"
 
 
 def _check_numbers(c: CN) -> None:

@@ -25,8 +25,7 @@ from torch.utils.data import Dataset
 from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import DataError
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
-
-Target = int | tuple[int, ...]  # a class index, or the sorted class indices of a multi-label sample
+from distribuuuu.data.index import Labels, Samples, Strings, Target
 
 
 @dataclass(frozen=True)
@@ -156,16 +155,42 @@ def _read_classes(root: str, classes_file: str) -> list[str]:
     return names
 
 
+@dataclass(frozen=True)
+class AnnotationIndex:
+    """An annotation file's samples in arrays (data/index.py), its class names, and the line where
+    each label first appears."""
+
+    samples: Samples
+    classes: list[str]
+    label_lines: dict[str, int]
+
+
+def read_annotation_index(root: str, spec: AnnotationSpec) -> AnnotationIndex:
+    """The annotation file's samples, every line checked (read_annotations), held in arrays."""
+    samples, classes, label_lines = _read(root, spec)
+    paths = Strings.of(path for path, _ in samples)
+    return AnnotationIndex(
+        Samples(paths, Labels.of([t for _, t in samples], bool(spec.label_sep))), classes, label_lines
+    )
+
+
 class AnnotatedImages(Dataset):
     """The images an annotation file lists, shaped like CheckedImageFolder: ``samples`` (path, target),
     ``targets``, ``classes``, ``encoded`` (the batched decoder's input); ``label_lines``, the line
-    where each label first appears, for the messages of class matching (data/classes.py)."""
+    where each label first appears, for the messages of class matching (data/classes.py). ``index``:
+    the file already read (read_annotation_index; by one rank for all)."""
 
     def __init__(
-        self, root: str, spec: AnnotationSpec, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+        self,
+        root: str,
+        spec: AnnotationSpec,
+        decoder: str = "auto",
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        index: AnnotationIndex | None = None,
     ):
-        self.samples, self.classes, self.label_lines = _read(root, spec)
-        self.targets = [t for _, t in self.samples]
+        index = index if index is not None else read_annotation_index(root, spec)
+        self.samples, self.classes, self.label_lines = index.samples, list(index.classes), dict(index.label_lines)
+        self.targets = self.samples.labels
         self.decoder, self.max_pixels = decoder, max_pixels
 
     def __len__(self) -> int:

@@ -1,12 +1,13 @@
 """DATA.DECODER "batched": JPEGs decoded and augmented a batch at a time, on the training device.
 
 DataLoader workers only read each JPEG's bytes and its header (refusing one that declares more than
-DATA.MAX_IMAGE_PIXELS: data/image_size.py; other formats they decode as "auto" does), and draw
-the sample's crop and flip from its seed (RNG_SEED, epoch, index): resample.py.
-The training process then decodes the whole batch's JPEGs with one ``decode_jpeg`` call (TorchCodec's,
-else torchvision's: data/jpeg.py) on its own device (nvJPEG's batched decoder on CUDA; libjpeg-turbo
-on CPU), crops, resizes, flips and normalises the batch in one ``resample`` (two batched matmuls),
-on a thread of its own one batch ahead (prefetch.py). What the batched resample cannot do (an
+DATA.MAX_IMAGE_PIXELS: data/image_size.py; a JPEG nvJPEG cannot take, such as CMYK, and other
+formats they decode as "auto" does), and draw the sample's crop and flip from its seed (RNG_SEED,
+epoch, index): resample.py. The training process then decodes the whole batch's JPEGs with one
+``decode_jpeg`` call (TorchCodec's, else torchvision's: data/jpeg.py) on its own device (nvJPEG's
+batched decoder on CUDA; libjpeg-turbo on CPU; its failures: device_decode.py), crops, resizes,
+flips and normalises the batch in one ``resample`` (batched matrix products within a memory
+budget: resample_matmul.py), on a thread of its own one batch ahead (prefetch.py). What the batched resample cannot do (an
 AUTO_AUGMENT policy, RANDOM_ERASING) runs after it per sample, with the sample's own draws: see
 transforms.batched_train_steps. A batch is the same whatever the number of workers, and a
 mid-epoch resume stays exact.
@@ -33,6 +34,7 @@ from torchvision.transforms.v2.functional import to_image
 
 from distribuuuu.data import jpeg, resample
 from distribuuuu.data.datasets import CheckedImageFolder, readable, sample_seed, seeded_cpu_rng
+from distribuuuu.data.device_decode import DeviceJpegDecoder, decode_stats  # noqa: F401  (decode_stats: gpu_check reads it here)
 from distribuuuu.data.encoded import JPEG_SUFFIXES, EncodedSamples, decode_image_bytes
 from distribuuuu.data.errors import BadImageError
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS, open_image
@@ -83,9 +85,12 @@ class EncodedImageDataset(Dataset):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         try:
             raw, name, target = self.base.encoded(index)  # a file's or a packed sample's bytes
-            if name.lower().endswith(JPEG_SUFFIXES):
-                # The header, read here: the training process decodes only what it lets through.
-                width, height = open_image(raw, name, self.max_pixels).size
+            # A JPEG's header, read here: the training process decodes only what it lets through,
+            # and what nvJPEG cannot take (a CMYK JPEG, a PNG named .jpg) is decoded here instead,
+            # so the batch's one device call does not fail over one file.
+            header = open_image(raw, name, self.max_pixels) if name.lower().endswith(JPEG_SUFFIXES) else None
+            if header is not None and jpeg.takes_on_device(header):
+                width, height = header.size
                 data, encoded, size = torch.frombuffer(bytearray(raw), dtype=torch.uint8), True, (height, width)
             else:
                 decoded = decode_image_bytes(raw, name, "auto", self.max_pixels)
@@ -167,74 +172,27 @@ class PreparedBatch:
         return [*images, self.targets]
 
 
-@dataclass
-class DecodeStats:
-    """What this process's batched decoders did: ``gpu_images`` were decoded by the device's batched
-    decoder (nvJPEG on CUDA; libjpeg-turbo when the device is the CPU), ``cpu_fallback_images`` by
-    the CPU after the device decoder failed on them. tools/gpu_check.py reads them."""
-
-    gpu_images: int = 0
-    cpu_fallback_images: int = 0
-
-    def reset(self) -> None:
-        self.gpu_images = self.cpu_fallback_images = 0
-
-
-decode_stats = DecodeStats()
-_warned: set[str] = set()  # which fallbacks this process has warned about: one warning each, not one per batch
-
-
-def _warn_once(kind: str, message: str) -> None:
-    if kind not in _warned:
-        _warned.add(kind)
-        logger.warning(message)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0]
-
-
-def _is_jpeg(data: torch.Tensor) -> bool:
-    return data.numel() > 2 and data[0].item() == 0xFF and data[1].item() == 0xD8  # the SOI marker
-
-
 def _to_uint8(pixels: torch.Tensor) -> torch.Tensor:
     # What today's per-sample resize hands the steps after it: pixels rounded to uint8.
     return pixels.round_().clamp_(0, 255).to(torch.uint8)
-
-
-def wait_for_queued_kernels(device: torch.device) -> None:
-    """Block the host until ``device``'s current stream has run what was queued on it (CUDA only).
-
-    nvJPEG's hardware decoder does not wait for the caller's stream: its outputs are allocated on
-    that stream, from blocks the caching allocator may have just reclaimed from tensors that queued
-    kernels still read (activations, gradients freed by zero_grad), and it can write them before
-    those kernels run. torchvision's decoder does not guard against it (pytorch/vision#9606);
-    TorchCodec synchronises here too (pytorch/torchcodec#1634), and no event can make a decoder's
-    internal stream wait. One host sync per batch, at the seam where the decoder takes over.
-    """
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 class BatchDecoder:
     """Training-process side: decode a batch's JPEGs in one call on ``device``, then augment.
 
     ``prepare`` (safe on another thread: it draws nothing from the global RNG) decodes, and with a
-    ``geometry`` crops, resizes and flips the batch at once (resample.resample) and, when no
-    per-sample step follows, normalises it with ``normalize`` (channels_last with
-    ``channels_last``). ``finish`` (the training thread) runs ``transform`` on each sample under
+    ``geometry`` crops, resizes and flips the batch at once (resample.resample, in chunks of at
+    most ``memory_budget`` bytes of device memory, 0: no limit) and, when no per-sample step
+    follows, normalises it with ``normalize``'s mean and std (channels_last with
+    ``channels_last``) in the same last step. ``finish`` (the training thread) runs ``transform`` on each sample under
     its seed: the whole per-sample transform without a geometry, the steps after the crop and
     flip with one (its draws replayed first, so the steps see today's generator stream). Calling
     the decoder does both, returning ``(images, targets, dropped)`` like the per-sample loaders.
 
     ``decode_jpegs(list of encoded tensors, device) -> list of (3, H, W) uint8`` is the device
-    decoder (jpeg.decode_jpegs: TorchCodec or torchvision). When the batched call fails, the JPEGs
-    are decoded one at a time on the device; those that fail there are decoded on the CPU, by
-    format (a PNG named .jpg), or named as bad (with ``skip_bad``, dropped and counted). When the
-    device decoder decoded none of them but the CPU did, the device decoder is broken or missing (a
-    torchvision built without nvJPEG, nvJPEG failing to start): it is not tried again, and the
-    fallback is warned about once per process and counted in ``decode_stats``.
+    decoder (jpeg.decode_jpegs: TorchCodec or torchvision), called once a batch, halved on a
+    failure, off only when missing (device_decode.DeviceJpegDecoder); a file that fails alone is
+    decoded on the CPU, by format, or named as bad (with ``skip_bad``, dropped and counted).
     """
 
     def __init__(
@@ -247,13 +205,15 @@ class BatchDecoder:
         normalize: Callable | None = None,
         channels_last: bool = False,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        memory_budget: int = 0,
     ):
-        self.transform, self.device, self.skip_bad, self.max_pixels = transform, device, skip_bad, max_pixels
-        self.decode_jpegs = decode_jpegs or jpeg.decode_jpegs
-        self.geometry, self.normalize, self.channels_last = geometry, normalize, channels_last
-        # The last device failure's first line, not the exception: its traceback would hold the
-        # prefetch thread's frames, and with them the DataLoader iterator and a batch's tensors.
-        self.device_decoder_works, self.last_failure = True, ""
+        self.transform, self.device, self.skip_bad = transform, device, skip_bad
+        self.jpegs = DeviceJpegDecoder(device, skip_bad, max_pixels, decode_jpegs)
+        self.geometry, self.memory_budget = geometry, memory_budget
+        self.output = None  # the batch as the resample hands it over when no per-sample step follows
+        if normalize is not None:  # transforms.Normalize: its (C, 1, 1) mean and std
+            mean, std = (tuple(v.flatten().tolist()) for v in (normalize.mean, normalize.std))
+            self.output = resample.OutputFormat(mean, std, channels_last)
 
     def __call__(self, batch: EncodedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
         return self.finish(self.prepare(batch))
@@ -270,9 +230,10 @@ class BatchDecoder:
         sizes = [tuple(image.shape[1:]) for image in images]
         prepared = PreparedBatch(images, targets, dropped, [batch.seeds[i] for i in kept], sizes)
         if self.geometry is not None:
-            plans = batch.plans[kept]
-            resampled = resample.resample(images, plans, self.geometry.out_size_of(plans))
-            prepared.images = self._normalized(resampled) if self.transform is None else _to_uint8(resampled)
+            plans, output = batch.plans[kept], self.output if self.transform is None else None
+            size = self.geometry.out_size_of(plans)
+            resampled = resample.resample(images, plans, size, output, self.memory_budget)
+            prepared.images = resampled if self.transform is None else _to_uint8(resampled)
         return prepared
 
     def finish(self, prepared: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -290,10 +251,6 @@ class BatchDecoder:
             images = torch.stack(transformed)
         return images, prepared.targets, prepared.dropped
 
-    def _normalized(self, images: torch.Tensor) -> torch.Tensor:
-        images = self.normalize(images)
-        return images.contiguous(memory_format=torch.channels_last) if self.channels_last else images
-
     def _size_as_planned(self, batch: EncodedBatch, i: int, image: torch.Tensor) -> bool:
         """Whether image ``i`` decoded to the size its header gave (and its crop was drawn for)."""
         if batch.plans is None or list(image.shape[1:]) == batch.plans[i, :2].tolist():
@@ -310,57 +267,7 @@ class BatchDecoder:
         pixels = [
             None if s is None else batch.data(i).to(self.device, non_blocking=True) for i, s in enumerate(batch.shapes)
         ]
-        tried_device = self.device_decoder_works
-        decoded = self._on_device([batch.data(i) for i in jpegs]) if tried_device else [None] * len(jpegs)
+        decoded = self.jpegs([batch.data(i) for i in jpegs], [batch.paths[i] for i in jpegs])
         for i, image in zip(jpegs, decoded):
-            pixels[i] = image if image is not None else self._on_cpu(batch.data(i), batch.paths[i])
-        on_cpu = [i for i, image in zip(jpegs, decoded) if image is None and pixels[i] is not None]
-        device_read_none = all(image is None for image in decoded)
-        if tried_device and device_read_none and any(_is_jpeg(batch.data(i)) for i in on_cpu):
-            self._give_up_device_decoder()  # it read none of the batch's JPEGs, the CPU read real ones
-        elif tried_device and on_cpu:  # a file it cannot read (a PNG named .jpg, say): that file alone
-            _warn_once("image", f"{batch.paths[on_cpu[0]]}: not decoded on {self.device}, decoded on the CPU")
+            pixels[i] = image
         return pixels
-
-    def _on_device(self, data: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """The JPEGs decoded on the device, in one call; ``None`` where one alone fails there too."""
-        if not data:
-            return []
-        try:
-            decoded = self._decode_on_device(data)
-        except RuntimeError as e:
-            self.last_failure = _first_line(e)
-            decoded = [self._try_one_on_device(d) for d in data]
-        decode_stats.gpu_images += sum(image is not None for image in decoded)
-        return decoded
-
-    def _decode_on_device(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
-        wait_for_queued_kernels(self.device)
-        return self.decode_jpegs(data, self.device)
-
-    def _try_one_on_device(self, data: torch.Tensor) -> torch.Tensor | None:
-        try:
-            return self._decode_on_device([data])[0]
-        except RuntimeError as e:
-            self.last_failure = _first_line(e)
-            return None
-
-    def _give_up_device_decoder(self) -> None:
-        self.device_decoder_works = False
-        _warn_once(
-            "broken",
-            f"the batched JPEG decoder on {self.device} failed ({self.last_failure}): "
-            "JPEGs are decoded on the CPU from now on (counted in decode_stats.cpu_fallback_images)",
-        )
-
-    def _on_cpu(self, data: torch.Tensor, path: str) -> torch.Tensor | None:
-        """A JPEG the device decoder failed on, decoded on the CPU by its format, as "auto" does."""
-        try:
-            decoded = decode_image_bytes(data.numpy().tobytes(), path, "auto", self.max_pixels)
-            image = to_image(decoded).as_subclass(torch.Tensor)
-        except BadImageError:
-            if self.skip_bad:
-                return None
-            raise
-        decode_stats.cpu_fallback_images += 1
-        return image.to(self.device)

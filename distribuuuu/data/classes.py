@@ -51,27 +51,20 @@ def map_classes(
 
 
 def remap_targets(dataset: Dataset, mapping: dict[int, int]) -> None:
-    """Rewrite an ImageFolder's (or CIFAR's) targets in place through ``mapping``; drop unmapped samples."""
+    """Rewrite a reader's (or CIFAR's) targets in place through ``mapping``; drop unmapped samples
+    (a multi-label sample keeps the classes it maps)."""
     if all(k == v for k, v in mapping.items()) and len(mapping) == len(dataset.classes):
         return
-    if hasattr(dataset, "samples"):  # ImageFolder: __getitem__ reads samples
-        mapped = [(path, _mapped(t, mapping)) for path, t in dataset.samples]
-        dataset.samples = [(path, t) for path, t in mapped if t is not None]
-        dataset.imgs = dataset.samples
-        dataset.targets = [t for _, t in dataset.samples]
+    if hasattr(dataset, "samples"):  # the readers' arrays (data/index.py): __getitem__ reads samples
+        dataset.samples = dataset.samples.mapped(mapping)
+        dataset.targets = dataset.samples.labels
+        if hasattr(dataset, "imgs"):  # ImageFolder's other name for its samples
+            dataset.imgs = dataset.samples
         return
     keep = [i for i, t in enumerate(dataset.targets) if t in mapping]
     if len(keep) != len(dataset.targets):
         dataset.data = dataset.data[keep]
     dataset.targets = [mapping[dataset.targets[i]] for i in keep]
-
-
-def _mapped(target, mapping: dict[int, int]):
-    """A target through ``mapping``: a class index, None when unmapped; a multi-label sample's
-    indices (a tuple) keep those mapped."""
-    if isinstance(target, tuple):
-        return tuple(sorted(mapping[t] for t in target if t in mapping))
-    return mapping.get(target)
 
 
 def _mismatch(where: str, unknown: list[str], missing: list[str], label_lines: Mapping[str, int] | None) -> str:

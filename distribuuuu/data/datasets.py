@@ -1,14 +1,12 @@
-"""Datasets: the dispatch over formats (ImageFolder, CIFAR, packed shards, Hugging Face, annotation
-files), synthetic data, and per-sample seeded transforms.
-
-Above the readers: packed.py, hf.py and annotations.py import their base and errors from encoded.py and errors.py.
-"""
+"""Datasets: the ImageFolder reader (over an index in arrays), multi-hot targets, synthetic data,
+per-sample seeded transforms and the collate that drops unreadable images. Which reader reads a
+root is readers.py's registry."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-from typing import Callable
+import functools
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -16,25 +14,36 @@ import torchvision
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from distribuuuu.data import hf, packed
-from distribuuuu.data.annotations import AnnotatedImages, AnnotationSpec
 from distribuuuu.data.encoded import load_image, read_image_file
 from distribuuuu.data.errors import BadImageError, DataError
+from distribuuuu.data.folder_index import FolderIndex, scan_folder
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
+from distribuuuu.data.index import Samples
 from distribuuuu.data.progressive import for_key_epoch
 
-CIFAR_FILES = {
-    "cifar10": ("cifar-10-batches-py", ["batches.meta", "test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]),
-    "cifar100": ("cifar-100-python", ["meta", "train", "test"]),
-}
+T = TypeVar("T")
 
 
 class CheckedImageFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder that names the file that fails to decode and decodes as DATA.DECODER says."""
+    """ImageFolder over an index listed once into arrays (data/folder_index.py: the samples ImageFolder
+    lists, a few bytes each), that names the file that fails to decode and decodes as DATA.DECODER says."""
 
-    def __init__(self, root: str, decoder: str = "auto", max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
-        # allow_empty: empty class folders are reported by check_classes with a clearer message
-        super().__init__(root, loader=lambda p: load_image(p, decoder, max_pixels), allow_empty=True)
+    def __init__(
+        self,
+        root: str,
+        decoder: str = "auto",
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        index: FolderIndex | None = None,
+    ):
+        # Not ImageFolder.__init__, which lists the folder into a list of tuples: the index replaces it.
+        torchvision.datasets.VisionDataset.__init__(self, root)
+        index = index if index is not None else scan_folder(self.root)
+        self.loader = functools.partial(load_image, decoder=decoder, max_pixels=max_pixels)
+        self.extensions = IMG_EXTENSIONS
+        self.classes = list(index.classes)
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.samples = self.imgs = Samples(index.paths, index.labels, self.root)
+        self.targets = self.samples.labels
 
     def encoded(self, index: int) -> tuple[bytes, str, int]:
         """Sample ``index``'s file bytes, its path, its target (the batched decoder's input)."""
@@ -52,51 +61,9 @@ def check_classes(root: str, dataset: CheckedImageFolder) -> None:
         raise DataError(f"{root}: class folder(s) with no images ({', '.join(IMG_EXTENSIONS)}): {empty}")
 
 
-def build_base_dataset(
-    root: str,
-    split: str,
-    decoder: str = "auto",
-    cache_dir: str = "",
-    annotations: AnnotationSpec | None = None,
-    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-) -> tuple[Dataset, list[str]]:
-    """Return an untransformed dataset of (image, target) and its class names: ``annotations``'s
-    file under ``root`` when given, else ``root``'s ``split`` in whichever format it is. Images
-    declaring more than ``max_pixels`` pixels (0: no limit) are refused as bad (data/image_size.py)."""
-    if annotations is not None:
-        dataset = AnnotatedImages(root, annotations, decoder, max_pixels)
-        return dataset, dataset.classes
-    kind, _, path = root.partition(":")
-    if kind in CIFAR_FILES:
-        return _build_cifar(kind, path, split)
-    if packed.is_packed(root, split):
-        dataset = packed.PackedDataset(root, split, decoder, cache_dir, max_pixels)
-        return dataset, dataset.classes
-    if hf.is_saved_hf(root, split):
-        dataset = hf.HFImageDataset(root, split, decoder, max_pixels)
-        return dataset, dataset.classes
-    folder = os.path.join(root, split)
-    if not os.path.isdir(folder):
-        raise DataError(f"dataset folder not found: {folder}")
-    dataset = CheckedImageFolder(folder, decoder, max_pixels)
-    check_classes(folder, dataset)
-    return dataset, list(dataset.classes)
-
-
-def _build_cifar(kind: str, root: str, split: str) -> tuple[Dataset, list[str]]:
-    subdir, files = CIFAR_FILES[kind]
-    missing = [f for f in files if not os.path.isfile(os.path.join(root, subdir, f))]
-    if missing:
-        raise DataError(
-            f"{kind} files missing under {os.path.join(root, subdir)}: {missing} "
-            "(extract the python version of the archive there; nothing is downloaded at run time)"
-        )
-    cls = torchvision.datasets.CIFAR10 if kind == "cifar10" else torchvision.datasets.CIFAR100
-    try:
-        dataset = cls(root, train=split == "train", download=False)
-    except RuntimeError as e:  # torchvision checks each file's MD5: "Dataset not found or corrupted"
-        raise DataError(f"{kind} files under {os.path.join(root, subdir)} do not load: {e}") from None
-    return dataset, list(dataset.classes)
+def here(decide: Callable[[], T]) -> T:
+    """Run ``decide`` in this process: how a lone process (a tool, a test) lists a split."""
+    return decide()
 
 
 class MultiHotTargets(Dataset):

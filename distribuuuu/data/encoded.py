@@ -18,6 +18,7 @@ from torchvision import tv_tensors
 
 from distribuuuu.data.errors import BadImageError
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS, open_image
+from distribuuuu.data.index import Samples
 from distribuuuu.data.jpeg import decode_jpeg, jpeg_library
 
 # Which files each DATA.DECODER decodes with a tensor decoder (the rest go through PIL). "auto" and
@@ -76,20 +77,20 @@ def decode_image_bytes(data: bytes, name: str, decoder: str = "auto", max_pixels
 
 class EncodedSamples(Dataset, abc.ABC):
     """A dataset of encoded images read by row (packed shards, a saved Hugging Face dataset), shaped
-    like ImageFolder: ``samples`` (name, target), ``targets``, ``classes``. Class remapping
-    (data/classes.py) rewrites ``samples``; each name keeps its row in ``rows``. Subclasses read a
-    row's bytes with ``read_row(row, name) -> (bytes, name for messages ending in the format)``."""
+    like ImageFolder: ``samples`` (name, target) held in arrays (data/index.py), ``targets``,
+    ``classes``. Class remapping (data/classes.py) replaces ``samples``; each sample keeps its row
+    (``samples.row(i)``). Subclasses read a row's bytes with ``read_row(row, name) -> (bytes, name
+    for messages ending in the format)``."""
 
     def __init__(
         self,
-        samples: list[tuple[str, int]],
+        samples: Samples,
         classes: list[str],
         decoder: str,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ):
         self.samples, self.classes, self.decoder, self.max_pixels = samples, classes, decoder, max_pixels
-        self.targets = [t for _, t in samples]
-        self.rows = {name: i for i, (name, _) in enumerate(samples)}
+        self.targets = samples.labels
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -101,7 +102,7 @@ class EncodedSamples(Dataset, abc.ABC):
     def encoded(self, index: int) -> tuple[bytes, str, int]:
         """Sample ``index``'s encoded bytes, a name for messages (ending in its format), its target."""
         name, target = self.samples[index]
-        data, where = self.read_row(self.rows[name], name)
+        data, where = self.read_row(self.samples.row(index), name)
         return data, where, target
 
     def __getitem__(self, index: int):

@@ -14,6 +14,10 @@ class BadImageError(RuntimeError):
     """An image file could not be decoded; the message names its path."""
 
 
+class DeviceMemoryError(RuntimeError):
+    """The device ran out of memory for one image alone (decoded or resampled); the message names its size."""
+
+
 def import_extra(module: str, what: str, extra: str) -> ModuleType:
     """``module``, or a DataError naming ``what`` needs it and the extra that installs it. An
     installed module that fails to import (a dependency of its own missing) keeps its own error."""

@@ -14,6 +14,7 @@ import os
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.errors import BadImageError, DataError
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
+from distribuuuu.data.index import Labels, Samples, Strings
 
 _MAGIC = ((b"\xff\xd8", "jpg"), (b"\x89PNG", "png"), (b"RIFF", "webp"), (b"GIF8", "gif"), (b"BM", "bmp"))
 
@@ -36,10 +37,9 @@ class HFImageDataset(EncodedSamples):
             raise DataError(f"{folder}: needs an Image and a ClassLabel column (features: {dict(ds.features)})")
         self.folder, self.image = folder, image
         self.data = ds.cast_column(image, datasets.Image(decode=False))
-        targets = [int(t) for t in ds[label]]
-        super().__init__(
-            [(f"{split}[{i}]", t) for i, t in enumerate(targets)], list(ds.features[label].names), decoder, max_pixels
-        )
+        labels = Labels.of([int(t) for t in ds[label]])
+        names = Strings.of(f"{split}[{i}]" for i in range(len(labels)))
+        super().__init__(Samples(names, labels), list(ds.features[label].names), decoder, max_pixels)
 
     def read_row(self, row: int, name: str) -> tuple[bytes, str]:
         record = self.data[row][self.image]

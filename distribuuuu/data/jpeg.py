@@ -47,3 +47,31 @@ def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.T
 def decode_jpeg(data: torch.Tensor) -> torch.Tensor:
     """Decode one encoded JPEG on the CPU to uint8 RGB (3, H, W)."""
     return decode_jpegs([data], torch.device("cpu"))[0]
+
+
+# What nvJPEG decodes (torchvision's and TorchCodec's CUDA decoders): baseline and progressive JPEGs
+# of one (grey) or three (YCbCr) components. A CMYK or YCCK JPEG (PIL's mode "CMYK"), or another
+# format behind a .jpg name, fails the whole batched call ("Unknown chroma subsampling", "Failed to
+# get image info").
+DEVICE_MODES = ("L", "RGB")
+
+# Words of the errors that say the device decoder is not there at all (torchvision without nvJPEG,
+# nvJPEG not starting, no decoder library): every call would fail the same way.
+_MISSING = ("not compiled with nvjpeg", "failed to initialize nvjpeg", "nvjpeggetproperty failed", "no jpeg decoder")
+
+
+def takes_on_device(header) -> bool:
+    """Whether nvJPEG decodes the image whose header PIL read (``image_size.open_image``)."""
+    return header.format == "JPEG" and header.mode in DEVICE_MODES
+
+
+def device_decoder_missing(error: BaseException) -> bool:
+    """Whether a device decode's ``error`` says the decoder is missing, not that this call failed."""
+    message = str(error).lower()
+    return any(words in message for words in _MISSING)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the device out of memory (the stable ABI of torchvision's decoder raises
+    a plain RuntimeError with the allocator's words)."""
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()

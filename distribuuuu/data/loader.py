@@ -7,13 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from distribuuuu.data.annotations import AnnotatedImages
 from distribuuuu.data.batched import BatchDecoder, EncodedImageDataset, collate_encoded
-from distribuuuu.data.datasets import CheckedImageFolder, SeededTransformDataset, collate_skipping_bad
-from distribuuuu.data.encoded import EncodedSamples
+from distribuuuu.data.datasets import SeededTransformDataset, collate_skipping_bad
 from distribuuuu.data.prefetch import prefetched
 from distribuuuu.data.progressive import EpochTransforms
 from distribuuuu.data.resample import EvalGeometry, TrainGeometry
@@ -35,10 +34,10 @@ class DeviceLoader:
     """A DataLoader whose batches arrive on the training device as ``(images, targets, dropped)``
     with normalised float images: uint8 pixels (MODEL.DUMMY_INPUT's too) are copied
     (asynchronously from pinned memory) and normalised there; DATA.DECODER batched decodes and
-    augments each batch there first, on a thread one batch ahead when there are workers
-    (prefetch.py: with none, the dataset's seeded draws run in this process and must not race the
-    training thread's). Float batches (already normalised by the batched resample) pass as they
-    are. ``len``, ``sampler``, ``batch_size`` ... are the wrapped loader's. timm's PrefetchLoader
+    augments each batch there first, on a thread one batch ahead (prefetch.py), with or without
+    workers: the loader is read in this thread, so without workers the dataset's seeded draws stay
+    here, and the thread only decodes and resamples. Float batches (already normalised by the
+    batched resample) pass as they are. ``len``, ``sampler``, ``batch_size`` ... are the wrapped loader's. timm's PrefetchLoader
     idea without its side stream: the non-blocking copy frees the host at once but queues behind
     the step's kernels on the default stream; a uint8
     batch is a quarter of float32's bytes, small against a training step. ``epoch_transforms``:
@@ -63,9 +62,7 @@ class DeviceLoader:
     def _batches(self):
         if self.decode is None:
             return iter(self.loader)
-        if self.loader.num_workers > 0:
-            return prefetched(self.loader, self.decode.prepare, self.device)
-        return map(self.decode.prepare, self.loader)
+        return prefetched(self.loader, self.decode.prepare, self.device)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -137,10 +134,11 @@ def fixed_batch_loader(
 
 
 def takes_batched_decode(base: Dataset) -> bool:
-    """Whether DATA.DECODER batched can read ``base``'s samples as encoded bytes (folders, annotation
-    files, packed shards, saved Hugging Face datasets; not CIFAR's arrays or synthetic data)."""
-    reader = getattr(base, "base", base)  # MultiHotTargets wraps the reader
-    return isinstance(reader, (CheckedImageFolder, EncodedSamples, AnnotatedImages))
+    """Whether DATA.DECODER batched can read ``base``'s samples as encoded bytes: its reader says so
+    (readers.py: folders, annotation files, packed shards, saved Hugging Face datasets; not CIFAR's
+    arrays or synthetic data, which no reader read)."""
+    reader = getattr(base, "read_by", None)  # MultiHotTargets passes its base's attributes through
+    return reader is not None and reader.batched
 
 
 @dataclass(frozen=True)
@@ -164,15 +162,17 @@ def sampled_dataset(
     batched: BatchedDecode | None = None,
     channels_last: bool = False,
     max_pixels: int = 0,
+    memory_budget: int = 0,
 ) -> tuple[Dataset, BatchDecoder | None]:
     """The dataset the sampler's keys index, and the training-process decoder when JPEGs are decoded
     by the batch (``batched``); otherwise ``transform`` runs per sample, seeded by the key. The batched
-    decode's workers refuse a JPEG whose header declares more than ``max_pixels`` (0: no limit)."""
+    decode's workers refuse a JPEG whose header declares more than ``max_pixels`` (0: no limit); its
+    resample takes at most ``memory_budget`` bytes of device memory at once (0: no limit)."""
     if batched is None:
         return SeededTransformDataset(base, transform, seed, skip_bad), None
     decoder = BatchDecoder(
         batched.transform, device, skip_bad, geometry=batched.geometry, normalize=normalize,
-        channels_last=channels_last, max_pixels=max_pixels,
+        channels_last=channels_last, max_pixels=max_pixels, memory_budget=memory_budget,
     )  # fmt: skip
     return EncodedImageDataset(base, seed, skip_bad, batched.worker_geometry, max_pixels), decoder
 
@@ -186,7 +186,7 @@ def precise_bn_indices(dataset_len: int, images: int, seed: int) -> list[int]:
 def dataset_targets(dataset: Dataset) -> torch.Tensor:
     """Every sample's class index, read from the dataset's labels (no image is decoded)."""
     base = getattr(dataset, "base", dataset)  # SeededTransformDataset / EncodedImageDataset wrap it
-    return torch.as_tensor(base.targets, dtype=torch.int64)
+    return torch.as_tensor(np.asarray(base.targets), dtype=torch.int64)  # a reader's Labels: one array
 
 
 def label_counts(dataset: Dataset, num_classes: int) -> torch.Tensor:

@@ -35,9 +35,10 @@ import numpy as np
 from PIL import Image
 
 from distribuuuu.data.annotations import AnnotationSpec, Target
-from distribuuuu.data.datasets import DataError, build_base_dataset
+from distribuuuu.data.datasets import DataError
 from distribuuuu.data.errors import import_extra
 from distribuuuu.data.packed import INDEX, KIND, key_of, md5_of
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.data.remote import join, read_bytes, upload
 from distribuuuu.files import PART, atomic_write
 

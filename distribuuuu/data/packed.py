@@ -7,7 +7,9 @@ Layout (what tools/pack_dataset.py writes), for each split::
 
 ROOT is a local folder or a URL: http(s)://, or an object store's (s3://, gs://, az://; data/remote.py).
 ``wids.ShardListDataset`` (webdataset's indexed reader, chosen by measurement: docs/design.md)
-maps a global index to a shard and reads the sample from a memory-mapped, indexed tar. Because the packed dataset is a map-style Dataset,
+maps a global index to a shard, whose sample is read from the memory-mapped tar by our
+``TarSamples`` (data/tar_samples.py: wids's own tar index held 375 B a sample in every reader).
+Because the packed dataset is a map-style Dataset,
 the samplers are unchanged: ResumableDistributedSampler still gives exactly-once, deterministic
 order, global-position resume, and ExactEvalSampler exact evaluation, whatever the world size.
 ``sample_shards`` tells DATA.SHUFFLE_WINDOW's sampler which shard holds each sample.
@@ -19,7 +21,7 @@ checksums. Here a download (``remote.download``) is streamed to disk, retried an
 under a temporary name, is checked against the index's size and MD5, and only then takes its
 final name; a local shard is read in place, its
 size checked against the index (a truncated shard is named, not half-read), through a symbolic
-link in the cache folder (wids writes its lock file beside the file it opens). The ranks and
+link in the cache folder. The ranks and
 workers of a node that need a shard at once share one download (a lock file per shard). With
 DATA.SHARD_CACHE_LIMIT the training split reads through a bounded cache instead
 (``read_through``, data/shard_cache.py).
@@ -29,19 +31,25 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import io
 import json
 import os
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
 from distribuuuu.data.encoded import EncodedSamples
 from distribuuuu.data.errors import DataError, import_extra
 from distribuuuu.data.image_size import DEFAULT_MAX_IMAGE_PIXELS
+from distribuuuu.data.index import Labels, Samples, Strings
 from distribuuuu.data.remote import BadShardError, download, is_remote, join, read_bytes
 from distribuuuu.data.shard_cache import ShardCache, ShardCacheError, ShardFile, fetch_once
+from distribuuuu.data.tar_samples import TarSamples
 
 INDEX = "index.json"
 KIND = "wids-shard-index-v1"
@@ -106,8 +114,8 @@ class _ShardFiles:
         os.makedirs(self.cache_dir, exist_ok=True)
         local = self.local_path(url)
         if not is_remote(url):
-            # A symbolic link, not a copy: wids locks "<local>.lock" beside the file it opens, and
-            # the dataset's own folder may be read-only.
+            # A symbolic link, not a copy: every shard is opened from the cache folder, and the
+            # dataset's own folder may be read-only.
             self._check_size(url, desc)
             if not os.path.islink(local) or os.readlink(local) != os.path.abspath(url):
                 tmp = f"{local}.{os.getpid()}.link"
@@ -132,26 +140,26 @@ class _ShardFiles:
             raise BadShardError(f"shard {path} is {size} bytes, the index says {desc['filesize']} (truncated?)")
 
 
-class _CachedShards:
-    """wids's ``LRUShards`` for a bounded cache (DATA.SHARD_CACHE_LIMIT): each shard is opened by
-    the cache, under the shard's lock, so an eviction cannot remove it between the check and the
-    open (wids's own path would then fetch it again with ``curl``); ``lru_size`` stay open."""
+class _OpenShards:
+    """wids's ``LRUShards``: the shards a reader keeps open (``lru_size``, the least recently read
+    closed first), each opened by ``open_stream(url)`` and read as a TarSamples (data/tar_samples.py:
+    one int64 a sample where wids's own index holds 375 B). A bounded cache (DATA.SHARD_CACHE_LIMIT)
+    opens a shard itself, under the shard's lock, so an eviction cannot remove it between the check
+    and the open (wids's own path would then fetch it again with ``curl``)."""
 
-    def __init__(self, cache: ShardCache, urls: list[str], lru_size: int):
-        self.cache, self.shard_of, self.lru_size = cache, {u: i for i, u in enumerate(urls)}, lru_size
+    def __init__(self, open_stream: Callable[[str], BinaryIO], lru_size: int):
+        self.open_stream, self.lru_size = open_stream, lru_size
         self.lru: collections.OrderedDict = collections.OrderedDict()
         self.accesses = self.misses = 0  # what wids's miss-rate warning reads
 
-    def get_shard(self, url: str):
-        from wids.wids import IndexedTarSamples
-
+    def get_shard(self, url: str) -> TarSamples:
         self.accesses += 1
         if url in self.lru:
             self.lru.move_to_end(url)
             return self.lru[url]
         self.misses += 1
-        stream = self.cache.open(self.shard_of[url])
-        self.lru[url] = IndexedTarSamples(path=stream.name, stream=stream)
+        stream = self.open_stream(url)
+        self.lru[url] = TarSamples(path=stream.name, stream=stream)
         while len(self.lru) > self.lru_size:
             self.lru.popitem(last=False)[1].close()
         return self.lru[url]
@@ -162,6 +170,17 @@ class _CachedShards:
 
     def __len__(self) -> int:
         return len(self.lru)
+
+
+def _open_local(files: _ShardFiles, url: str) -> BinaryIO:
+    """Shard ``url``'s file, fetched and checked first (``_ShardFiles``); unbuffered: it is read
+    through its memory map, and a buffer would be 4-8 KiB more for every shard a reader keeps open."""
+    return open(files(url), "rb", buffering=0)
+
+
+def _open_cached(cache: ShardCache, shard_of: dict[str, int], url: str) -> BinaryIO:
+    """Shard ``url`` opened by the bounded cache, under its lock."""
+    return cache.open(shard_of[url])
 
 
 def open_shards_limit(shards: int) -> int:
@@ -194,12 +213,41 @@ def default_cache_dir(root: str) -> str:
     return os.path.join(tempfile.gettempdir(), "distribuuuu-shards", hashlib.sha256(root.encode()).hexdigest()[:16])
 
 
+@dataclass(frozen=True)
+class PackedIndex:
+    """A packed split's index.json as the reader holds it: class names, (name, target) samples in
+    arrays (data/index.py), the shard list."""
+
+    classes: list[str]
+    samples: Samples
+    shardlist: list[dict]
+
+
+def read_packed_index(root: str, split: str) -> PackedIndex:
+    """The split's index.json (a path or a URL), checked (load_index), its samples in arrays."""
+    import_extra("wids", f"reading the packed dataset {root}", "data")  # what reads the shards: first
+    location = index_location(root, split)
+    index = load_index(location)
+    listed = index["samples"]
+    # A target is a class index, or a list of them (a multi-label annotation file's sample).
+    multilabel = [isinstance(t, list) for _, t in listed]
+    if any(multilabel) and not all(multilabel):
+        raise DataError(f"{location}: some samples have a class index, others a list of them")
+    try:
+        names = Strings.of(name for name, _ in listed)
+        labels = Labels.of([t for _, t in listed], multilabel=bool(listed) and multilabel[0])
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{location}: samples are not (name, class index) pairs: {e}") from None
+    return PackedIndex(list(index["classes"]), Samples(names, labels), index["shardlist"])
+
+
 class PackedDataset(EncodedSamples):
     """A packed split as a map-style dataset of (image, target), like CheckedImageFolder.
 
     ``samples`` lists (name, target) with the original relative path as the name, and
     ``targets`` / ``classes`` are ImageFolder's: class remapping (data/classes.py) and the weighted
-    sampler work unchanged. Sample i is read from the shards' global row ``rows[name]``.
+    sampler work unchanged. Sample i is read from the shards' global row ``samples.row(i)``.
+    ``index``: the split's index already read (read_packed_index; by one rank for all).
     """
 
     def __init__(
@@ -209,22 +257,20 @@ class PackedDataset(EncodedSamples):
         decoder: str = "auto",
         cache_dir: str = "",
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        index: PackedIndex | None = None,
     ):
         wids = import_extra("wids", f"reading the packed dataset {root}", "data")  # only when one is read
 
         self.location = index_location(root, split)
-        index = load_index(self.location)
-        # A target is a class index, or a list of them (a multi-label annotation file's sample).
-        samples = [(name, tuple(t) if isinstance(t, list) else int(t)) for name, t in index["samples"]]
-        super().__init__(samples, list(index["classes"]), decoder, max_pixels)
+        index = index if index is not None else read_packed_index(root, split)
+        super().__init__(index.samples, list(index.classes), decoder, max_pixels)
         base = self.location.rsplit("/", 1)[0]
-        shards = [dict(s, url=join(base, s["url"])) for s in index["shardlist"]]
+        shards = [dict(s, url=join(base, s["url"])) for s in index.shardlist]
         self.remote = is_remote(root)
         self.files = _ShardFiles(shards, cache_dir or default_cache_dir(root))
         with contextlib.redirect_stderr(io.StringIO()):  # wids prints a summary line on every construction
-            self.shards = wids.ShardListDataset(
-                shards, localname=self.files, transformations=[], lru_size=open_shards_limit(len(shards))
-            )
+            self.shards = wids.ShardListDataset(shards, localname=self.files, transformations=[])
+        self.shards.cache = _OpenShards(functools.partial(_open_local, self.files), open_shards_limit(len(shards)))
 
     def shard_files(self) -> list[ShardFile]:
         """Each shard's URL, its place in the cache folder, its size and MD5 (the index's)."""
@@ -238,7 +284,8 @@ class PackedDataset(EncodedSamples):
 
     def read_through(self, cache: ShardCache) -> None:
         """Read the shards through a bounded cache (DATA.SHARD_CACHE_LIMIT) instead of wids's unbounded one."""
-        self.shards.cache = _CachedShards(cache, [s["url"] for s in self.shards.shards], LRU_SIZE)
+        shard_of = {s["url"]: i for i, s in enumerate(self.shards.shards)}
+        self.shards.cache = _OpenShards(functools.partial(_open_cached, cache, shard_of), LRU_SIZE)
 
     def read_row(self, row: int, name: str) -> tuple[bytes, str]:
         try:
@@ -257,7 +304,7 @@ class PackedDataset(EncodedSamples):
 
     def sample_shards(self) -> list[int]:
         """The shard (its place in the index's shard list) that each sample is read from."""
-        return self._shards_of([self.rows[name] for name, _ in self.samples]).tolist()
+        return self._shards_of(self.samples.all_rows()).tolist()
 
     def _shard_url(self, row: int) -> str:
         return self.shards.shards[int(self._shards_of(row))]["url"]

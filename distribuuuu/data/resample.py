@@ -12,10 +12,8 @@ same weights, zero outside the crop; a flip is Wx's rows reversed. Over images p
 buffer that is two batched matmuls, the same numbers as torchvision up to float rounding, in a
 few launches however many images; grid_sample has no antialiasing (aliasing on 0.08-scale
 crops), roi_align's adaptive sampling is a box filter (other pixels), and a kernel of our own
-would be code to keep that cuBLAS already is. Cost: a batch of 256 images of 500x375 (padded to
-500x500 where orientations mix) is 768 MB of float32 pixels, two weight tensors of 115 MB, a
-344 MB intermediate (as much again where the matmul broadcasts Wx) and the 154 MB output: about
-2 GB on the device while a batch is prepared.
+would be code to keep that cuBLAS already is. The products, their precision, memory budget and
+layout: resample_matmul.py.
 
 A plan is 11 integers per sample: the decoded image's height and width, then for each axis
 (y, then x) the crop's start and length, the length the crop is resized to, and the first output
@@ -29,8 +27,9 @@ import torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import to_image
 
+from distribuuuu.data.resample_matmul import OutputFormat, resample_batched
+
 PLAN_FIELDS = 11
-_PADDING_WASTE = 1.5  # images share a padded buffer while it holds at most 1.5x their pixels
 
 
 def _size_stub(height: int, width: int) -> torch.Tensor:
@@ -85,66 +84,36 @@ class EvalGeometry:
         return self.out_size
 
 
-def axis_weights(plans: torch.Tensor, out_len: int, full_len: int, dtype=torch.float32) -> torch.Tensor:
-    """(B, out_len, full_len) resampling weights of one axis, from plans' (start, length, resized,
-    out_start, flip) columns: aten's _upsample_bilinear2d_aa weights (a triangle filter, its
-    support scaled by the downscale factor, normalised per output pixel), zero outside the crop.
-
-    aten also clips each output pixel's taps to a window around its centre; the triangle is zero
-    outside that window, so the dense form gives the same weights."""
-    start, length, resized, out_start, flip = (plans[:, k].to(dtype) for k in range(5))
-    scale = length / resized  # aten's area_pixel_compute_scale, align_corners=False
-    support = torch.where(scale >= 1, scale, torch.ones_like(scale))
-    center = scale[:, None] * (out_start[:, None] + torch.arange(out_len, device=plans.device, dtype=dtype) + 0.5)
-    x = torch.arange(full_len, device=plans.device, dtype=dtype) - start[:, None]  # crop coordinates
-    w = (1 - ((x[:, None, :] - center[:, :, None] + 0.5) / support[:, None, None]).abs()).clamp_(min=0)
-    w.mul_(((x >= 0) & (x < length[:, None]))[:, None, :])
-    w.div_(w.sum(-1, keepdim=True))
-    return torch.where(flip[:, None, None] > 0, w.flip(1), w)
-
-
-def size_groups(sizes: list[tuple[int, int]]) -> list[list[int]]:
-    """Indices grouped so that padding each group to its largest height and width wastes little.
-
-    One group for a batch of ImageNet-like sizes; a 4000x3000 photo among 500x375 ones gets its own,
-    rather than padding 256 images to its size."""
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i][0] * sizes[i][1])
-    groups: list[tuple[list[int], int, int, int]] = []  # (indices, max h, max w, pixels)
-    for i in order:
-        h, w = sizes[i]
-        for g, (indices, gh, gw, pixels) in enumerate(groups):
-            padded = max(gh, h) * max(gw, w) * (len(indices) + 1)
-            if padded <= _PADDING_WASTE * (pixels + h * w):
-                groups[g] = (indices + [i], max(gh, h), max(gw, w), pixels + h * w)
-                break
-        else:
-            groups.append(([i], h, w, h * w))
-    return [indices for indices, *_ in groups]
-
-
-def pad_images(images: list[torch.Tensor], height: int, width: int) -> torch.Tensor:
-    """The (3, h, w) images in one zero-padded (B, 3, height, width) float32 buffer: one copy each
-    (the decoder hands over one tensor per image), the only launches counted per image."""
-    padded = images[0].new_zeros((len(images), 3, height, width), dtype=torch.float32)
-    for out, image in zip(padded, images):
-        out[:, : image.shape[1], : image.shape[2]].copy_(image)
-    return padded
-
-
-def resample(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
+def resample(
+    images: list[torch.Tensor],
+    plans: torch.Tensor,
+    out_size: tuple[int, int],
+    output: OutputFormat | None = None,
+    budget: int = 0,
+) -> torch.Tensor:
     """Crop, resize (antialiased bilinear) and flip each (3, H, W) image as its plan says: a float32
-    (B, 3, out_h, out_w) batch on the images' device, pixel values in 0..255 unrounded.
+    (B, 3, out_h, out_w) batch on the images' device, pixel values in 0..255 unrounded, or
+    normalised in ``output``'s layout.
 
-    On a GPU, two batched matmuls (``resample_batched``): float32, torchvision's float pixels up to
-    rounding (TF32, if a user's script allows it for matmuls, adds about 0.1 of a uint8 level). On a CPU, aten's own kernel image by image (``resample_each``) on the uint8 pixels:
-    exactly today's per-sample pixels, at the speed of its vectorised uint8 path. The dense
-    matrices cost H x W x out multiply-adds an image where aten's taps cost a few per output pixel:
-    a GPU's matmul units absorb that (about 86 GFLOP for 256 images of 500x375 to 224, a
-    millisecond or two) and 2 CPU cores do not (7 img/s against 30 for aten's kernel, batch 8).
+    On a GPU, batched matrix products within ``budget`` bytes (resample_matmul.resample_batched:
+    torchvision's float pixels up to float32 rounding). On a CPU, aten's own kernel image by image
+    (``resample_each``) on the uint8 pixels: exactly today's per-sample pixels, at the speed of its
+    vectorised uint8 path, normalised as the per-sample path does. The dense matrices cost H x W x
+    out multiply-adds an image where aten's taps cost a few per output pixel: a GPU's matrix units
+    absorb that and 2 CPU cores do not (7 img/s against 30 for aten's kernel, batch 8).
     tests/test_batched_augment.py checks both against torchvision."""
-    if images[0].device.type == "cpu":
-        return resample_each(images, plans, out_size)
-    return resample_batched(images, plans, out_size)
+    if images[0].device.type != "cpu":
+        return resample_batched(images, plans, out_size, output, budget)
+    out = resample_each(images, plans, out_size)
+    return out if output is None else output_on_cpu(out, output)
+
+
+def output_on_cpu(pixels: torch.Tensor, output: OutputFormat) -> torch.Tensor:
+    """``output`` by transforms.Normalize's own operations: on a CPU the batched path's batches are the
+    per-sample path's, bit for bit."""
+    mean, std = (torch.tensor(v).view(-1, 1, 1) for v in (output.mean, output.std))
+    pixels = pixels.div_(255).sub_(mean).div_(std)
+    return pixels.contiguous(memory_format=output.memory_format())
 
 
 def resample_each(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
@@ -158,30 +127,3 @@ def resample_each(images: list[torch.Tensor], plans: torch.Tensor, out_size: tup
         kept = resized[0, :, out_top : out_top + out_size[0], out_left : out_left + out_size[1]]
         pixels.copy_(kept.flip(-1) if flip else kept)
     return out
-
-
-def resample_batched(images: list[torch.Tensor], plans: torch.Tensor, out_size: tuple[int, int]) -> torch.Tensor:
-    """``resample`` as ``Wy @ X @ Wx.T`` over images padded to one buffer per size group."""
-    device = images[0].device
-    plans = _to_device(plans, device)
-    out = torch.empty((len(images), 3, *out_size), device=device)
-    for group in size_groups([tuple(image.shape[1:]) for image in images]):
-        height, width = (max(images[i].shape[d] for i in group) for d in (1, 2))
-        pixels = pad_images([images[i] for i in group], height, width)
-        index = _to_device(torch.tensor(group), device) if len(group) < len(images) else slice(None)
-        wy = axis_weights(_axis(plans[index], 0), out_size[0], height)
-        wx = axis_weights(_axis(plans[index], 1), out_size[1], width)
-        out[index] = wy[:, None] @ pixels @ wx[:, None].transpose(-1, -2)
-    return out
-
-
-def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # From pinned memory: a copy from pageable memory would make the host wait for the stream.
-    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
-
-
-def _axis(plans: torch.Tensor, axis: int) -> torch.Tensor:
-    """One axis's (start, length, resized, out_start, flip) columns: flip only along x."""
-    columns = plans[:, 2 + 4 * axis : 6 + 4 * axis]
-    flip = plans[:, 10:11] if axis == 1 else torch.zeros_like(plans[:, 10:11])
-    return torch.cat([columns, flip], dim=1)

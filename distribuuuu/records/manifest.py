@@ -17,9 +17,9 @@ import sys
 import torch
 import torchvision
 
+from distribuuuu.records.set_aside import numbered_folder
+from distribuuuu.records.starts import MANIFEST_FILE, STARTS_DIR
 from distribuuuu.runtime.launcher import DistEnv
-
-STARTS_DIR = "starts"
 
 
 def record_start(
@@ -27,16 +27,11 @@ def record_start(
 ) -> str:
     """Write OUT_DIR/``cfg_dest`` (the merged config, ``config_yaml``) and a new OUT_DIR/starts/NNN_<time>/
     with the config and manifest (rank 0)."""
-    starts = os.path.join(out_dir, STARTS_DIR)
-    os.makedirs(starts, exist_ok=True)
-    number = 1 + sum(1 for name in os.listdir(starts) if name[:3].isdigit())
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    folder = os.path.join(starts, f"{number:03d}_{stamp}")
-    os.makedirs(folder)
+    folder = numbered_folder(os.path.join(out_dir, STARTS_DIR))
     for where in (out_dir, folder):
         with open(os.path.join(where, cfg_dest), "w") as f:
             f.write(config_yaml)
-    with open(os.path.join(folder, "manifest.json"), "w") as f:
+    with open(os.path.join(folder, MANIFEST_FILE), "w") as f:
         json.dump(manifest(env, table, resumed_from), f, indent=2)
     return folder
 

@@ -59,6 +59,25 @@ def _parse(line: str) -> Any:
         return _BAD
 
 
+def split_after(path: str, epoch: int) -> tuple[bytes, bytes]:
+    """``path``'s lines as written, in two: the rest, and the training and validation records past
+    ``epoch`` (a resume's completed epochs: what the resumed run writes again). Test records
+    (tools/test_net.py's, each of a checkpoint it names) and lines that are not records stay."""
+    if not os.path.isfile(path):
+        return b"", b""
+    with open(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    later = [line for line in lines if _past(line, epoch)]
+    return b"".join(line for line in lines if not _past(line, epoch)), b"".join(later)
+
+
+def _past(line: bytes, epoch: int) -> bool:
+    record = _parse(line.decode("utf-8", errors="replace"))
+    if not isinstance(record, dict) or record.get("split") == "test":
+        return False
+    return isinstance(record.get("epoch"), (int, float)) and record["epoch"] > epoch
+
+
 def repair_torn_tail(path: str) -> None:
     """Before appending to ``path``: end a complete last line with its newline, cut a torn one off (with a warning)."""
     if not os.path.isfile(path):

@@ -1,4 +1,5 @@
-"""The metrics plot of distribuuuu runs: loss, top-1, LR and images/s per epoch (needs matplotlib).
+"""The metrics plot of distribuuuu runs: loss, top-1 (a multi-label run's val mAP and F1 macro), LR
+and images/s per epoch, the best evaluation marked (needs matplotlib).
 
 Used by tools/plot_metrics.py (any runs) and by the end-of-training summary (summary.py).
 """
@@ -26,6 +27,29 @@ class RecordedRun:
 
     def get(self, split: str, weights: str = "model") -> list[Record]:
         return self.series.get((split, weights), [])
+
+
+# A metric's name in the plot and the summary, and whether it is a percentage.
+METRIC_NAMES = {"top1": "top-1", "map": "mAP", "f1_macro": "F1 macro", "loss": "loss"}
+PERCENT = {"top1", "map", "f1_macro"}
+# The metrics a run is judged by: mAP and F1 macro where its evaluations have them (MODEL.TASK
+# multilabel, whose top-1 is precision at 1), top-1 otherwise.
+MULTILABEL_HEADLINE, HEADLINE = ("map", "f1_macro"), ("top1",)
+
+
+def headline(record: Record) -> tuple[str, ...]:
+    """The metrics an evaluation record is judged by."""
+    return MULTILABEL_HEADLINE if "map" in record else HEADLINE
+
+
+def best_record(val_records: list[Record]) -> Record:
+    """The val record the run chose as its best: the last one written marked ``best`` (by
+    TRAIN.BEST_METRIC, as the trainer's ``Best`` decided); in a run recorded before records were
+    marked, the best top-1."""
+    marked = [r for r in val_records if r.get("best")]
+    if marked:
+        return marked[-1]
+    return max((r for r in val_records if "top1" in r), key=lambda r: r["top1"], default={})
 
 
 def dedupe(records: list[Record]) -> dict[tuple[str, str], list[Record]]:
@@ -67,26 +91,54 @@ def plot_series(ax: Any, records: list[Record], key: str, style: dict[str, Any])
 
 
 def draw_run(axes: Any, run: RecordedRun, color: str) -> None:
-    """Draw one run's curves on the four axes (loss, top-1, lr, images/s)."""
+    """Draw one run's curves on the four axes (loss, top-1 or mAP and F1, lr, images/s) and mark
+    its best evaluation."""
     train, val, ema = run.get("train"), run.get("val"), run.get("val", "ema")
     thin = {"color": color, "linewidth": 1.2, "alpha": 0.75}
     dots = {"color": color, "linewidth": 1.8, "marker": "o", "markersize": 3}
     dashed = {**dots, "linestyle": "--", "marker": "s"}
-    ax_loss, ax_top1, ax_lr, ax_ips = axes
+    ax_loss, ax_metric, ax_lr, ax_ips = axes
     plot_series(ax_loss, train, "loss", {**thin, "label": f"{run.label} train"})
     plot_series(ax_loss, val, "loss", {**dots, "label": f"{run.label} val"})
-    plot_series(ax_top1, train, "top1", {**thin, "label": f"{run.label} train"})
-    plot_series(ax_top1, val, "top1", {**dots, "label": f"{run.label} val"})
-    plot_series(ax_top1, ema, "top1", {**dashed, "label": f"{run.label} val (ema)"})
+    fields = headline(val[0] if val else {})
+    if fields == HEADLINE:  # a multi-label run's training top-1 is precision at 1: not drawn
+        plot_series(ax_metric, train, "top1", {**thin, "label": f"{run.label} train"})
+    for key, marker in zip(fields, ("o", "^")):
+        name = "" if key == "top1" else f" {METRIC_NAMES[key]}"  # one metric: the title names it
+        plot_series(ax_metric, val, key, {**dots, "marker": marker, "label": f"{run.label} val{name}"})
+        plot_series(ax_metric, ema, key, {**dashed, "marker": marker, "label": f"{run.label} val (ema){name}"})
     plot_series(ax_lr, train, "lr", {**thin, "alpha": 1.0, "label": run.label})
     plot_series(ax_ips, train, "images_per_s", {**dots, "label": run.label})
+    mark_best(ax_loss, ax_metric, val + ema, color, run.label)
 
 
-def style_axes(axes: Any) -> None:
-    titles = ("loss (log scale)", "top-1 accuracy (%)", "learning rate", "training throughput (images/s)")
+def mark_best(ax_loss: Any, ax_metric: Any, val_records: list[Record], color: str, label: str) -> None:
+    """A star at the evaluation the run marked as its best, on the axis of the metric that chose it."""
+    best = best_record([r for r in val_records if r.get("best")])  # an unmarked run chose by nothing recorded
+    metric = best.get("best")
+    if metric not in METRIC_NAMES or not isinstance(best.get(metric), (int, float)):
+        return
+    ax = ax_loss if metric == "loss" else ax_metric
+    what = f"{METRIC_NAMES[metric]}, {best.get('weights', 'model')} weights"
+    style = {"color": color, "marker": "*", "markersize": 12, "linestyle": "none"}
+    ax.plot([float(best["epoch"])], [float(best[metric])], **style, label=f"{label} best ({what})")
+
+
+def metric_title(runs: Sequence[RecordedRun]) -> str:
+    """The second axis's title: what the runs are judged by."""
+    kinds = {headline(run.get("val")[0]) if run.get("val") else HEADLINE for run in runs}
+    names = ["top-1 accuracy" if kind == HEADLINE else "val mAP and F1 macro" for kind in sorted(kinds)]
+    return "; ".join(names) + " (%)"
+
+
+def style_axes(axes: Any, metric: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    titles = ("loss (log scale)", metric, "learning rate", "training throughput (images/s)")
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole epochs: no tick at 1.25
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
@@ -102,7 +154,7 @@ def make_figure(plt: Any, runs: Sequence[RecordedRun]) -> Any:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         draw_run(axes, run, colors[i % len(colors)])
-    style_axes(axes)
+    style_axes(axes, metric_title(runs))
     fig.suptitle("distribuuuu metrics: " + ", ".join(run.label for run in runs))
     # Fixed margins, not tight_layout: the grid and its titles are always the same, and measuring
     # every tick label took ~40% of the plot's time, paid at the end of every training run.

@@ -12,7 +12,18 @@ import os
 from dataclasses import dataclass, field
 
 from distribuuuu.records.metrics_file import METRICS_FILE, Record, read_records
-from distribuuuu.records.plots import PLOT_INSTALL, dedupe, load_run, save_plot
+from distribuuuu.records.plots import (
+    HEADLINE,
+    METRIC_NAMES,
+    PERCENT,
+    PLOT_INSTALL,
+    best_record,
+    dedupe,
+    headline,
+    load_run,
+    save_plot,
+)
+from distribuuuu.records.starts import read_starts
 
 SUMMARY_FILE, PLOT_FILE = "summary.md", "metrics.png"
 
@@ -26,9 +37,14 @@ class Summary:
     best: dict = field(default_factory=dict)  # the best val record by TRAIN.BEST_METRIC (model or EMA)
     best_metric: str = "top1"
     last: dict = field(default_factory=dict)  # weights ("model"/"ema") -> the last val record
-    tested: dict = field(default_factory=dict)  # weights -> the last test record written (tools/test_net.py)
-    train_s: float = 0.0
+    tested: list = field(
+        default_factory=list
+    )  # the last test record (tools/test_net.py) of each checkpoint and weights
+    own_weights: set = field(default_factory=set)  # the SHA-256 prefixes of the weights this run evaluated (val)
+    train_s: float = 0.0  # the train records' time: every epoch's training across the starts that trained it
     val_s: float = 0.0
+    precise_bn_s: float = 0.0  # BN.PRECISE_IMAGES: the recomputation before each evaluation
+    starts: list = field(default_factory=list)  # records/starts.py's Start of each start (OUT_DIR/starts/)
     images_per_s: float = 0.0  # training images over training time, all epochs
     config_changes: list = field(default_factory=list)  # (key, default, value)
     plot: str = ""
@@ -52,34 +68,32 @@ def summarize(out_dir: str, records: list[Record] | None = None, config_changes:
     vals = {w: recs for (split, w), recs in series.items() if split == "val" and recs}
     s = Summary(out_dir=out_dir, epochs=len(train))
     s.last = {w: recs[-1] for w, recs in vals.items()}
-    s.tested = {r.get("weights", "model"): r for r in records if r.get("split") == "test"}  # the last one written
+    s.tested = last_tests(records)
+    s.own_weights = {_sha256(r) for r in records if r.get("split") == "val"} - {None}
     s.best = best_record([r for r in records if r.get("split") == "val"])
     s.best_metric = s.best.get("best", "top1")
     s.train_s = sum(r["time_s"] for r in train)
     s.val_s = sum(r["time_s"] for recs in vals.values() for r in recs)
+    s.precise_bn_s = sum(r.get("precise_bn_s", 0.0) for recs in vals.values() for r in recs)
+    s.starts = read_starts(out_dir)
     s.images_per_s = sum(r["samples"] for r in train) / s.train_s if s.train_s else 0.0
     s.config_changes = list(config_changes or [])
     return s
-
-
-def best_record(val_records: list[Record]) -> Record:
-    """The val record the run chose as its best: the last one written marked ``best`` (by
-    TRAIN.BEST_METRIC, as the trainer's ``Best`` decided); in a run recorded before records were
-    marked, the best top-1."""
-    marked = [r for r in val_records if r.get("best")]
-    if marked:
-        return marked[-1]
-    return max((r for r in val_records if "top1" in r), key=lambda r: r["top1"], default={})
 
 
 def format_summary(s: Summary) -> str:
     """The summary as short Markdown."""
     lines = [f"# Run summary: {s.out_dir}", "", f"- epochs trained: {s.epochs}"]
     if s.best:
-        lines.append(_best_line(s.best, s.best_metric))
-    lines += [_evaluation_line("last val", weights, r) for weights, r in sorted(s.last.items())]
-    lines += [_evaluation_line("test (test_net.py)", weights, r) for weights, r in sorted(s.tested.items())]
-    lines.append(f"- time: {s.train_s:.1f} s training, {s.val_s:.1f} s validation")
+        lines.append(_best_line(s.best, s.best_metric, _checkpoint_text(s.best, s.out_dir)))
+    lines += [
+        _evaluation_line("last val", weights, r, _checkpoint_text(r, s.out_dir))
+        for weights, r in sorted(s.last.items())
+    ]
+    lines += [_test_line(s, r) for r in s.tested]
+    if s.starts:
+        lines.append(f"- starts: {len(s.starts)} ({'; '.join(start.describe() for start in s.starts)})")
+    lines.append(_time_line(s))
     lines.append(f"- training throughput: {s.images_per_s:.0f} images/s")
     lines.append(f"- plot: {s.plot}" if s.plot else f"- plot: none ({s.no_plot})")
     lines += ["", "## Config changes from the defaults", ""]
@@ -87,26 +101,68 @@ def format_summary(s: Summary) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _best_line(best: dict, metric: str) -> str:
-    """The best val record by TRAIN.BEST_METRIC, beside the run's headline metric: mAP for a
-    multi-label run (MODEL.TASK multilabel), top-1 otherwise."""
-    where = f"{best.get('weights', 'model')} weights, epoch {best['epoch']}"
-    headline = "map" if "map" in best else "top1"
-    if metric == headline == "top1":
-        return f"- best val top-1: {best['top1']:.2f}% ({where})"
-    field = metric  # each best metric is the record's field of its name
-    beside = "" if field == headline else f"{'mAP' if headline == 'map' else 'top-1'} {best[headline]:.2f}%, "
-    return f"- best val {field} (TRAIN.BEST_METRIC): {best[field]:.4g} ({beside}{where})"
+def _time_line(s: Summary) -> str:
+    """Training time (over the starts, when OUT_DIR records them), validation time and precise BN's."""
+    starts = f" over {len(s.starts)} start{'s' if len(s.starts) != 1 else ''}" if s.starts else ""
+    precise = f", {s.precise_bn_s:.1f} s precise BN" if s.precise_bn_s else ""
+    return f"- time: {s.train_s:.1f} s training{starts}, {s.val_s:.1f} s validation{precise}"
 
 
-def _evaluation_line(what: str, weights: str, r: dict) -> str:
+def last_tests(records: list[Record]) -> list[Record]:
+    """The last test record written of each checkpoint and weights ("model"/"ema"), in the order written."""
+    last: dict[tuple, Record] = {}
+    for r in records:
+        if r.get("split") == "test":
+            key = ((r.get("checkpoint") or {}).get("path"), r.get("weights", "model"))
+            last.pop(key, None)
+            last[key] = r
+    return list(last.values())
+
+
+def _sha256(record: Record) -> str | None:
+    return (record.get("checkpoint") or {}).get("sha256")
+
+
+def _checkpoint_text(record: Record, out_dir: str) -> str:
+    """'; checkpoints/ckpt_ep_003.pth.tar, weights 1a2b...' for a record that names its checkpoint, else ''."""
+    named = record.get("checkpoint")
+    if not isinstance(named, dict) or not named.get("path"):
+        return ""
+    path, root = str(named["path"]), os.path.abspath(out_dir)
+    shown = os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+    return f"; {shown}" + (f", weights {named['sha256']}" if named.get("sha256") else "")
+
+
+def _test_line(s: Summary, r: Record) -> str:
+    """A test record's line; one of weights this run never evaluated is said to be another model's."""
+    line = _evaluation_line("test (test_net.py)", r.get("weights", "model"), r, _checkpoint_text(r, s.out_dir))
+    foreign = s.own_weights and _sha256(r) and _sha256(r) not in s.own_weights
+    return line + (" — not this run's weights: none of its evaluations had them" if foreign else "")
+
+
+def _best_line(best: dict, metric: str, checkpoint: str = "") -> str:
+    """The best val record by TRAIN.BEST_METRIC, beside the run's headline metrics (mAP and F1 macro
+    for a multi-label run, top-1 otherwise); named unless it is top-1, the default, of a top-1 run."""
+    where = f"{best.get('weights', 'model')} weights, epoch {best['epoch']}{checkpoint}"
+    headlines = headline(best)
+    chosen = "" if headlines == HEADLINE == (metric,) else f" (TRAIN.BEST_METRIC {metric})"
+    beside = [f"{METRIC_NAMES[f]} {best[f]:.2f}%, " for f in headlines if f != metric and f in best]
+    return f"- best val {METRIC_NAMES[metric]}{chosen}: {_value(metric, best[metric])} ({''.join(beside)}{where})"
+
+
+def _value(metric: str, value: float) -> str:
+    """A metric's value as the other lines give it: a percentage to 2 decimals, a loss to 4."""
+    return f"{value:.2f}%" if metric in PERCENT else f"{value:.4f}"
+
+
+def _evaluation_line(what: str, weights: str, r: dict, checkpoint: str = "") -> str:
     if "map" in r:  # MODEL.TASK multilabel: its metrics, not a top-1 of one label per image
         return (
             f"- {what} mAP ({weights}): {r['map']:.2f}% (F1 macro {r['f1_macro']:.2f}%, micro {r['f1_micro']:.2f}%, "
-            f"epoch {r['epoch']})"
+            f"epoch {r['epoch']}{checkpoint})"
         )
     topk = f"top-{r['k']} {r['topk']:.2f}%, " if "k" in r else ""
-    return f"- {what} top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']})"
+    return f"- {what} top-1 ({weights}): {r['top1']:.2f}% ({topk}epoch {r['epoch']}{checkpoint})"
 
 
 def write_summary(out_dir: str, plot: bool = True, config_changes: list | None = None) -> str:

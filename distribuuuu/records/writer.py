@@ -81,16 +81,21 @@ def write_train_record(
             "scaler_skips": skipped if fp16 else 0,
             "step": step,
             "im_size": im_size,
+            # An epoch taken up again by a later start (its sums are the whole epoch's): the steps where it was.
+            **({"resumed_at_steps": totals["resumed_at_steps"]} if totals.get("resumed_at_steps") else {}),
             **{f: totals[f] for f in TELEMETRY_FIELDS if f in totals},
         }
     )
 
 
 def write_eval_record(
-    writer, split: str, epoch: int, totals: dict, k: int | None, weights: str = "model", best: str | None = None
-) -> None:
+    writer, split: str, epoch: int, totals: dict, k: int | None, weights: str = "model", best: str | None = None,
+    checkpoint: dict | None = None, precise_bn_s: float | None = None,
+) -> None:  # fmt: skip
     """Append an evaluation line (val or test) to metrics.jsonl; ``best``: the metric (TRAIN.BEST_METRIC)
-    by which this evaluation is the run's new best, which the summary reads back."""
+    by which this evaluation is the run's new best, which the summary reads back; ``checkpoint``: the
+    checkpoint that holds the weights evaluated (``checkpoint_field``); ``precise_bn_s``: the time
+    precise BN took before it."""
     warn_skipped_images(f"{split} ({weights} weights)", epoch, totals)
     writer.write(
         {
@@ -106,8 +111,19 @@ def write_eval_record(
             "samples": int(totals["samples"]),
             "skipped_images": int(totals["skipped_images"]),
             **({"best": best} if best else {}),
+            **({"checkpoint": checkpoint} if checkpoint else {}),
+            **({"precise_bn_s": precise_bn_s} if precise_bn_s is not None else {}),
         }
     )
+
+
+DIGEST_CHARS = 16  # of the weights' SHA-256: enough to tell any two checkpoints apart, short enough to read
+
+
+def checkpoint_field(path: str, epoch: int, sha256: str | None) -> dict:
+    """What an evaluation record names of the checkpoint it evaluated: its absolute path, its epoch and
+    a prefix of its weights' SHA-256 (``weights_digest``; None where no rank holds them whole)."""
+    return {"path": os.path.abspath(path), "epoch": epoch, "sha256": sha256[:DIGEST_CHARS] if sha256 else None}
 
 
 def evaluation_line(what: str, totals: dict, k: int | None) -> str:

@@ -177,6 +177,7 @@ def to_device(images: torch.Tensor, targets: torch.Tensor, env: DistEnv, channel
 def gradient_sync(model: nn.Module, sync: bool):
     """Skip the gradient all-reduce (DDP) or reduce-scatter (FSDP2) on micro-batches other than the last."""
     set_gradient_sync(model, sync)  # FSDP2 reads its flag in backward: a setter, before the forward is fine
-    if sync or not isinstance(model, nn.parallel.DistributedDataParallel):
+    ddp = getattr(model, "_orig_mod", model)  # compiled after the DDP wrap: torch.compile's module holds it
+    if sync or not isinstance(ddp, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext()
-    return model.no_sync()
+    return ddp.no_sync()

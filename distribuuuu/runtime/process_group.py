@@ -292,6 +292,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Take the elementwise maximum of a tensor over ranks, in place, and return it."""
+    if is_dist():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
 def scaled_all_reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Average tensors over ranks in place (Distribuuuu's helper): sum, then divide by world size.
 

@@ -6,15 +6,17 @@ relayed to the workers, as torchrun does."""
 from __future__ import annotations
 
 import json
+import multiprocessing.connection
 import os
 import signal
 import sys
 import tempfile
+import time
 from typing import Callable
 
-from distribuuuu.errors import EXIT_FAILED, first_line
+from distribuuuu.errors import EXIT_FAILED, EXIT_INTERRUPTED, first_line
 from distribuuuu.runtime.launcher import SPAWN_ERROR_VAR, find_free_port
-from distribuuuu.runtime.preemption import INTERRUPT, PREEMPT_SIGNALS
+from distribuuuu.runtime.preemption import EXIT_PREEMPTED, INTERRUPT, PREEMPT_SIGNALS
 
 
 def _spawn_worker(local_rank: int, nproc: int, port: int, run: Callable, cfg, errors: str) -> None:
@@ -57,6 +59,7 @@ def _join(context, errors: str) -> int:
 
     previous = _forward_signals([p.pid for p in context.processes])
     try:
+        _let_stopping_workers_end(context)
         while not context.join():
             pass
     except mp.ProcessExitedException as e:
@@ -72,6 +75,24 @@ def _join(context, errors: str) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def _let_stopping_workers_end(context, grace_s: float = 30.0) -> None:
+    """Wait for the first worker to end; if it stopped for a signal (Ctrl-C, preemption), give the
+    others ``grace_s`` to end on their own, as they do at the same step.
+
+    torch's ``join`` terminates the workers still running as soon as one exits non-zero (with a
+    warning): rank 0 may still be writing the checkpoint the signal asked for. Any other failure
+    leaves them to ``join`` at once: a peer of a crashed worker may hang in a collective.
+    """
+    ended = [context.processes[context.sentinels[s]] for s in multiprocessing.connection.wait(list(context.sentinels))]
+    for process in ended:
+        process.join()  # its sentinel closes as it exits, a moment before its exit code is there
+    codes = {process.exitcode for process in ended}
+    if codes & {EXIT_INTERRUPTED, EXIT_PREEMPTED}:
+        deadline = time.monotonic() + grace_s
+        while (alive := [p.sentinel for p in context.processes if p.is_alive()]) and time.monotonic() < deadline:
+            multiprocessing.connection.wait(alive, timeout=max(deadline - time.monotonic(), 0))
 
 
 def _print_worker_error(path: str) -> None:

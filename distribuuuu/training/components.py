@@ -220,6 +220,22 @@ class Position(Component):
             log_global_batch_change(run, saved_batch, state_dict)
 
 
+class EpochProgress(Component):
+    """The epoch in progress's training sums, seconds and resumed steps (``state.EpochTotals``):
+    ``epoch_totals``. Read back only where the checkpoint is mid-epoch (after Position)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def state_dict(self) -> dict:
+        return {"epoch_totals": self.run.epoch_totals.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        step = self.run.state.step_in_epoch
+        if step:
+            self.run.epoch_totals.resume(state_dict.get("epoch_totals"), step)
+
+
 def saved_global_batch(state: dict) -> int:
     """The global batch of a checkpoint written before it recorded one: from its config and world size."""
     return global_batch(stored_config(state["cfg"], "the checkpoint").TRAIN, state["world_size"])
@@ -257,6 +273,28 @@ class Described(Component):
         pass
 
 
+class Classes(Component):
+    """The class names the run trains, in label order: ``classes`` (the tools name predictions by
+    them). A checkpoint of another number of classes does not resume: a count left to the data
+    (MODEL.NUM_CLASSES 0) follows the folders, where the config comparison cannot see a change."""
+
+    in_weights = True
+
+    def __init__(self, classes: list[str]):
+        self.classes = list(classes)
+
+    def state_dict(self) -> dict:
+        return {"classes": self.classes}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("classes")
+        if saved and len(saved) != len(self.classes):
+            raise ConfigError(
+                f"TRAIN.DATASET: the checkpoint to resume was trained on {len(saved)} classes, the training data "
+                f"now has {len(self.classes)}: give this run its own OUT_DIR"
+            )
+
+
 class TeacherIdentity(Component):
     """Which teacher the run distils from: ``teacher`` (DISTILL.TEACHER's path, its weights' SHA-256,
     architecture, weights kind); nothing without one. Its logits are never saved. Resuming with
@@ -290,14 +328,15 @@ def _teacher_text(identity: dict | None) -> str:
 def run_components(run: Run) -> dict[str, Component]:
     """The run's state, defined once: every component a checkpoint holds, in the order they load."""
     components = {
+        "classes": Classes(run.train.classes),  # first: another class count is named before the weights fail to fit
         "model": Model(run.model),
         "progress": Progress(run),
         "position": Position(run),  # after progress: its log names the epoch
+        "epoch_totals": EpochProgress(run),  # after position: only a mid-epoch checkpoint's are taken up
         "optimizer": Optimizer(run.model, run.optimizer, run.cfg.OPTIM.OPTIMIZER),
         "ema": EMA(run.ema),
         "scaler": Scaler(run.scaler),
         "rng": RNG(run.env.rank, run.env.world_size),
-        "classes": Described(classes=run.train.classes),
         "config": Described(arch=run.cfg.MODEL.ARCH, cfg=run.cfg.dump()),
         # What validation did to the images: predict.py and export.py preprocess as it did
         "preprocessing": Described(preprocessing=eval_preprocessing(run.cfg).as_dict()),

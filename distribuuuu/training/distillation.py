@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from yacs.config import CfgNode
 
-from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from, named_by, state_checksum
+from distribuuuu.checkpointing.checkpoint import load_checkpoint, model_state_from, named_by, weights_digest
 from distribuuuu.config import ConfigError
 from distribuuuu.errors import first_line
 from distribuuuu.logger import get_logger
@@ -48,11 +48,6 @@ class Teacher:
     def digest(self) -> str:
         """SHA-256 of the weights it holds now (replicated teacher): the identity's ``sha256`` unless they changed."""
         return weights_digest(self.module.state_dict())
-
-
-def weights_digest(weights: dict) -> str:
-    """SHA-256 over the bytes of every tensor of ``weights``, by sorted name: the checkpoint checksum's hash."""
-    return state_checksum({"model": weights})
 
 
 def load_teacher(cfg: CfgNode, classes: Sequence[str], device: torch.device) -> Teacher:

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
 from torch import nn
 from yacs.config import CfgNode
 
+from distribuuuu.checkpointing.checkpoint import model_state_from, weights_digest
 from distribuuuu.config import ConfigError
 from distribuuuu.data import Split, sample_paths
 from distribuuuu.logger import get_logger
 from distribuuuu.models import model_source
 from distribuuuu.records.eval_outputs import EvalOutputs
 from distribuuuu.records.meters import MetricSums
-from distribuuuu.records.writer import multilabel_text, topk_text, write_eval_record
+from distribuuuu.records.writer import (
+    checkpoint_field,
+    evaluation_line,
+    multilabel_text,
+    topk_text,
+    write_eval_record,
+)
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import autocast, is_sharded, missing_forwards, to_device
 from distribuuuu.training.inputs import build_precise_bn_split, build_val_split, check_data
@@ -24,6 +32,7 @@ from distribuuuu.training.precise_bn import recompute_bn_stats
 from distribuuuu.training.preprocessing import eval_crop_size
 from distribuuuu.training.resume import load_configured_weights, warn_if_evaluated_otherwise
 from distribuuuu.training.session import Session
+from distribuuuu.training.state import Run
 from distribuuuu.training.task import Task, build_task
 
 logger = get_logger("trainer")  # the name the evaluation lines have always carried
@@ -88,14 +97,16 @@ def tta_forward(model: nn.Module, images: torch.Tensor, tta: str = "") -> torch.
     return (logits[: len(images)] + logits[len(images) :]) / 2
 
 
-def precise_bn(models: dict[str, nn.Module], split: Split, cfg: CfgNode, env: DistEnv) -> None:
+def precise_bn(models: dict[str, nn.Module], split: Split, cfg: CfgNode, env: DistEnv) -> float:
     """Recompute each model's BatchNorm running statistics over BN.PRECISE_IMAGES training images
-    (precise_bn.py), summed exactly across ranks; log what it cost. A collective: every rank calls it."""
+    (precise_bn.py), summed exactly across ranks; log what it cost and return its seconds. A
+    collective: every rank calls it."""
 
     def batches():
         for images, _, _ in split.loader:  # on the device already (DeviceLoader)
             yield images.contiguous(memory_format=torch.channels_last) if cfg.TRAIN.CHANNELS_LAST else images
 
+    started = time.perf_counter()
     for name, model in models.items():
         tic = time.perf_counter()
         context = functools.partial(autocast, cfg.TRAIN.PRECISION, env.device)
@@ -104,6 +115,53 @@ def precise_bn(models: dict[str, nn.Module], split: Split, cfg: CfgNode, env: Di
             "precise BN (%s weights): BatchNorm statistics recomputed over %d training images (%s transform) in %.1f s",
             name, images, cfg.BN.PRECISE_TRANSFORM, time.perf_counter() - tic,
         )  # fmt: skip
+    return time.perf_counter() - started
+
+
+def evaluate_epoch(run: Run, writer, checkpoint: str, epoch: int) -> tuple[dict, bool]:
+    """Recompute BatchNorm statistics (BN.PRECISE_IMAGES), validate the raw weights (and the EMA
+    weights) on val and TEST.EXTRA_DATASETS, record each naming ``checkpoint`` (written next, it holds
+    them); the best is chosen from val alone. Returns the raw weights' val totals and whether they
+    (or the EMA's) are the new best."""
+    precise_s = epoch_precise_bn(run)
+    weights = {"model": run.eval_model} | ({"ema": run.ema.module} if run.ema is not None else {})
+    held = held_weights(run, checkpoint, epoch + 1)
+    folder, k = os.path.join(run.cfg.OUT_DIR, "evaluation"), run.task.reported_k(run.cfg.TRAIN.TOPK)
+    is_best, val = False, {}
+    for split_name, split in [("val", run.val), *run.extra_val.items()]:
+        for name, module in weights.items():
+            prefix = split_name + ("_ema" if name == "ema" else "")
+            totals = validate(module, split, run.cfg, run.env, run.task, (folder, prefix))
+            improved = split_name == "val" and run.best.improves(totals)
+            if improved:
+                run.best.take(totals, name)
+            best = run.best.metric if improved else None
+            write_eval_record(writer, split_name, epoch + 1, totals, k, name, best, held[name], precise_s)
+            precise_s = None  # the epoch's precise BN is recorded once, with its first evaluation
+            logger.info("%s", evaluation_line(f"{split_name} {name} epoch {epoch + 1}", totals, k))
+            is_best |= improved
+            val = totals if (split_name, name) == ("val", "model") else val
+    return val, is_best
+
+
+def epoch_precise_bn(run: Run) -> float | None:
+    """BN.PRECISE_IMAGES: the same BatchNorm statistics on every rank (raw and EMA weights), then
+    saved with them; its seconds, or None without it."""
+    if run.precise_bn is None:
+        return None
+    models = {"model": run.model} | ({"ema": run.ema.module} if run.ema is not None else {})
+    return precise_bn(models, run.precise_bn, run.cfg, run.env)
+
+
+def held_weights(run: Run, checkpoint: str, epoch: int) -> dict[str, dict]:
+    """The checkpoint field of each weights evaluated (raw, EMA): ``checkpoint``, ``epoch`` and, on
+    rank 0 (the one that records), their SHA-256; none under sharding, where no rank holds them whole."""
+    modules = {"model": run.model} | ({"ema": run.ema.module} if run.ema is not None else {})
+    whole = run.env.is_main_process and not is_sharded(run.model)
+    return {
+        name: checkpoint_field(checkpoint, epoch, weights_digest(module.state_dict()) if whole else None)
+        for name, module in modules.items()
+    }
 
 
 def run_empty_forwards(model: nn.Module, count: int, cfg: CfgNode, env: DistEnv) -> None:
@@ -127,7 +185,8 @@ def check_inputs(cfg: CfgNode) -> None:
 
 
 def test_model(cfg: CfgNode) -> dict:
-    """Evaluate MODEL.WEIGHTS on the val split; append a ``test`` line to OUT_DIR/metrics.jsonl.
+    """Evaluate MODEL.WEIGHTS on the val split; append a ``test`` line naming it to OUT_DIR/metrics.jsonl
+    (test_net.py's OUT_DIR: its own folder beside the checkpoint unless given, stored_config.py).
 
     OUT_DIR's config.yaml is left alone: evaluating into a training run's folder keeps its record.
     """
@@ -145,10 +204,9 @@ def test_model(cfg: CfgNode) -> dict:
         bn_split = build_precise_bn_split(cfg, session.env) if cfg.BN.PRECISE_IMAGES else None
         # Only now is OUT_DIR written: weights that do not fit or a bad val set left it as it was.
         writer = session.open_outputs()
-        totals = evaluate_weights(model, val, bn_split, cfg, session.env)
-        epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
+        totals, precise_s = evaluate_weights(model, val, bn_split, cfg, session.env)
         k = build_task(cfg.MODEL, cfg.TEST).reported_k(cfg.TRAIN.TOPK)
-        write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND)
+        write_test_record(writer, cfg, state, totals, k, precise_s)
         logger.info(
             "test %s: top1 %.3f%s%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
             cfg.MODEL.WEIGHTS, totals["top1_acc"], topk_text(k, totals["topk_acc"], 3), multilabel_text(totals, 3),
@@ -157,13 +215,24 @@ def test_model(cfg: CfgNode) -> dict:
         return totals
 
 
-def evaluate_weights(model: nn.Module, val: Split, bn_split: Split | None, cfg: CfgNode, env: DistEnv) -> dict:
-    """test_net.py's evaluation: precise BN first (BN.PRECISE_IMAGES), compiled (TRAIN.COMPILE), then validated."""
-    if bn_split is not None:
-        precise_bn({cfg.MODEL.WEIGHTS_KIND: model}, bn_split, cfg, env)
+def write_test_record(writer, cfg: CfgNode, state: dict, totals: dict, k: int | None, precise_s: float | None) -> None:
+    """The ``test`` line of MODEL.WEIGHTS (``state``, as loaded): its epoch, and the checkpoint named by
+    its path and the SHA-256 of the weights evaluated (MODEL.WEIGHTS_KIND's, as the file holds them)."""
+    epoch = int(state.get("epoch", 0)) if isinstance(state.get("epoch"), int) else 0
+    digest = weights_digest(model_state_from(state, cfg.MODEL.WEIGHTS_KIND))
+    named = checkpoint_field(cfg.MODEL.WEIGHTS, epoch, digest)
+    write_eval_record(writer, "test", epoch, totals, k, cfg.MODEL.WEIGHTS_KIND, None, named, precise_s)
+
+
+def evaluate_weights(
+    model: nn.Module, val: Split, bn_split: Split | None, cfg: CfgNode, env: DistEnv
+) -> tuple[dict, float | None]:
+    """test_net.py's evaluation: precise BN first (BN.PRECISE_IMAGES), compiled (TRAIN.COMPILE), then
+    validated; its totals, and precise BN's seconds (None without it)."""
+    precise_s = precise_bn({cfg.MODEL.WEIGHTS_KIND: model}, bn_split, cfg, env) if bn_split is not None else None
     if cfg.TRAIN.COMPILE:
         model = torch.compile(model)
-    return validate(model, val, cfg, env)
+    return validate(model, val, cfg, env), precise_s
 
 
 test_model.__test__ = False  # a library entry point, not a pytest test

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Callable
 
 import torch
 from torch.utils.data import Dataset
@@ -15,7 +16,7 @@ from distribuuuu.config import ConfigError
 from distribuuuu.data import remote
 from distribuuuu.data.annotations import AnnotationSpec
 from distribuuuu.data.classes import map_classes, remap_targets
-from distribuuuu.data.datasets import MultiHotTargets, SyntheticDataset, build_base_dataset
+from distribuuuu.data.datasets import MultiHotTargets, SyntheticDataset, here
 from distribuuuu.data.jpeg import jpeg_library
 from distribuuuu.data.loader import (
     BatchedDecode,
@@ -29,6 +30,7 @@ from distribuuuu.data.loader import (
     takes_batched_decode,
 )
 from distribuuuu.data.progressive import EpochTransforms
+from distribuuuu.data.readers import build_base_dataset
 from distribuuuu.data.samplers import (
     ExactEvalSampler,
     FixedBatchSampler,
@@ -42,6 +44,8 @@ from distribuuuu.data.shard_cache import ProgressReporter, ShardCache, ShardCach
 from distribuuuu.data.transforms import batched_eval_geometry, batched_train_geometry, batched_train_steps
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.runtime.launcher import DistEnv
+from distribuuuu.runtime.process_group import get_world_size, is_dist, rank0_decides
+from distribuuuu.training.class_count import DUMMY_CLASSES, FROM_THE_DATA
 from distribuuuu.training.preprocessing import (
     build_normalize,
     build_train_transform,
@@ -127,18 +131,38 @@ def loader_options(cfg: CfgNode) -> LoaderOptions:
     return LoaderOptions(t.WORKERS, t.PIN_MEMORY, t.PERSISTENT_WORKERS, t.PREFETCH_FACTOR, cfg.RNG_SEED)
 
 
-def _base(cfg: CfgNode, root: str, split: str, train: bool, matched: bool = False) -> tuple[Dataset, list[str]]:
+def index_decider(env: DistEnv) -> Callable:
+    """Who lists a split (data/datasets.py's ``decide``): global rank 0 for all the ranks of ``env``'s
+    job, which receive the arrays over the process group (one scan of a split per job, and no rank
+    reads the folder's metadata but rank 0, nodes with or without a shared file system alike); a
+    process alone, or one that builds its own split (``env`` of world size 1), lists it itself."""
+    if env.world_size > 1 and is_dist() and get_world_size() == env.world_size:
+        return rank0_decides
+    return here
+
+
+def _base(
+    cfg: CfgNode, env: DistEnv, root: str, split: str, train: bool, matched: bool = False
+) -> tuple[Dataset, list[str]]:
     """The split's dataset and classes. Its classes must fit MODEL.NUM_CLASSES unless ``matched``:
     a val split matched to the model's classes by name, where map_classes names any difference."""
     if cfg.MODEL.DUMMY_INPUT:
-        size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(cfg.MODEL.NUM_CLASSES)]
+        count = cfg.MODEL.NUM_CLASSES or DUMMY_CLASSES
+        size, classes = cfg.DATA.DUMMY_SIZE, [str(i) for i in range(count)]
         seed = cfg.RNG_SEED + (0 if train else 1)
-        return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, cfg.MODEL.NUM_CLASSES, seed), classes
+        return SyntheticDataset(size, cfg.TRAIN.IM_SIZE, count, seed), classes
     spec = annotation_spec(cfg, train)
     base, classes = build_base_dataset(
-        root, split, cfg.DATA.DECODER, cfg.DATA.SHARD_CACHE, spec, cfg.DATA.MAX_IMAGE_PIXELS
+        root,
+        split,
+        cfg.DATA.DECODER,
+        cfg.DATA.SHARD_CACHE,
+        spec,
+        cfg.DATA.MAX_IMAGE_PIXELS,
+        cfg.DATA.INDEX_CACHE,
+        index_decider(env),
     )
-    if len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
+    if cfg.MODEL.NUM_CLASSES != FROM_THE_DATA and len(classes) > cfg.MODEL.NUM_CLASSES and not matched:
         raise ConfigError(
             f"MODEL.NUM_CLASSES is {cfg.MODEL.NUM_CLASSES} but {_location(cfg, root, split, train)} has "
             f"{len(classes)} {'classes' if spec else 'class folders'}"
@@ -163,10 +187,10 @@ def _warn_if_head_too_large(cfg: CfgNode, classes: list[str]) -> None:
         )  # fmt: skip
 
 
-def _targets_for_task(cfg: CfgNode, base: Dataset) -> Dataset:
+def _targets_for_task(cfg: CfgNode, base: Dataset, classes: list[str]) -> Dataset:
     """``base`` with multi-hot targets for a multi-label task (after any class remapping), else itself."""
     if _multilabel(cfg):
-        return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES)
+        return MultiHotTargets(base, cfg.MODEL.NUM_CLASSES or len(classes))
     if any(isinstance(t, tuple) for t in getattr(base, "targets", [])[:1]):  # a multi-label pack
         raise ConfigError("the dataset's samples have several classes each: set MODEL.TASK multilabel")
     return base
@@ -180,10 +204,20 @@ def _dataset(cfg: CfgNode, env: DistEnv, base: Dataset, transform, split: str):
     batched = None
     if cfg.DATA.DECODER == "batched" and takes_batched_decode(base):
         batched = _batched_decode(cfg, transform, split)
+    budget = batched_memory_budget(cfg.DATA.BATCHED_MEMORY_BUDGET, env.device) if batched is not None else 0
     return sampled_dataset(
         base, transform, cfg.RNG_SEED, cfg.DATA.BAD_IMAGE == "skip", env.device, build_normalize(cfg), batched,
-        cfg.TRAIN.CHANNELS_LAST, cfg.DATA.MAX_IMAGE_PIXELS,
+        cfg.TRAIN.CHANNELS_LAST, cfg.DATA.MAX_IMAGE_PIXELS, budget,
     )  # fmt: skip
+
+
+def batched_memory_budget(share: float, device: torch.device) -> int:
+    """DATA.BATCHED_MEMORY_BUDGET in bytes: ``share`` of the device's memory (a CPU's: the host's)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(share * total)
 
 
 def _batched_decode(cfg: CfgNode, transform, split: str) -> BatchedDecode:
@@ -204,12 +238,26 @@ def _geometry_at(cfg: CfgNode):
     return lambda size: batched_train_geometry(aug.at(size))
 
 
-def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
-    """Training loader: seeded per-sample augmentation, resumable DistributedSampler."""
-    base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+def train_data(cfg: CfgNode, env: DistEnv) -> tuple[Dataset, list[str]]:
+    """The training split's dataset and classes, as its format lists them (class folders, annotation
+    labels, a packed index, a Hugging Face ClassLabel): what MODEL.NUM_CLASSES 0 takes its count from."""
+    return _base(cfg, env, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+
+
+def train_location(cfg: CfgNode) -> str:
+    """The training split as messages name it: its folder, its annotation file, or synthetic data."""
+    if cfg.MODEL.DUMMY_INPUT:
+        return "synthetic data (MODEL.DUMMY_INPUT)"
+    return _location(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, True)
+
+
+def build_train_split(cfg: CfgNode, env: DistEnv, data: tuple[Dataset, list[str]] | None = None) -> Split:
+    """Training loader: seeded per-sample augmentation, resumable DistributedSampler (of ``data``,
+    ``train_data``'s, when already read)."""
+    base, classes = data or train_data(cfg, env)
     _warn_if_head_too_large(cfg, classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else epoch_train_transform(cfg)
-    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "train")
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base, classes), transform, "train")
     sampler = _train_sampler(cfg, env, dataset, len(classes))
     dataset.rounds_per_epoch = getattr(sampler, "rounds_per_epoch", 1)  # how its keys' rounds count epochs
     rank_batch = cfg.TRAIN.BATCH_SIZE * cfg.TRAIN.ACCUM_STEPS  # one rank's share of an optimizer step
@@ -230,7 +278,7 @@ def build_train_split(cfg: CfgNode, env: DistEnv) -> Split:
 def build_precise_bn_split(cfg: CfgNode, env: DistEnv) -> Split:
     """BN.PRECISE_IMAGES training images, in fixed batches of TRAIN.BATCH_SIZE dealt to the ranks
     (batch k to rank k mod W), read with BN.PRECISE_TRANSFORM's transform seeded per sample (epoch 0)."""
-    base, classes = _base(cfg, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
+    base, classes = _base(cfg, env, cfg.TRAIN.DATASET, cfg.TRAIN.SPLIT, train=True)
     if cfg.BN.PRECISE_IMAGES > len(base):
         raise ConfigError(
             f"BN.PRECISE_IMAGES ({cfg.BN.PRECISE_IMAGES}) exceeds the {len(base)} images of "
@@ -313,14 +361,14 @@ def build_val_split(
     name: see data/classes.py.
     """
     root = root or cfg.TEST.DATASET
-    base, classes = _base(cfg, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
+    base, classes = _base(cfg, env, root, cfg.TEST.SPLIT, train=False, matched=model_classes is not None)
     if model_classes is not None and not cfg.MODEL.DUMMY_INPUT:
         where = _location(cfg, root, cfg.TEST.SPLIT, train=False)
         lines = getattr(base, "label_lines", None)  # an annotation file's: its messages name the line
         remap_targets(base, map_classes(classes, list(model_classes), cfg.TEST.CLASS_OVERLAP, where, lines))
         classes = list(model_classes)
     transform = None if cfg.MODEL.DUMMY_INPUT else build_val_transform(cfg, normalize=False)
-    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base), transform, "val")
+    dataset, decoder = _dataset(cfg, env, _targets_for_task(cfg, base, classes), transform, "val")
     sampler = ExactEvalSampler(len(dataset), env.world_size, env.rank)
     loader = make_loader(
         dataset, sampler, cfg.TEST.BATCH_SIZE, env.device, build_normalize(cfg), loader_options(cfg), False, decoder
@@ -347,4 +395,6 @@ __all__ = [
     "check_data",
     "check_dataset_paths",
     "progressive",
+    "train_data",
+    "train_location",
 ]

@@ -223,11 +223,12 @@ def build_optimizer(
 
     AdamW (outside ZeRO-1) always takes PyTorch's fused kernel, sharded (DTensor) parameters
     included: on the CPU its step is ~10x faster than the default per-tensor loop (resnet18, one
-    thread: 10.9 ms against 115.9 ms; docs/performance.md). ``fused`` (asked for with fp16) picks
-    the fused SGD kernel too: fused kernels take GradScaler's overflow flag on the device and skip
-    the update there, where any other optimizer makes GradScaler copy the flag to the host every
-    step. LARS, ZeRO-1 and SGD with dampening keep that per-step sync. (Fused SGD only with fp16:
-    it has no DTensor rule, and a checkpoint's optimizer groups carry the flag to a resumed run.)
+    thread: 10.9 ms against 115.9 ms; docs/performance.md). ``fused`` (asked for with fp16 and bf16)
+    picks the fused SGD kernel too: one kernel for every parameter's update, and with fp16 it takes
+    GradScaler's overflow flag on the device and skips the update there, where any other optimizer
+    makes GradScaler copy the flag to the host every step. LARS, ZeRO-1 and SGD with dampening keep
+    the foreach loop (and that per-step sync). (Fused SGD only with 16-bit precision: it has no
+    DTensor rule, and a checkpoint's optimizer groups carry the flag to a resumed run.)
     """
     groups = optimizer_groups(model, optim_cfg)
     cls, kwargs = _optimizer_class_and_kwargs(optim_cfg)

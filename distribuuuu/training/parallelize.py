@@ -19,6 +19,7 @@ from distribuuuu.models import NotFetched, build_model, find_blocks, has_batchno
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import broadcast_parameters, build_mesh, mixed_precision_policy, shard_model
 from distribuuuu.runtime.process_group import broadcast_buffers
+from distribuuuu.training.class_count import LEGACY_CLASSES
 from distribuuuu.training.ema import ModelEMA
 from distribuuuu.training.optim import freeze
 from distribuuuu.training.preprocessing import progressive
@@ -61,13 +62,16 @@ def training_mesh(cfg: CfgNode, env: DistEnv) -> DeviceMesh:
 
 def build_configured_model(model_cfg: CfgNode) -> nn.Module:
     """MODEL.ARCH with MODEL.NUM_CLASSES outputs, MODEL.KWARGS, its pretrained weights (MODEL.PRETRAINED_WEIGHTS,
-    or the default ones for MODEL.PRETRAINED), MODEL.ZERO_INIT_RESIDUAL and MODEL.ACTIVATION_CHECKPOINTING."""
+    or the default ones for MODEL.PRETRAINED), MODEL.ZERO_INIT_RESIDUAL and MODEL.ACTIVATION_CHECKPOINTING.
+
+    A run's config has its class count decided (``build_run``: the data's, for MODEL.NUM_CLASSES 0);
+    a model built from a config alone, with no data read, keeps the former default's 10 outputs."""
     m = model_cfg
     weights = m.PRETRAINED_WEIGHTS or ("DEFAULT" if m.PRETRAINED else None)
-    kwargs = parse_model_kwargs(m.KWARGS)
+    kwargs, outputs = parse_model_kwargs(m.KWARGS), m.NUM_CLASSES or LEGACY_CLASSES
     checkpointing = activation_checkpointing(m)
     try:
-        return build_model(m.ARCH, m.NUM_CLASSES, kwargs, weights, m.ZERO_INIT_RESIDUAL, *checkpointing)
+        return build_model(m.ARCH, outputs, kwargs, weights, m.ZERO_INIT_RESIDUAL, *checkpointing)
     except TypeError as e:  # a keyword the constructor does not take
         raise ConfigError(f"MODEL.KWARGS {m.KWARGS}: {m.ARCH} refuses them ({first_line(e)})") from None
     except NotFetched as e:  # named by the key the user set: MODEL.PRETRAINED_WEIGHTS wins over MODEL.PRETRAINED
@@ -125,13 +129,24 @@ def shards(cfg: CfgNode, env: DistEnv) -> bool:
 
 
 def wrap_model(model: nn.Module, cfg: CfgNode, env: DistEnv) -> nn.Module:
-    """torch.compile (optional), then DDP with the configured knobs when there are several ranks."""
-    forward = compile_model(model, cfg) if cfg.TRAIN.COMPILE else model
-    if env.world_size == 1:
-        return forward  # DDP on one rank only costs time (~7% measured here)
-    d = cfg.DIST
+    """DDP with the configured knobs when there are several ranks, then torch.compile (optional).
+
+    Compiled after the wrap, as DDP's documentation asks: dynamo then cuts the graph at DDP's
+    bucket boundaries (its DDPOptimizer), so the backward is one compiled piece per bucket and
+    each bucket's all-reduce starts when its piece is done, overlapping the pieces still to run. A
+    backward compiled whole hands DDP every gradient at its end, and every all-reduce waits for it.
+    (tests/test_levers.py shows the pieces and the all-reduces between them on 2 ranks.)
+    DIST.COMM_HOOK bf16 (or fp16) all-reduces the gradients in 16 bits: half the bytes on the wire.
+    """
+    wrapped = model if env.world_size == 1 else ddp_wrap(model, cfg.DIST, env)  # one rank: DDP only costs (~7%)
+    return compile_model(wrapped, cfg) if cfg.TRAIN.COMPILE else wrapped
+
+
+def ddp_wrap(model: nn.Module, dist_cfg: CfgNode, env: DistEnv) -> nn.parallel.DistributedDataParallel:
+    """DDP with DIST's bucket size, bucket views, static graph, unused parameters and gradient hook."""
+    d = dist_cfg
     ddp = nn.parallel.DistributedDataParallel(
-        forward,
+        model,
         device_ids=[env.device.index] if env.device.type == "cuda" else None,
         bucket_cap_mb=d.BUCKET_CAP_MB,
         gradient_as_bucket_view=d.GRADIENT_AS_BUCKET_VIEW,

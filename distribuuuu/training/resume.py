@@ -20,6 +20,7 @@ from distribuuuu.config import ConfigError, config_changes, stored_config
 from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.models import load_model_weights, versioned, weights_fit
 from distribuuuu.runtime.parallel import is_sharded
+from distribuuuu.training.class_count import with_class_count
 from distribuuuu.training.components import run_components
 from distribuuuu.training.preprocessing import checkpoint_preprocessing, eval_preprocessing
 from distribuuuu.training.state import Run
@@ -75,8 +76,8 @@ def find_checkpoint_to_resume(cfg: CfgNode, checkpoints: Checkpointer | None = N
     path, small = (checkpoints or checkpointer(cfg)).find_resumable()  # a converted copy beside it: this format's
     if path is None:
         return ResumePoint()
-    saved = small.get("cfg")
-    changes = config_changes(stored_config(saved, path), cfg) if saved else []
+    stored = stored_config(small["cfg"], path) if small.get("cfg") else None
+    changes = config_changes(stored, as_trained(cfg, stored)) if stored is not None else []
     # Without LOAD_OPT the optimizer state is not restored: a new optimizer on the old weights is a
     # deliberate continuation, not a second experiment.
     keys = [k for k in EXPERIMENT_KEYS if cfg.TRAIN.LOAD_OPT or k != "OPTIM.OPTIMIZER"]
@@ -89,6 +90,14 @@ def find_checkpoint_to_resume(cfg: CfgNode, checkpoints: Checkpointer | None = N
             + (" (TRAIN.LOAD_OPT False continues from its weights with the new optimizer)" if new_optimizer else "")
         )
     return ResumePoint(path, changes, small["epoch"])
+
+
+def as_trained(cfg: CfgNode, stored: CfgNode) -> CfgNode:
+    """``cfg`` as the checkpoint's run resolved it: a class count left to the data (MODEL.NUM_CLASSES 0)
+    is the one that run's data gave, which the checkpoint stored (the ``classes`` component checks the
+    data still has as many)."""
+    count = stored.get("MODEL", {}).get("NUM_CLASSES")
+    return with_class_count(cfg, count) if isinstance(count, int) and count > 0 else cfg
 
 
 def log_config_changes(path: str | None, changes: list[str]) -> None:

@@ -16,12 +16,15 @@ from distribuuuu.records.telemetry import Telemetry
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import shard_model
 from distribuuuu.runtime.process_group import is_dist
+from distribuuuu.training.class_count import take_class_count
 from distribuuuu.training.distillation import Teacher, load_teacher
 from distribuuuu.training.inputs import (
     build_extra_val_splits,
     build_precise_bn_split,
     build_train_split,
     build_val_split,
+    train_data,
+    train_location,
 )
 from distribuuuu.training.optim import build_optimizer, scaled_base_lr
 from distribuuuu.training.parallelize import (
@@ -39,9 +42,12 @@ logger = get_logger("run")
 
 
 def build_run(cfg: CfgNode, env: DistEnv) -> Run:
-    """Build loaders, model, optimizer, scaler, EMA, task and loss for a training run."""
+    """Build loaders, model, optimizer, scaler, EMA, task and loss for a training run; its ``cfg`` is
+    ``cfg`` with MODEL.NUM_CLASSES 0 resolved to the training data's class count (class_count.py)."""
+    data = train_data(cfg, env)  # read once: its classes decide a count left to the data
+    cfg = take_class_count(cfg, len(data[1]), train_location(cfg))
     task = build_task(cfg.MODEL, cfg.TEST)
-    train = build_train_split(cfg, env)
+    train = build_train_split(cfg, env, data)
     val = build_val_split(cfg, env, train.classes)
     extra_val = build_extra_val_splits(cfg, env, train.classes)
     model = build_model_for(cfg, env)
@@ -98,8 +104,9 @@ def build_telemetry(cfg: CfgNode, model: nn.Module, env: DistEnv) -> Telemetry:
 
 
 def fused_step(cfg: CfgNode, env: DistEnv) -> bool:
-    """Whether the optimizer steps with its fused kernel: fp16 on a replicated model."""
-    return cfg.TRAIN.PRECISION == "fp16" and not shards(cfg, env)
+    """Whether the optimizer steps with its fused kernel: fp16 or bf16 on a replicated model (one
+    kernel over every parameter rather than foreach's few per group; the same updates, tests/test_levers.py)."""
+    return cfg.TRAIN.PRECISION in ("fp16", "bf16") and not shards(cfg, env)
 
 
 def log_run(

@@ -1,7 +1,7 @@
 """A session: one process's part in a training run (train_net.py) or an evaluation (test_net.py).
 
 Entered as a context manager by ``train_model`` and ``test_model``: it meets the other ranks, holds
-OUT_DIR's lock (training), prepares this process (logging, seeds), opens the outputs once the inputs
+OUT_DIR's lock, prepares this process (logging, seeds), opens the outputs once the inputs
 proved good, names failed collectives and stalled ranks by the run's position, and on every way out
 lets go of all of it: the run it followed (whose model holds the process group) first, then the
 writer, the lock and the process group.
@@ -19,12 +19,13 @@ import yaml
 from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.manager import Checkpointer
-from distribuuuu.checkpointing.names import CKPT_DIR
+from distribuuuu.checkpointing.names import BEST_NAME, BEST_SHARDED, CKPT_DIR
 from distribuuuu.config import ConfigError, changes_from_defaults
 from distribuuuu.logger import attach_log_file, get_logger, setup_logging
 from distribuuuu.progress import show_progress_bar
 from distribuuuu.records.manifest import record_start
 from distribuuuu.records.out_dir_lock import OutDirLock, is_a_restart
+from distribuuuu.records.set_aside import set_aside_earlier_run, set_aside_records_after
 from distribuuuu.records.tracking import TrackerSettings
 from distribuuuu.records.writer import MetricsWriter, NullWriter, make_writer
 from distribuuuu.runtime.faults import naming_failed_collectives
@@ -49,9 +50,10 @@ T = TypeVar("T")
 class Session:
     """This process's part in a run: ``with Session(cfg) as session: ...``.
 
-    ``training`` False is an evaluation: no lock, no config kept in OUT_DIR. ``cleanup`` False keeps
-    the process group for a caller that trains several times in one job. Outside a ``with`` (a
-    benchmark timing the loops) it is a session without outputs: ``env`` as given, records nowhere.
+    ``training`` False is an evaluation: OUT_DIR locked as for training, but no config kept in it.
+    ``cleanup`` False keeps the process group for a caller that trains several times in one job.
+    Outside a ``with`` (a benchmark timing the loops) it is a session without outputs: ``env`` as
+    given, records nowhere.
     """
 
     def __init__(self, cfg: CfgNode, training: bool = True, cleanup: bool = True, env: DistEnv | None = None):
@@ -66,9 +68,9 @@ class Session:
     def __enter__(self) -> Session:
         self.env, self.table = start_process_group(self.cfg)
         try:
-            if self.training:
-                self._lock = out_dir_lock(self.cfg) if self.env.is_main_process else None
-                rank0_decides(lambda: self._lock.acquire())  # before OUT_DIR is read: a live holder stops this run
+            # Evaluations too: a test record written into a folder a training run holds would join its record.
+            self._lock = out_dir_lock(self.cfg) if self.env.is_main_process else None
+            rank0_decides(lambda: self._lock.acquire())  # before OUT_DIR is read: a live holder stops this run
         except BaseException:
             self._leave()
             raise
@@ -102,15 +104,20 @@ class Session:
         torch.backends.cudnn.benchmark = cfg.CUDNN.BENCHMARK
         torch.backends.cudnn.deterministic = cfg.CUDNN.DETERMINISTIC
 
-    def open_outputs(self, resumed_from: str | None = None) -> MetricsWriter | NullWriter:
+    def open_outputs(self, resumed_from: str | None = None, epochs_done: int = 0) -> MetricsWriter | NullWriter:
         """Create OUT_DIR and its log.txt; keep this start's config and manifest (training); the metrics writer.
 
-        Called once the inputs proved good: a run stopped by bad input leaves OUT_DIR as it found it.
+        A training run first moves aside what it must not append to (``make_room``): resumed from a
+        checkpoint of ``epochs_done`` epochs, the records past it. Called once the inputs proved
+        good: a run stopped by bad input leaves OUT_DIR as it found it.
         """
         cfg, env = self.cfg, self.env
+        moved = rank0_decides(lambda: make_room(cfg, resumed_from, epochs_done)) if self.training else None
         rank0_decides(lambda: prepare_out_dir(cfg.OUT_DIR, self.training))  # every rank stops on a bad folder
         if env.is_main_process:
             attach_log_file(cfg.OUT_DIR)
+            if moved:
+                logger.warning("%s", moved)
         if self.training:
             rank0_decides(lambda: record_start(cfg.OUT_DIR, cfg.dump(), cfg.CFG_DEST, env, self.table, resumed_from))
         options = writer_options(cfg) if self.training else {}
@@ -118,8 +125,9 @@ class Session:
         return self.writer
 
     def follow(self, run: Run) -> Run:
-        """Name ``run``'s position in failed collectives and heartbeats (``watching``); let go of it on the way out."""
-        self.run = run
+        """Name ``run``'s position in failed collectives and heartbeats (``watching``); let go of it on
+        the way out. Its config is the session's from here on (a class count taken from the data)."""
+        self.run, self.cfg = run, run.cfg
         return run
 
     @contextlib.contextmanager
@@ -169,6 +177,14 @@ def start_process_group(cfg: CfgNode) -> tuple[DistEnv, list[dict]]:
 def out_dir_lock(cfg: CfgNode) -> OutDirLock:
     """The lock of this run's OUT_DIR: a requeued or restarted job waits for its predecessor to let go."""
     return OutDirLock(cfg.OUT_DIR, cfg.DIST.LOCK_STALE_S, cfg.DIST.LOCK_WAIT_S if is_a_restart() else 0.0)
+
+
+def make_room(cfg: CfgNode, resumed_from: str | None, epochs_done: int) -> str | None:
+    """Rank 0, before a training start writes: a fresh run moves an earlier run's outputs aside, a
+    resumed one the records past its checkpoint (records/set_aside.py); what to log, or None."""
+    if resumed_from is not None:
+        return set_aside_records_after(cfg.OUT_DIR, epochs_done, resumed_from)
+    return set_aside_earlier_run(cfg.OUT_DIR, [cfg.CFG_DEST, CKPT_DIR, BEST_NAME, BEST_SHARDED])
 
 
 def prepare_out_dir(out_dir: str, training: bool = True) -> None:

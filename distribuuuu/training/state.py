@@ -103,6 +103,51 @@ class Window:
         self.data_s, self.started = 0.0, time.perf_counter()
 
 
+class EpochTotals:
+    """The training sums of the epoch in progress across every start that trained it, its seconds and
+    the steps at which it was resumed: what its train record reports. Checkpoints keep them (the
+    ``epoch_totals`` component), so the record of an epoch resumed mid-way is the whole epoch's."""
+
+    def __init__(self):
+        self.sums = MetricSums(torch.device("cpu"), 1)  # reduced totals are added, never batches: k is unused
+        self.carried_s = 0.0  # seconds the earlier starts trained this epoch
+        self.resumed_at: list[int] = []  # the step at which each later start took it up
+        self.started = time.perf_counter()
+
+    def begin(self, step: int) -> None:
+        """This start trains the epoch from ``step`` on: at its first step, a new epoch (nothing carried)."""
+        if step == 0:
+            self.sums.reset()
+            self.carried_s, self.resumed_at = 0.0, []
+        self.started = time.perf_counter()
+
+    def add(self, totals: dict) -> None:
+        """Add a window's totals (``MetricSums.reduce``'s, the same on every rank)."""
+        self.sums.add_totals(totals)
+
+    def totals(self) -> dict:
+        """The epoch's totals and means so far, with ``time_s`` (every start's) and ``resumed_at_steps``."""
+        resumed = {"resumed_at_steps": list(self.resumed_at)} if self.resumed_at else {}
+        return dict(self.sums.totals(), time_s=self.carried_s + time.perf_counter() - self.started, **resumed)
+
+    def state_dict(self) -> dict:
+        totals = self.totals()
+        return {
+            "sums": {f: totals[f] for f in MetricSums.FIELDS},
+            "time_s": totals["time_s"],
+            "resumed_at": list(self.resumed_at),
+        }
+
+    def resume(self, saved: dict | None, step: int) -> None:
+        """Take up the epoch at ``step`` from a checkpoint's ``saved`` totals (None: one written before
+        they were kept, whose record then covers the resumed steps alone)."""
+        self.begin(0)
+        if saved:
+            self.sums.add_totals({f: float(saved["sums"].get(f, 0.0)) for f in MetricSums.FIELDS})
+            self.carried_s, self.resumed_at = float(saved["time_s"]), [int(s) for s in saved["resumed_at"]]
+        self.resumed_at.append(step)
+
+
 @dataclass
 class Run:
     """Everything one training run holds: built once by ``build_run``, then used by the loops."""
@@ -128,6 +173,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     best: Best = field(default_factory=Best)
     telemetry: Telemetry = field(default_factory=Telemetry)  # FLOPs, MFU, the ranks' step times
+    epoch_totals: EpochTotals = field(default_factory=EpochTotals)  # the epoch in progress's record, across starts
     # Further state checkpointed with the run (name -> Stateful: state_dict()/load_state_dict()), for
     # a caller outside the package; the package's own is listed in components.run_components.
     registered_state: dict[str, object] = field(default_factory=dict)

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from yacs.config import CfgNode
 
 from distribuuuu.checkpointing.checkpoint import load_checkpoint, named_by
-from distribuuuu.config import flatten, get_cfg_defaults, load_cfg, merge_pairs, stored_config
+from distribuuuu.checkpointing.names import CKPT_DIR, FILE, SHARDED
+from distribuuuu.config import flatten, get_cfg_defaults, keys_given, load_cfg, merge_pairs, stored_config
+from distribuuuu.training.class_count import LEGACY_CLASSES
 
 # Keys that make another experiment: resuming a checkpoint trained with other values would mix
 # two runs in one OUT_DIR (and one record). TRAIN.RESUME_ANYWAY overrides.
@@ -25,7 +27,7 @@ RUNTIME_KEYS = (
     "OPTIM.MAX_EPOCH", "TRAIN.PRINT_FREQ", "TEST.PRINT_FREQ", "TRAIN.WORKERS", "TRAIN.PREFETCH_FACTOR",
     "TRAIN.PERSISTENT_WORKERS", "TRAIN.PIN_MEMORY", "TRAIN.CKPT_PERIOD_ITERS", "TRAIN.KEEP_CKPTS",
     "TRAIN.STOP_AFTER_EPOCHS", "TRAIN.EVAL_PERIOD", "TRAIN.AUTO_RESUME", "TRAIN.RESUME_ANYWAY", "TEST.BATCH_SIZE",
-    "DATA.DECODER", "MODEL.WEIGHTS", "OUT_DIR", "CFG_DEST", "DIST.", "CUDNN.", "BN.", "LOG.PLOT",
+    "DATA.DECODER", "DATA.INDEX_CACHE", "MODEL.WEIGHTS", "OUT_DIR", "CFG_DEST", "DIST.", "CUDNN.", "BN.", "LOG.PLOT",
     "MODEL.ACTIVATION_CHECKPOINTING", "MODEL.GRAD_CHECKPOINT", "LOG.PEAK_TFLOPS", "LOG.STRAGGLER_FACTOR",
 )  # fmt: skip
 # The keys that shape the model and its input: what predict.py and export.py take from a checkpoint.
@@ -52,10 +54,10 @@ def cfg_from_checkpoint(
 ) -> CfgNode:
     """Defaults < the checkpoint's ``keys`` (its classes and arch where it names them) < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
     base = get_cfg_defaults()
-    classes = len(state.get("classes") or ())
-    if classes:  # for checkpoints without a config
-        base.MODEL.NUM_CLASSES = classes
-        base.TRAIN.TOPK = min(base.TRAIN.TOPK, classes)
+    # For checkpoints without a config: their classes, else the count the default was before it was the data's.
+    classes = len(state.get("classes") or ()) or LEGACY_CLASSES
+    base.MODEL.NUM_CLASSES = classes
+    base.TRAIN.TOPK = min(base.TRAIN.TOPK, classes)
     saved, known = flatten(stored_cfg(state)), flatten(base)
     # Keys a later version dropped are skipped: the checkpoint still loads.
     merge_pairs(base, {k: saved[k] for k in keys if k in saved and k in known}, f"{source}'s config")
@@ -65,14 +67,34 @@ def cfg_from_checkpoint(
 
 
 def evaluation_cfg(cfg_file: str | None, opts: Sequence[str]) -> CfgNode:
-    """test_net.py's config: defaults < MODEL.WEIGHTS's stored run keys (``run_keys``) < ``--cfg FILE`` < ``KEY VALUE`` pairs."""
+    """test_net.py's config: defaults < MODEL.WEIGHTS's stored run keys (``run_keys``) < ``--cfg FILE`` < ``KEY VALUE`` pairs.
+
+    Its OUT_DIR, unless the file or the pairs give one, is the checkpoint's own (``evaluation_out_dir``),
+    never the training default's: a training run there would read the record as its own.
+    """
     asked = load_cfg(cfg_file, opts)  # a bad key or value is named before any checkpoint is read
     if not asked.MODEL.WEIGHTS:
         return asked  # test_model says that it needs weights
     weights = asked.MODEL.WEIGHTS
     with named_by("MODEL.WEIGHTS"):
         state = load_checkpoint(weights)
-    return cfg_from_checkpoint(state, cfg_file, opts, run_keys(), source=weights)
+    cfg = cfg_from_checkpoint(state, cfg_file, opts, run_keys(), source=weights)
+    if "OUT_DIR" not in keys_given(cfg_file, opts):
+        cfg.defrost()
+        cfg.OUT_DIR = evaluation_out_dir(weights)
+        cfg.freeze()
+    return cfg
+
+
+def evaluation_out_dir(weights: str) -> str:
+    """Where test_net.py writes when no OUT_DIR is given: ``eval_<the checkpoint's name>`` beside the
+    checkpoint, or in its run's folder for one in a run's checkpoints/ (output/digits/eval_best)."""
+    folder, name = os.path.split(os.path.normpath(weights))
+    if os.path.basename(folder) == CKPT_DIR:
+        folder = os.path.dirname(folder)
+    for suffix in (FILE, SHARDED, ".pth", ".pt"):
+        name = name.removesuffix(suffix)
+    return os.path.join(folder, f"eval_{name}")
 
 
 def fit_hint(state: dict, cfg: CfgNode | None) -> str:

@@ -59,9 +59,15 @@ class Task(abc.ABC):
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's outputs as probabilities."""
 
-    @abc.abstractmethod
     def chosen(self, scores: torch.Tensor, k: int) -> list[tuple[list[int], list[float]]]:
-        """Each row's predicted classes and their scores, best first."""
+        """Each row's ``k`` best classes by score and their scores, best first."""
+        values, indices = scores.topk(k, dim=-1)
+        return list(zip(indices.tolist(), values.tolist()))
+
+    @abc.abstractmethod
+    def predicted(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """Which classes a threshold predicts (bool, the shape of ``scores``), or None where the
+        ranking alone is the reading."""
 
 
 class MultiClass(Task):
@@ -91,10 +97,9 @@ class MultiClass(Task):
         """The head's outputs as probabilities: softmax over the classes."""
         return logits.float().softmax(dim=-1)
 
-    def chosen(self, scores: torch.Tensor, k: int) -> list[tuple[list[int], list[float]]]:
-        """Each row's predicted classes and their scores: the top ``k``."""
-        values, indices = scores.topk(k, dim=-1)
-        return list(zip(indices.tolist(), values.tolist()))
+    def predicted(self, scores: torch.Tensor) -> None:
+        """None: one class an image, read as the top-k."""
+        return None
 
 
 class MultiLabel(Task):
@@ -125,14 +130,9 @@ class MultiLabel(Task):
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logits.float())
 
-    def chosen(self, scores: torch.Tensor, k: int) -> list[tuple[list[int], list[float]]]:
-        """Each row's classes at or above the threshold, highest score first."""
-        rows = []
-        for row in scores:
-            order = row.argsort(descending=True)
-            kept = order[row[order] >= self.threshold]
-            rows.append((kept.tolist(), row[kept].tolist()))
-        return rows
+    def predicted(self, scores: torch.Tensor) -> torch.Tensor:
+        """The classes whose sigmoid score is at least the threshold (TEST.THRESHOLD)."""
+        return scores >= self.threshold
 
     def head_meaning(self) -> dict:
         meaning = "logits (sigmoid per class; a class is predicted when its score >= threshold)"

@@ -5,6 +5,8 @@
 #   OUT=/tmp/gpu bash docs/scripts/gpu_session.sh            # on a machine with one CUDA GPU
 #   GPU_SESSION_EPOCHS=1 GPU_SESSION_BENCH_OPTS="MODEL.ARCH resnet18 TRAIN.IM_SIZE 32 TRAIN.BATCH_SIZE 16 \
 #     DATA.DUMMY_SIZE 512" OUT=/tmp/gpu bash docs/scripts/gpu_session.sh   # a dry run on a CPU
+#   GPU_SESSION_STAGES=steady OUT=/tmp/gpu bash docs/scripts/gpu_session.sh   # the batched path's steady state, ~6 min
+#   GPU_SESSION_STAGES=steady GPU_SESSION_DRY=1 OUT=/tmp/gpu bash docs/scripts/gpu_session.sh   # its dry run on a CPU
 #
 # The machine of this workplace has torch and torchvision but not yacs, webdataset or wids: their
 # wheels travel in .whl/ (see the device tool's README); elsewhere `pip install -e ".[data]"` first.
@@ -13,7 +15,8 @@
 set -u
 OUT=${OUT:-/tmp/gpu_session}
 EPOCHS=${GPU_SESSION_EPOCHS:-10}
-STAGES=${GPU_SESSION_STAGES:-check,digits,bench}  # also: compile (the benchmark compiled), data (data path),
+STAGES=${GPU_SESSION_STAGES:-check,digits,bench}  # also: steady (the batched GPU path's steady state: 8.),
+# compile (the benchmark compiled), data (data path),
 # gpudata (DATA.DECODER batched at batch 256 from JPEGs: loaders alone, ResNet-50 from JPEGs vs synthetic),
 # gloo2 (two ranks sharing the GPU over gloo: gpu_check, DDP, a mid-epoch SIGTERM and its resume, fsdp;
 # gpu_check on one rank beside them), modes (compiled ResNet-50 with CUDA graphs, with max-autotune)
@@ -222,6 +225,55 @@ if has modes; then
     grep -iE "skipping cudagraphs|overwritten" "$OUT/benchmark_r50_compile_$mode.log" | sort | uniq -c | head -3 |
       tee -a "$OUT/summary.txt"
   done
+fi
+# 8. The batched GPU path's steady state, one call of under 10 minutes (about 6 expected):
+# the model's ceiling (a batch resident on the device, CUDA events, batch 256 and 512, compiled),
+# whole epochs of train_net.py from JPEGs (each window's img/s and data wait a step from its log,
+# memory_reserved after each loader pass), the resample alone (fp32 / TF32 / bf16 / fp16 products,
+# the shipped two-term fp16 whole and chunked), the worst cases (12 MP photos; one CMYK JPEG a
+# batch) and a profiler trace of 20 steps. GPU_SESSION_DRY=1 shrinks every part to run on a CPU
+# in a few minutes (the dry run). Results: steady.jsonl (one JSON line each), steady.log,
+# epochs_log.txt (train_net.py's log), trace.json.gz and kernels.txt: 6 files with summary.txt.
+if has steady; then
+  if [[ ${GPU_SESSION_DRY:-0} == 1 ]]; then # a CPU: the smallest sizes that run every path
+    ARCH=shufflenet_v2_x0_5 IM=32 EVAL_IM=36 CEILING_BATCHES=8,16 BATCH=8 PHOTOS=64 COPIES=2 PSIZE=48x64
+    EPOCHS=2 STEPS=3 WARM=2 RSIZES=48x64,300x400 RBATCH=4 RBUDGET=0.001 SCALE=0.05 WORKERS=2 TRACE_STEPS=3 COMPILE=False
+  else
+    ARCH=resnet50 IM=224 EVAL_IM=256 CEILING_BATCHES=256,512 BATCH=256 PHOTOS=1024 COPIES=12 PSIZE=375x500
+    EPOCHS=3 STEPS=30 WARM=10 RSIZES=375x500,3000x4000 RBATCH=256 RBUDGET=7 SCALE=1 WORKERS=4 TRACE_STEPS=20 COMPILE=True
+  fi
+  MODEL="MODEL.ARCH $ARCH MODEL.NUM_CLASSES 1000 TRAIN.IM_SIZE $IM TEST.IM_SIZE $EVAL_IM TRAIN.PRECISION bf16"
+  MODEL="$MODEL TRAIN.CHANNELS_LAST True TRAIN.COMPILE $COMPILE LOG.PLOT False"
+  JPEGS="TRAIN.DATASET $W/photos TEST.DATASET $W/photos DATA.DECODER batched TRAIN.WORKERS $WORKERS"
+  JPEGS="$JPEGS TRAIN.BATCH_SIZE $BATCH TEST.BATCH_SIZE $BATCH"
+  J=(--json "$OUT/steady.jsonl")
+  steady() { # NAME TIMEOUT MODULE ARGS...: one measurement, its output appended to steady.log
+    local name=$1 limit=$2
+    shift 2
+    stamp "steady: $name"
+    echo "=== $name: $*" >>"$OUT/steady.log"
+    timeout "$limit" python3 -m "$@" >>"$OUT/steady.log" 2>&1
+    echo "=== $name exit $?" | tee -a "$OUT/steady.log" "$OUT/summary.txt"
+  }
+  # shellcheck disable=SC2086  # the options are words
+  steady ceiling 150 benchmarks.ceiling "${J[@]}" --batches $CEILING_BATCHES --steps $STEPS --warmup $WARM $MODEL
+  # One val batch: evaluation compiles one graph
+  steady photos 30 benchmarks.photos "$W/photos" --photos $PHOTOS --copies $COPIES --size $PSIZE --val $BATCH
+  # shellcheck disable=SC2086
+  steady epochs 190 benchmarks.epochs "${J[@]}" OUT_DIR "$W/epochs" $JPEGS OPTIM.MAX_EPOCH $EPOCHS TRAIN.PRINT_FREQ 10 $MODEL
+  cp "$W/epochs/log.txt" "$OUT/epochs_log.txt" 2>/dev/null
+  # shellcheck disable=SC2086
+  steady resample 50 benchmarks.resample "${J[@]}" --batch $RBATCH --sizes $RSIZES --budget-gib $RBUDGET --repeats 10
+  # shellcheck disable=SC2086
+  steady worst_cases 90 benchmarks.worst_cases "${J[@]}" --work "$W/worst" --batch $BATCH --batches 3 --scale $SCALE \
+    TRAIN.WORKERS $WORKERS TRAIN.IM_SIZE $IM
+  # shellcheck disable=SC2086
+  steady trace 60 benchmarks.trace "${J[@]}" --out "$W/trace" --steps $TRACE_STEPS --warmup $WARM $JPEGS $MODEL
+  cp "$W/trace/trace.json.gz" "$W/trace/kernels.txt" "$OUT/" 2>/dev/null
+  python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    print(" ".join(f"{k}={v}" for k, v in json.loads(line).items() if k != "device"))' "$OUT/steady.jsonl" |
+    tee -a "$OUT/summary.txt"
 fi
 stamp "done"
 rm -rf "$W"
