@@ -15,4 +15,7 @@ And one for any machine, too large for tools/benchmark.py itself, which calls it
 
 - ``index``: the dataset index at ImageNet size (``tools/benchmark.py --what index``): the listing,
   the index in the rank, each DataLoader worker's growth over an epoch, N local ranks' start-up.
+
+And a script for any machine, run as ``python benchmarks/activation_checkpointing.py``: what
+MODEL.ACTIVATION_CHECKPOINTING keeps for backward and costs (docs/performance.md).
 """

@@ -98,7 +98,7 @@ def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
     im_size = schedule.size_at(epoch)  # the epoch's crop: progressive resizing's, else TRAIN.IM_SIZE
     if schedule.on:
         logger.info("epoch %d/%d trains at %d px (progressive resizing)", epoch + 1, run.cfg.OPTIM.MAX_EPOCH, im_size)
-    totals = train_epoch(run, session, epoch)
+    totals = train_epoch(run, session, epoch) | run.telemetry.end_epoch()  # the ranks' times over the epoch
     agree_on_buffers(run.model, run.ema)
     fp16 = run.scaler.is_enabled()
     lr = scheduled_lr(run)
@@ -122,7 +122,7 @@ def train_epoch(run: Run, session: Session, epoch: int) -> dict:
     start, end = start_epoch_sampler(run, epoch)
     run.forward_model.train()
     run.epoch_totals.begin(start)  # a resumed epoch goes on from its checkpoint's sums
-    batches, window = iter(run.train.loader), Window(run.env.device, t.TOPK)
+    batches, window = iter(run.train.loader), Window(run.env.device, t.TOPK, run.env.world_size)
     for step in range(start, end):
         micro_batches = window.next_batches(batches, t.ACCUM_STEPS)
         set_lr(run.optimizer, lr_at(run.schedule_step, run.steps_per_epoch, run.cfg.OPTIM, run.base_lr))
@@ -146,9 +146,6 @@ def start_epoch_sampler(run: Run, epoch: int) -> tuple[int, int]:
     """
     sampler, start, rank_batch = run.train.sampler, run.state.step_in_epoch, run.global_batch // run.env.world_size
     sampler.set_epoch(epoch)
-    if not hasattr(sampler, "set_position"):  # repeated/weighted samplers: per-rank position only
-        sampler.set_start(start * rank_batch)
-        return start, run.steps_per_epoch
     sampler.set_position(run.state.samples_in_epoch)
     return start, start + len(sampler) // rank_batch
 
@@ -159,10 +156,9 @@ def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int
     ``step``: the step just taken; ``end``: the epoch's last (another global batch's resume
     continues the saved numbers)."""
     preempt = session.preempt
-    window.sums.add_field("stop", float(preempt is not None and preempt.requested))
-    window.sums.add_field("interrupt", float(preempt is not None and preempt.interrupted))
-    try:
-        totals = window.sums.reduce()
+    stop, interrupt = (preempt.requested, preempt.interrupted) if preempt is not None else (False, False)
+    try:  # the metrics, the stop flags, every rank's step time and data wait: one all-reduce
+        totals = window.reduce(run.env.rank, stop, interrupt)
     except RuntimeError as e:
         what = f"metrics all-reduce at epoch {epoch + 1}, step {step}"
         raise collective_error(e, run.env.rank, run.env.world_size, what, run.cfg.DIST.TIMEOUT_S) from e
@@ -177,12 +173,14 @@ def sync_point(run: Run, session: Session, window: Window, epoch: int, step: int
 
 
 def log_window(run: Run, session: Session, window: Window, totals: dict, epoch: int, step: int, end: int) -> None:
-    """The window's log line (loss, accuracy, LR, speed, data wait, ETA) and its curves."""
+    """The window's log line (loss, accuracy, LR, speed, data wait, ETA, the ranks' step times, MFU) and its curves."""
     steps_left = end - step + (run.cfg.OPTIM.MAX_EPOCH - epoch - 1) * run.steps_per_epoch
+    elapsed_s, hosts = time.perf_counter() - window.started, [row["host"] for row in session.table]
+    telemetry = run.telemetry.window(totals, elapsed_s, len(window.losses), f"epoch {epoch + 1}, step {step}", hosts)
     log_train_window(
         session.writer, totals, epoch, step, run.cfg.OPTIM.MAX_EPOCH, run.task.reported_k(run.cfg.TRAIN.TOPK), end,
-        lr=scheduled_lr(run), elapsed_s=time.perf_counter() - window.started, data_s=window.data_s,
-        steps=len(window.losses), steps_left=steps_left, fp16=run.scaler.is_enabled(), global_step=run.global_step,
+        lr=scheduled_lr(run), elapsed_s=elapsed_s, data_s=window.data_s, steps=len(window.losses),
+        steps_left=steps_left, fp16=run.scaler.is_enabled(), global_step=run.global_step, telemetry=telemetry,
     )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""The training loop talks to other ranks and syncs the host only at its PRINT_FREQ sync points.
+"""The training loop talks to other ranks and syncs the host only at its PRINT_FREQ sync points, and
+that one all-reduce carries every rank's step time and data wait (per-rank slots: a sum is a gather).
 
 Every public collective of ``torch.distributed`` and every host-sync method of ``torch.Tensor``
 (``item``, ``tolist``, ``__bool__``, ...) is wrapped to record the step at which it was called,
@@ -24,9 +25,11 @@ from torch import nn
 from distribuuuu import trainer
 from distribuuuu.config import load_cfg
 from distribuuuu.models import register_model
+from distribuuuu.records.meters import MetricSums
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed, setup_distributed
 from distribuuuu.training.session import Session
+from distribuuuu.training.state import Window
 
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
@@ -127,6 +130,40 @@ def record_epoch(run: trainer.Run, start: int = 0, writer=None) -> list[tuple[st
     return list(calls)
 
 
+@contextlib.contextmanager
+def gathered_times():
+    """Record, at each sync point, the step time and data wait this rank wrote into its slots and the
+    lists of every rank's that the window's one all-reduce returned."""
+    seen, reduce = [], Window.reduce
+
+    def recording(self, rank, *args, **kwargs):
+        totals = reduce(self, rank, *args, **kwargs)
+        slots = self.sums.sums[len(MetricSums.FIELDS) :].tolist()  # this rank's own, unreduced
+        ranks = self.sums.ranks
+        own = {"rank_step_s": slots[rank], "rank_data_s": slots[ranks + rank]}
+        seen.append(
+            {"rank": rank, "own": own, "rank_step_s": totals["rank_step_s"], "rank_data_s": totals["rank_data_s"]}
+        )
+        return totals
+
+    Window.reduce = recording
+    try:
+        yield seen
+    finally:
+        Window.reduce = reduce
+
+
+def check_gathered(seen: list, world_size: int) -> None:
+    """Every sync point's lists hold each rank's own value in its slot (a sum with zeros elsewhere is the
+    gather), a step time above its data wait, for ``world_size`` ranks."""
+    assert len(seen) == len(SYNC_STEPS)
+    for record in seen:
+        for field in ("rank_step_s", "rank_data_s"):
+            assert len(record[field]) == world_size
+            assert record[field][record["rank"]] == record["own"][field]
+        assert all(step > data >= 0 for step, data in zip(record["rank_step_s"], record["rank_data_s"]))
+
+
 def check_collectives(calls: list, first_step: int = 0) -> None:
     """Assert exactly one collective, the metrics all-reduce, at each sync point and none between."""
     expected = [s for s in SYNC_STEPS if s > first_step]
@@ -156,12 +193,13 @@ def one_rank_group():
 # fp16: GradScaler's overflow checks and skipped-step count must stay on the device too.
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 def test_one_rank_loop_syncs_only_every_print_freq_steps(digits_batches, precision):
-    with one_rank_group():
+    with one_rank_group(), gathered_times() as seen:
         run = with_batches(_digits_run(DistEnv(), precision), digits_batches)
         assert run.steps_per_epoch == STEPS
         calls = record_epoch(run)
     check_collectives(calls)
     check_host_syncs(calls)
+    check_gathered(seen, 1)
 
 
 def test_the_checks_catch_a_per_step_all_reduce_and_item(digits_batches, monkeypatch):
@@ -203,6 +241,10 @@ def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(two_process_reco
         calls = [tuple(c) for c in record["calls"]]
         check_collectives(calls)
         check_host_syncs(calls)
+        check_gathered(record["gathered"], 2)
+    ranks = [json.loads((two_process_records / f"{precision}_rank{r}.json").read_text())["gathered"] for r in range(2)]
+    for on_0, on_1 in zip(*ranks):  # one all-reduce: both ranks hold the same lists
+        assert (on_0["rank_step_s"], on_0["rank_data_s"]) == (on_1["rank_step_s"], on_1["rank_data_s"])
 
 
 def _worker(out_dir: str, precisions: list[str]) -> None:
@@ -212,11 +254,13 @@ def _worker(out_dir: str, precisions: list[str]) -> None:
         for precision in precisions:
             run = _digits_run(env, precision)
             run = with_batches(run, list(run.train.loader))
-            calls = record_epoch(run)
+            with gathered_times() as seen:
+                calls = record_epoch(run)
             record = {
                 "ddp": isinstance(run.forward_model, nn.parallel.DistributedDataParallel),
                 "steps_per_epoch": run.steps_per_epoch,
                 "calls": calls,
+                "gathered": seen,
             }
             Path(out_dir, f"{precision}_rank{env.rank}.json").write_text(json.dumps(record))
     finally:

@@ -1,20 +1,22 @@
 """Model options and the evaluation transform: pretrained weights by name,
-MODEL.KWARGS, zero-initialised residual BatchNorm, gradient checkpointing, TEST.CROP_SIZE /
+MODEL.KWARGS, zero-initialised residual BatchNorm, activation checkpointing (full, selective, timm's own), TEST.CROP_SIZE /
 CROP_PCT / INTERPOLATION and a timm model's own preprocessing. Nothing is downloaded."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 import torch.utils.checkpoint
 import torchvision
+from helpers import REPO, TRAIN, assert_ok, clean_env, in_process, run_torchrun
 from torchvision.transforms import v2
 
 from distribuuuu import models
 from distribuuuu.config import ConfigError, load_cfg
-from distribuuuu.models import enable_grad_checkpointing
+from distribuuuu.models import enable_activation_checkpointing, enable_grad_checkpointing
 from distribuuuu.training.parallelize import build_configured_model
 from distribuuuu.training.preprocessing import build_val_transform, eval_preprocessing
 
@@ -96,30 +98,188 @@ def test_zero_init_residual_is_the_default_and_never_touches_pretrained_weights(
     assert loaded == ["DEFAULT"] and all(torch.all(m.bn2.weight == 1) for m in pretrained.layer1)
 
 
-def test_gradient_checkpointing_gives_the_same_loss_gradients_and_batchnorm_statistics(monkeypatch):
+def _recorded_checkpoints(monkeypatch) -> list:
+    """The blocks torch.utils.checkpoint is called on (the bound forward's module), from now on."""
+    calls, original = [], torch.utils.checkpoint.checkpoint
+
+    def recording(function, *args, **kwargs):
+        calls.append((getattr(function, "__self__", None), kwargs))
+        return original(function, *args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", recording)
+    return calls
+
+
+def _train_twice(model: torch.nn.Module, images: torch.Tensor) -> tuple[list, list]:
+    """Two forward-backward passes in training mode: the losses and the accumulated gradients."""
+    model.train()
+    targets = torch.arange(len(images)) % 10
+    losses = [torch.nn.functional.cross_entropy(model(images), targets) for _ in range(1)]
+    losses[0].backward()
+    losses.append(torch.nn.functional.cross_entropy(model(images * 0.5), targets))
+    losses[1].backward()
+    return losses, [p.grad for p in model.parameters()]
+
+
+def _assert_same_training(plain: torch.nn.Module, checkpointed: torch.nn.Module, images: torch.Tensor) -> None:
+    """Same losses, gradients and buffers (BatchNorm's running statistics updated once a step, not twice)."""
+    (plain_losses, plain_grads), (losses, grads) = _train_twice(plain, images), _train_twice(checkpointed, images)
+    for ours, reference in zip(losses, plain_losses):
+        torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)
+    for (name, _), ours, reference in zip(plain.named_parameters(), grads, plain_grads):
+        torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-7, msg=name)
+    for (name, b), c in zip(plain.named_buffers(), checkpointed.buffers()):
+        assert torch.equal(c, b), name
+
+
+@pytest.mark.parametrize(
+    ("mode", "every", "blocks"),
+    [("full", 1, [1, 2, 3, 4, 5, 6, 7, 8]), ("selective", 2, [2, 4, 6, 8]), ("selective", 3, [3, 6])],
+)
+def test_activation_checkpointing_gives_the_unchecked_losses_gradients_and_batchnorm_statistics(
+    monkeypatch, mode, every, blocks
+):
     torch.manual_seed(0)
     plain = torchvision.models.resnet18(num_classes=10)
     checkpointed = copy.deepcopy(plain)
-    calls = []
-    original = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(k) or original(*a, **k))
-    assert enable_grad_checkpointing(checkpointed) == 8  # resnet18's eight BasicBlocks
-    images, targets = torch.randn(4, 3, 32, 32), torch.tensor([1, 2, 3, 4])
-    losses = []
-    for model in (plain, checkpointed):
-        loss = torch.nn.functional.cross_entropy(model(images), targets)
-        loss.backward()
-        losses.append(loss)
-    assert len(calls) == 8 and all(k["use_reentrant"] is False for k in calls)
-    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
-    for (name, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
-    for (name, b), c in zip(plain.named_buffers(), checkpointed.buffers()):  # recomputation left them alone
-        assert torch.equal(c, b), name
+    calls = _recorded_checkpoints(monkeypatch)
+    assert enable_activation_checkpointing(checkpointed, mode, every) == len(blocks)
+    _assert_same_training(plain, checkpointed, torch.randn(4, 3, 16, 16))
+    all_blocks = models.find_blocks(checkpointed)
+    assert [all_blocks.index(block) + 1 for block, _ in calls] == blocks * 2  # blocks k, 2k, ... each step
+    assert all(k["use_reentrant"] is False for _, k in calls)
     checkpointed.eval()
     with torch.no_grad():
-        checkpointed(images)  # evaluation runs the blocks plainly
-    assert len(calls) == 8
+        checkpointed(torch.randn(4, 3, 16, 16))  # evaluation runs the blocks plainly
+    assert len(calls) == 2 * len(blocks)
+
+
+def test_the_original_grad_checkpoint_key_is_full_and_the_config_picks_every_kth_block(monkeypatch):
+    calls = _recorded_checkpoints(monkeypatch)
+
+    def checkpoints(*opts: str) -> int:
+        calls.clear()
+        model = build_configured_model(load_cfg(opts=list(opts)).MODEL)
+        model(torch.randn(2, 3, 16, 16)).sum().backward()
+        return len(calls)
+
+    assert enable_grad_checkpointing(torchvision.models.resnet18()) == 8
+    assert checkpoints("MODEL.GRAD_CHECKPOINT", "True") == checkpoints("MODEL.ACTIVATION_CHECKPOINTING", "full") == 8
+    assert checkpoints("MODEL.ACTIVATION_CHECKPOINTING", "selective", "MODEL.ACTIVATION_CHECKPOINTING_EVERY", "3") == 2
+    assert checkpoints() == 0
+    with pytest.raises(
+        ConfigError, match=r"^MODEL.GRAD_CHECKPOINT must be False with MODEL.ACTIVATION_CHECKPOINTING selective"
+    ):
+        load_cfg(opts=["MODEL.GRAD_CHECKPOINT", "True", "MODEL.ACTIVATION_CHECKPOINTING", "selective"])
+    with pytest.raises(
+        ConfigError, match=r"^MODEL.ACTIVATION_CHECKPOINTING must be one of \('none', 'full', 'selective'\)"
+    ):
+        load_cfg(opts=["MODEL.ACTIVATION_CHECKPOINTING", "some"])
+    with pytest.raises(ConfigError, match=r"^MODEL.ACTIVATION_CHECKPOINTING_EVERY must be >= 1, got 0"):
+        load_cfg(opts=["MODEL.ACTIVATION_CHECKPOINTING_EVERY", "0"])
+
+
+def _saved_bytes(model: torch.nn.Module, images: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward pass of one forward (a checkpointed block keeps none of its own)."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(images).sum()
+    loss.backward()
+    return total
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "vit"])
+def test_checkpointing_keeps_fewer_activations_for_backward_the_more_blocks_it_takes(arch):
+    def build(mode: str = "none", every: int = 1) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = (
+            torchvision.models.resnet18(num_classes=10)
+            if arch == "resnet18"
+            else torchvision.models.VisionTransformer(32, 4, 4, 2, 32, 64, num_classes=10)
+        )
+        enable_activation_checkpointing(model, mode, every)
+        return model.train()
+
+    images = torch.randn(8, 3, 32, 32)
+    kept = {m: _saved_bytes(build(*m), images) for m in [("none",), ("selective", 2), ("full",)]}
+    assert kept[("none",)] > kept[("selective", 2)] > kept[("full",)] > 0, kept
+
+
+def test_a_timm_model_checkpoints_itself_unless_it_has_batchnorm(monkeypatch):
+    """timm's own checkpointing recomputes BatchNorm's forward in training mode: its running statistics
+    are updated twice a step (checked here), so a timm model with BatchNorm is wrapped block by block."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=16, patch_size=8, depth=2, num_classes=10)
+    checkpointed_vit = copy.deepcopy(vit)
+    assert enable_activation_checkpointing(checkpointed_vit, "full") == -1 and checkpointed_vit.grad_checkpointing
+    _assert_same_training(vit, checkpointed_vit, torch.randn(4, 3, 16, 16))
+    resnet = timm.create_model("resnet18", num_classes=10)
+    timms_own = copy.deepcopy(resnet)
+    timms_own.set_grad_checkpointing(True)
+    _train_twice(timms_own, torch.randn(4, 3, 16, 16))
+    assert int(timms_own.layer1[0].bn1.num_batches_tracked) == 4  # two steps counted twice each
+    ours = copy.deepcopy(resnet)
+    assert enable_activation_checkpointing(ours, "full") == 8 and not getattr(ours, "grad_checkpointing", False)
+    _assert_same_training(resnet, ours, torch.randn(4, 3, 16, 16))
+
+
+@pytest.mark.slow
+def test_a_compiled_checkpointed_model_trains_as_the_plain_one():
+    """Under torch.compile the recomputation runs inside the compiled graph (dynamo refuses the eager
+    path's context manager, and a compiled graph updates a buffer once): same gradients, same statistics."""
+    from torchvision.models.resnet import BasicBlock
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), BasicBlock(8, 8), BasicBlock(8, 8), torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(), torch.nn.Linear(8, 10),
+    )  # fmt: skip
+    checkpointed = copy.deepcopy(plain)
+    assert enable_activation_checkpointing(checkpointed, "full") == 2
+    _assert_same_training(torch.compile(plain), torch.compile(checkpointed), torch.randn(4, 3, 16, 16))
+
+
+@pytest.mark.slow
+def test_checkpointing_under_ddp_and_fsdp_trains_the_weights_of_the_unchecked_run(tmp_path):
+    """2 ranks, a ResNet (BatchNorm) and a ViT, full and every-2nd-block checkpointing, each against the
+    same strategy unchecked: the recomputation is the same arithmetic (the weights and statistics of
+    fp32 CPU kernels run twice on the same inputs: equal), with FSDP2's gathers redone for it."""
+    out = tmp_path / "checkpointing.json"
+    job = str(REPO / "tests" / "scripts" / "checkpointing_job.py")
+    assert_ok(run_torchrun(2, job, str(out), timeout=300, env=clean_env()))
+    results = json.loads(out.read_text())
+    assert len(results) == 8  # 2 models x (ddp, fsdp) x (full, selective)
+    for name, diff in results.items():
+        assert diff == {"weights": 0.0, "buffers": 0.0}, name
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_checkpointing_on_ends_with_the_weights_of_the_run_without(tmp_path):
+    """MODEL.ACTIVATION_CHECKPOINTING changes memory and time, not what is trained: a run stopped after
+    one epoch and resumed with full checkpointing (a runtime key: no other experiment) ends where the
+    uninterrupted run without it ends, bit for bit."""
+    from distribuuuu.checkpointing.checkpoint import load_checkpoint
+
+    opts = ["MODEL.ARCH", "shufflenet_v2_x0_5", "TRAIN.SPLIT", "val", "TRAIN.IM_SIZE", "16", "TEST.IM_SIZE", "16"]
+    opts += ["OPTIM.MAX_EPOCH", "2", "LOG.PLOT", "False", "TRAIN.CKPT_ASYNC", "False"]
+    assert_ok(in_process(TRAIN, "OUT_DIR", str(tmp_path / "plain"), *opts))
+    resumed = ["OUT_DIR", str(tmp_path / "resumed"), *opts]
+    assert_ok(in_process(TRAIN, *resumed, "TRAIN.STOP_AFTER_EPOCHS", "1"))
+    result = in_process(TRAIN, *resumed, "MODEL.ACTIVATION_CHECKPOINTING", "full")
+    assert_ok(result)
+    assert "16 of the 16 blocks recomputed in backward" in result.stdout + result.stderr
+    final = [
+        load_checkpoint(str(tmp_path / run / "checkpoints" / "ckpt_ep_002.pth.tar")) for run in ("plain", "resumed")
+    ]
+    for name, tensor in final[0]["model"].items():
+        assert torch.equal(final[1]["model"][name], tensor), name
 
 
 def test_the_eval_transform_resizes_crops_and_interpolates_as_configured():

@@ -43,8 +43,10 @@ def _interleave(shards: list[list]) -> list:
 def test_repeated_augmentation_repeats_each_sample_k_times_across_ranks(world, dataset_len):
     k = 3
     shards = _shards(lambda w, r: RepeatedAugmentationSampler(dataset_len, w, r, seed=7, repeats=k), world, epoch=2)
-    assert {len(s) for s in shards} == {dataset_len // world}  # the usual epoch length per rank
-    keys = _interleave(shards)
+    assert {len(s) for s in shards} == {-(-dataset_len // world)}  # DistributedSampler's epoch length per rank
+    padded = _interleave(shards)
+    keys = padded[:dataset_len]  # the epoch: the rest wraps to its start, as DistributedSampler pads
+    assert padded[dataset_len:] == keys[: len(padded) - dataset_len]
     counts = Counter(index for _, index in keys)
     last = keys[-1][1]
     assert all(c == k for i, c in counts.items() if i != last) and 1 <= counts[last] <= k
@@ -58,6 +60,57 @@ def test_repeated_augmentation_repeats_each_sample_k_times_across_ranks(world, d
         for index in counts:
             ranks = [p % world for p, (_, i) in enumerate(keys) if i == index]
             assert len(set(ranks)) == len(ranks)
+
+
+def _repeated(n: int, world: int, rank: int) -> RepeatedAugmentationSampler:
+    return RepeatedAugmentationSampler(n, world, rank, seed=5, repeats=3)
+
+
+def _weighted(n: int, world: int, rank: int) -> WeightedDistributedSampler:
+    weights = torch.rand(n, generator=torch.Generator().manual_seed(2)).double()
+    return WeightedDistributedSampler(weights, world, rank, seed=5)
+
+
+@pytest.mark.parametrize("make", [_repeated, _weighted], ids=["repeated", "weighted"])
+@pytest.mark.parametrize("n", [30, 31, 97])
+def test_the_epochs_sequence_of_keys_is_the_same_on_any_world_size(make, n):
+    """What the ranks take together, interleaved back, is one sequence: that of one rank."""
+    one_rank = _interleave(_shards(lambda w, r: make(n, w, r), 1, epoch=3))
+    assert len(one_rank) == n
+    for world in (2, 3, 4):
+        assert _interleave(_shards(lambda w, r: make(n, w, r), world, epoch=3))[:n] == one_rank, world
+    assert _interleave(_shards(lambda w, r: make(n, w, r), 1, epoch=4)) != one_rank
+
+
+def _consume(make, n: int, world: int, batch: int, epoch: int, position: int, steps: int | None = None) -> list:
+    """The keys W ranks train on (whole batches, drop_last) from global ``position``, in global order."""
+    shards = []
+    for rank in range(world):
+        sampler = make(n, world, rank)
+        sampler.set_epoch(epoch)
+        sampler.set_position(position)
+        shards.append(list(sampler))
+    full_steps = len(shards[0]) // batch
+    steps = full_steps if steps is None else steps
+    return [shards[r][s * batch + j] for s in range(steps) for j in range(batch) for r in range(world)]
+
+
+@pytest.mark.parametrize("make", [_repeated, _weighted], ids=["repeated", "weighted"])
+@pytest.mark.parametrize(
+    ("n", "batch", "before", "after", "steps_before"), [(103, 4, 2, 3, 5), (100, 3, 3, 1, 4), (64, 4, 2, 4, 3)]
+)
+def test_repeated_and_weighted_samplers_resume_on_another_world_size_exactly(
+    make, n, batch, before, after, steps_before
+):
+    """W ranks train k steps, W' ranks the rest of the epoch: together the uninterrupted sequence's keys,
+    each once, the copies of a repeated sample with their own rounds as before the resume."""
+    first = _consume(make, n, before, batch, 4, 0, steps_before)
+    second = _consume(make, n, after, batch, 4, len(first))  # len(first): the position a checkpoint records
+    whole = _interleave(_shards(lambda w, r: make(n, w, r), 1, epoch=4))
+    used = first + second
+    assert used == whole[: len(used)]
+    assert len(set(used)) == len(used)  # no key twice: every copy its own augmentation round
+    assert n - len(used) < after * batch  # only the last partial global batch is left out
 
 
 def test_repeated_augmentation_is_deterministic_per_epoch_and_resumes_mid_epoch():
@@ -135,8 +188,8 @@ def test_repeated_augmentation_of_a_real_config_repeats_each_sample_k_times_acro
     train_len = len(torchvision.datasets.ImageFolder(digits / "train"))
     for epoch in (0, 1):
         shards = [rank[epoch] for rank in ranks]
-        assert [len(s) for s in shards] == [train_len // world] * world
-        keys = _interleave(shards)
+        assert [len(s) for s in shards] == [-(-train_len // world)] * world
+        keys = _interleave(shards)[:train_len]  # past it: the padding, the epoch's first keys again
         counts = Counter(index for _, index in keys)
         last = keys[-1][1]
         assert all(c == k for i, c in counts.items() if i != last) and 1 <= counts[last] <= k

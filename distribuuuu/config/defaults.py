@@ -36,7 +36,14 @@ _C.MODEL.KWARGS = []
 # ResNet, RegNet), so that each block starts as the identity (Goyal et al. 2017; timm's default;
 # docs/recipe.md#defaults): other models, and pretrained weights, are left as they are
 _C.MODEL.ZERO_INIT_RESIDUAL = True
-# Activation (gradient) checkpointing of the repeated blocks: less memory, one more forward per step
+# Activation checkpointing of the repeated blocks (models.find_blocks: the ones FSDP wraps): "none",
+# "full" (every block: least memory, one more forward of the blocks a step) or "selective" (every
+# MODEL.ACTIVATION_CHECKPOINTING_EVERY-th block); non-reentrant, BatchNorm statistics updated once
+# (docs/performance.md#activation-checkpointing)
+_C.MODEL.ACTIVATION_CHECKPOINTING = "none"
+# "selective": checkpoint blocks k, 2k, 3k, ... (from 1) for this k (torchtitan's per-layer selective)
+_C.MODEL.ACTIVATION_CHECKPOINTING_EVERY = 2
+# The original key: True is MODEL.ACTIVATION_CHECKPOINTING full
 _C.MODEL.GRAD_CHECKPOINT = False
 # Freeze parameters whose names match any of these fnmatch patterns (["conv1.*", "bn1.*"])
 _C.MODEL.FREEZE = []
@@ -177,6 +184,9 @@ _C.TEST.CROP_PCT = 0.0
 # Resize interpolation of evaluation: "bilinear", "bicubic" or "nearest" ("": bilinear, or a
 # pretrained timm model's own)
 _C.TEST.INTERPOLATION = ""
+# Test-time augmentation of every evaluation: "" (none) or "flip" (the mean of the logits of each
+# image and of its horizontal flip, one forward of both; timm's --tta averages logits too)
+_C.TEST.TTA = ""
 # More evaluation sets after each epoch: roots in TEST.DATASET's forms, each read at TEST.SPLIT
 _C.TEST.EXTRA_DATASETS = []
 # Also save the confusion matrix and per-class accuracy (CSV, JSON, PNG) of each evaluation
@@ -201,8 +211,12 @@ _C.DATA.STD = [0.229, 0.224, 0.225]
 _C.DATA.CROP_SCALE_MIN = 0.6
 # Probability of a horizontal flip in training (ImageNet's usual: 0.5; digits must not be flipped)
 _C.DATA.HFLIP_PROB = 0.0
-# Automatic augmentation policy: "", "randaugment", "trivialaugment" or "autoaugment"
+# Automatic augmentation policy: "", "randaugment", "trivialaugment", "autoaugment" or "threeaugment"
+# (DeiT III's 3-Augment: one of grayscale, solarization, Gaussian blur per image, then DATA.COLOR_JITTER)
 _C.DATA.AUTO_AUGMENT = ""
+# Colour jitter (brightness, contrast, saturation factors in 1 +- this) after DATA.AUTO_AUGMENT
+# threeaugment's operation (DeiT III: 0.3; 0: none); the other policies take none
+_C.DATA.COLOR_JITTER = 0.3
 # RandAugment magnitude (0-30)
 _C.DATA.RANDAUGMENT_MAGNITUDE = 9
 # Probability of random erasing on each training image (0 disables)
@@ -312,7 +326,8 @@ _C.CUDNN.DETERMINISTIC = False
 # Optimizer and learning-rate schedule (the schedule is updated every optimizer step)
 # ------------------------------------------------------------------------------------------------
 _C.OPTIM = CN()
-# Optimizer: "sgd", "adamw", "lars" or "lamb"
+# Optimizer: "sgd", "adamw", "lars", "lamb" or "muon" (torch.optim.Muon on the hidden 2-D weight matrices,
+# AdamW with OPTIM.BETAS on biases, norms, embeddings, convolution kernels and the head; docs/recipe.md#recipes-for-larger-jobs)
 _C.OPTIM.OPTIMIZER = "sgd"
 # Number of training epochs
 _C.OPTIM.MAX_EPOCH = 10
@@ -351,6 +366,11 @@ _C.OPTIM.LAYER_DECAY = 0.0
 _C.OPTIM.BETAS = [0.9, 0.999]
 # LARS trust coefficient
 _C.OPTIM.LARS_TRUST = 0.001
+# Muon's momentum (OPTIM.OPTIMIZER muon; Nesterov's with OPTIM.NESTEROV)
+_C.OPTIM.MUON_MOMENTUM = 0.95
+# Muon's LR per matrix shape (A, B): "match_rms_adamw" (Moonshot: x 0.2 sqrt(max(A, B)), so BASE_LR and
+# WEIGHT_DECAY are AdamW's for both), "original" (Keller Jordan: x sqrt(max(1, A / B))) or "spectral_unclamped"
+_C.OPTIM.MUON_ADJUST_LR = "match_rms_adamw"
 # Linear scaling rule: if > 0, BASE_LR is multiplied by global_batch / REFERENCE_BATCH
 _C.OPTIM.REFERENCE_BATCH = 0
 # Shard optimizer state across ranks (ZeRO stage 1, ZeroRedundancyOptimizer)
@@ -393,8 +413,9 @@ _C.DIST.PREEMPT_GRACE_S = 60
 # One run per OUT_DIR: a lock untouched for this many seconds is stale (its run is gone) and taken
 # over; a running holder touches it every 30 s
 _C.DIST.LOCK_STALE_S = 120.0
-# A requeued or restarted job (SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT > 0) waits this many
-# seconds for its predecessor to let go of OUT_DIR; a first start stops at once
+# A requeued or restarted job (SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT or, on Kubernetes,
+# JOBSET_RESTART_ATTEMPT > 0) waits this many seconds for its predecessor to let go of OUT_DIR; a first
+# start stops at once
 _C.DIST.LOCK_WAIT_S = 300.0
 # Data parallelism: "ddp" (replicated weights), "fsdp" (FSDP2: parameters, gradients and optimizer
 # state sharded over all ranks) or "hsdp" (sharded within a node, replicated across nodes)
@@ -435,19 +456,28 @@ _C.LOG.MLFLOW_URI = ""
 _C.LOG.PROGRESS = True
 # Rank 0 logs to stdout as well as OUT_DIR/log.txt (False: log.txt only, for a tool that prints its own report)
 _C.LOG.CONSOLE = True
+# Peak TFLOP/s of one device, for the model FLOPs utilisation (MFU) in the log, metrics.jsonl and
+# TensorBoard (e.g. 989 for an H100's dense bf16; 0: no MFU, the achieved TFLOP/s alone)
+_C.LOG.PEAK_TFLOPS = 0.0
+# Warn, naming rank and host, when a rank is this many median steps behind the others at a sync point
+# (its step time, or its data wait, the others wait for in the gradient all-reduce; 0: never)
+_C.LOG.STRAGGLER_FACTOR = 1.5
 # Draw OUT_DIR/metrics.png at the end of training (~1 s of one core, with matplotlib); False: summary.md
 # without it, for sweeps of short runs (tools/plot_metrics.py OUT_DIR draws it at any time)
 _C.LOG.PLOT = True
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_POLICIES = ("cos", "steps", "lin")
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb", "muon")
+MUON_ADJUST_LRS = ("original", "match_rms_adamw", "spectral_unclamped")
 INTERPOLATIONS = ("", "bilinear", "bicubic", "nearest")
+TTAS = ("", "flip")
 SAMPLERS = ("default", "repeated", "weighted")
 TASKS = ("multiclass", "multilabel")
+CHECKPOINTING_MODES = ("none", "full", "selective")
 # TRAIN.BEST_METRIC: each metric's metrics.jsonl field and whether a lower value is better
 BEST_METRICS = {"top1": ("top1", False), "map": ("map", False), "f1_macro": ("f1_macro", False), "loss": ("loss", True)}
-AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment")
+AUTO_AUGMENTS = ("", "randaugment", "trivialaugment", "autoaugment", "threeaugment")
 COMM_HOOKS = ("", "fp16", "bf16")
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 CKPT_FORMATS = ("", "sharded", "file")

@@ -15,17 +15,20 @@ from distribuuuu.config.defaults import (
     _C,
     AUTO_AUGMENTS,
     BEST_METRICS,
+    CHECKPOINTING_MODES,
     CKPT_FORMATS,
     COMM_HOOKS,
     DECODERS,
     INTERPOLATIONS,
     LR_POLICIES,
+    MUON_ADJUST_LRS,
     OPTIMIZERS,
     PRECISIONS,
     SAMPLERS,
     STRATEGIES,
     TASKS,
     TRACKERS,
+    TTAS,
 )
 from distribuuuu.config.keys import flatten, get_key
 from distribuuuu.config.values import decode, shown
@@ -61,6 +64,7 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
                       "must be >= TEST.CROP_SIZE (0: TRAIN.IM_SIZE)")),
     ("TEST.CROP_PCT", _between(0, 1)),
     ("TEST.INTERPOLATION", _choice(INTERPOLATIONS)),
+    ("TEST.TTA", _choice(TTAS)),
     ("TEST.EXTRA_DATASETS", ((lambda v, c: all(isinstance(d, str) and d for d in v)), "must be a list of dataset roots")),
     ("MODEL.NUM_CLASSES", ((lambda v, c: v >= 0), "must be >= 0 (0: the training data's class count)")),
     ("MODEL.TASK", _choice(TASKS)),
@@ -128,6 +132,11 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
     ("MODEL.WEIGHTS_KIND", _choice(("model", "ema"))),
     ("MODEL.KWARGS", ((lambda v, c: _kwargs_ok(v)), 'must be a list of "name=value" strings')),
     ("MODEL.FREEZE", _STRINGS),
+    ("MODEL.ACTIVATION_CHECKPOINTING", _choice(CHECKPOINTING_MODES)),
+    ("MODEL.ACTIVATION_CHECKPOINTING_EVERY", _AT_LEAST_1),
+    ("MODEL.GRAD_CHECKPOINT", ((lambda v, c: not v or c.MODEL.ACTIVATION_CHECKPOINTING in ("none", "full")),
+                               "must be False with MODEL.ACTIVATION_CHECKPOINTING selective (True is the original "
+                               "key for full)")),
     ("MODEL.PRETRAINED_WEIGHTS", ((lambda v, c: re.fullmatch(r"[\w.]*", v) is not None),
                                   'must be a weight name such as "IMAGENET1K_V2" or "a1_in1k"')),
     ("DATA.MEAN", ((lambda v, c: len(v) == 3), "must have 3 values")),
@@ -135,6 +144,7 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
     ("DATA.CROP_SCALE_MIN", _between(0, 1, lo_open=True)),
     ("DATA.HFLIP_PROB", _PROBABILITY),
     ("DATA.AUTO_AUGMENT", _choice(AUTO_AUGMENTS)),
+    ("DATA.COLOR_JITTER", _NON_NEGATIVE),
     ("DATA.RANDOM_ERASING", _PROBABILITY),
     ("DATA.MIXUP_ALPHA", _NON_NEGATIVE),
     ("DATA.CUTMIX_ALPHA", _NON_NEGATIVE),
@@ -175,6 +185,11 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
     ("OPTIM.LAYER_DECAY", _between(0, 1)),
     ("OPTIM.BETAS", ((lambda v, c: len(v) == 2 and all(0 <= b < 1 for b in v)), "must be two values in [0, 1)")),
     ("OPTIM.LARS_TRUST", _POSITIVE),
+    ("OPTIM.MUON_MOMENTUM", _between(0, 1, hi_open=True)),
+    ("OPTIM.MUON_ADJUST_LR", _choice(MUON_ADJUST_LRS)),
+    ("OPTIM.ZERO", ((lambda v, c: not v or c.OPTIM.OPTIMIZER != "muon"),
+                    "cannot combine with OPTIM.OPTIMIZER muon (ZeroRedundancyOptimizer rebuilds the optimizer from "
+                    "bare parameter lists, losing which go to Muon): set OPTIM.ZERO False")),
     ("OPTIM.REFERENCE_BATCH", _NON_NEGATIVE),
     ("OPTIM.EMA_DECAY", _between(0, 1, hi_open=True)),
     ("OPTIM.EMA_PERIOD", _AT_LEAST_1),
@@ -222,6 +237,8 @@ _RULES: list[tuple[str, tuple[Callable, str | Callable]]] = [
                       f"must be a list of distinct names from {TRACKERS}")),
     ("LOG.PROJECT", ((lambda v, c: bool(v)), "must not be empty")),
     ("LOG.WANDB_MODE", _choice(("offline", "online"))),
+    ("LOG.PEAK_TFLOPS", _NON_NEGATIVE),
+    ("LOG.STRAGGLER_FACTOR", ((lambda v, c: v == 0 or v > 1), "must be 0 (off) or above 1 (median steps behind)")),
 ]  # fmt: skip
 
 

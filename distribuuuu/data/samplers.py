@@ -174,59 +174,76 @@ def occurrence_numbers(draws: torch.Tensor) -> torch.Tensor:
 
 
 class _RepeatingDistributedSampler(Sampler[tuple[int, int]], abc.ABC):
-    """Shard one seeded global draw per epoch by position (rank r takes r, r+W, ...), resumably.
+    """Shard one seeded global draw per epoch by position (rank r takes P + r, P + r + W, ...),
+    resumable at a global position P on any world size.
 
-    A sample drawn several times in an epoch must be augmented differently each time, but
-    SeededTransformDataset seeds from the key ``(epoch, index)``. So the first element of each key
-    is an augmentation round, ``epoch * rounds_per_epoch + occurrence``: distinct for every copy
-    in every epoch, and equal to the epoch when nothing repeats, as with the plain sampler.
+    The epoch's draw is ``epoch_length`` dataset indices, a function of (seed, epoch) and the
+    dataset alone, never of the world size: as ResumableDistributedSampler's permutation, so a run
+    of W ranks and a run of W' ranks resumed at P consume contiguous, disjoint stretches of one
+    sequence. The tail is padded to a multiple of W with the sequence's first keys (fewer than W),
+    as DistributedSampler pads. A sample drawn several times in an epoch must be augmented
+    differently each time, but SeededTransformDataset seeds from the key ``(epoch, index)``. So the
+    first element of each key is an augmentation round, ``epoch * rounds_per_epoch + occurrence``:
+    distinct for every copy in every epoch, and equal to the epoch when nothing repeats, as with
+    the plain sampler.
     """
 
     rounds_per_epoch = 1
 
-    def __init__(self, num_samples: int, num_replicas: int, rank: int, seed: int):
+    def __init__(self, epoch_length: int, num_replicas: int, rank: int, seed: int):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
-        self.num_samples, self.num_replicas, self.rank, self.seed = num_samples, num_replicas, rank, seed
-        self.epoch = self.start = 0
+        self.epoch_length, self.num_replicas, self.rank, self.seed = epoch_length, num_replicas, rank, seed
+        self.epoch = self.position = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def set_start(self, start: int) -> None:
-        """Skip the first ``start`` samples of this rank's shard in the current epoch."""
-        self.start = start
+        """Skip the first ``start`` samples of this rank's shard (a resume on the same world size)."""
+        self.set_position(start * self.num_replicas)
+
+    def set_position(self, position: int) -> None:
+        """Start at global position ``position`` of the epoch's draw (samples all ranks consumed)."""
+        if position < 0:
+            raise ValueError(f"sampler position must be >= 0, got {position}")
+        self.position = position
 
     @abc.abstractmethod
     def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:
         """The epoch's ``total`` global draws of dataset indices."""
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        total = self.num_samples * self.num_replicas
-        draws = self._draw(torch.Generator().manual_seed(self.seed + self.epoch), total)
+    def keys(self) -> list[tuple[int, int]]:
+        """The epoch's global sequence of ``(round, index)`` keys: a function of (seed, epoch) alone."""
+        draws = self._draw(torch.Generator().manual_seed(self.seed + self.epoch), self.epoch_length)
         rounds = self.epoch * self.rounds_per_epoch + occurrence_numbers(draws)
-        mine = slice(self.rank, total, self.num_replicas)
-        keys = list(zip(rounds[mine].tolist(), draws[mine].tolist()))
-        return iter(keys[self.start :])
+        return list(zip(rounds.tolist(), draws.tolist()))
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        keys = self.keys()
+        end = self.position + len(self) * self.num_replicas  # past the end: wrapped, DistributedSampler's padding
+        return iter([keys[p % len(keys)] for p in range(self.position + self.rank, end, self.num_replicas)])
 
     def __len__(self) -> int:
-        return self.num_samples - self.start
+        return max(0, math.ceil((self.epoch_length - self.position) / self.num_replicas))
 
 
 class RepeatedAugmentationSampler(_RepeatingDistributedSampler):
     """Repeated augmentation (Hoffer et al., 2020; DeiT, timm's ``RASampler``): each drawn sample
     appears ``repeats`` times in an epoch, each copy on the next rank and with its own augmentation.
 
-    As in timm, an epoch keeps its usual ``dataset_len // num_replicas`` samples per rank: it uses
+    As in timm, an epoch keeps its usual length, ``dataset_len`` draws over all ranks: it uses
     about ``1 / repeats`` of the dataset, and the last sample drawn may be cut short of its
-    repeats. Written here (timm is optional, and its sampler neither yields seeded keys nor
-    resumes mid-epoch).
+    repeats. The draw is the same on any world size, so the copies of a sample sit on consecutive
+    global positions (on ``repeats`` different ranks when there are at least that many) and a
+    resume on another world size is exact. Written here (timm is optional, and its sampler neither
+    yields seeded keys nor resumes mid-epoch, and its draw depends on the world size).
     """
 
     def __init__(self, dataset_len: int, num_replicas: int, rank: int, seed: int, repeats: int = 3):
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        super().__init__(dataset_len // num_replicas, num_replicas, rank, seed)
+        super().__init__(dataset_len, num_replicas, rank, seed)
         self.dataset_len, self.rounds_per_epoch = dataset_len, repeats
 
     def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:
@@ -259,7 +276,7 @@ class WeightedDistributedSampler(_RepeatingDistributedSampler):
     def __init__(self, weights, num_replicas: int, rank: int, seed: int, num_samples: int | None = None) -> None:
         self.weights = torch.as_tensor(weights, dtype=torch.float64)
         total = len(self.weights) if num_samples is None else num_samples
-        super().__init__(total // num_replicas, num_replicas, rank, seed)
+        super().__init__(total, num_replicas, rank, seed)
         self.rounds_per_epoch = total  # no index can be drawn more often than that
 
     def _draw(self, generator: torch.Generator, total: int) -> torch.Tensor:

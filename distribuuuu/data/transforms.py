@@ -34,11 +34,12 @@ class TrainAugment:
     size: int
     crop_scale_min: float = 0.08
     hflip_prob: float = 0.5
-    auto_augment: str = ""  # "", "randaugment", "trivialaugment", "autoaugment"
+    auto_augment: str = ""  # "", "randaugment", "trivialaugment", "autoaugment", "threeaugment"
     randaugment_magnitude: int = 9
     random_erasing: float = 0.0
     erase_fill: tuple[int, ...] = (124, 116, 104)
     draft: bool = False
+    color_jitter: float = 0.0  # threeaugment's colour jitter after its operation
 
     def at(self, size: int) -> TrainAugment:
         """The same augmentation to another crop size (progressive resizing: one per size)."""
@@ -69,12 +70,29 @@ def _after_crop_and_flip(aug: TrainAugment) -> list[Callable]:
         "randaugment": lambda: v2.RandAugment(magnitude=aug.randaugment_magnitude),
         "trivialaugment": v2.TrivialAugmentWide,
         "autoaugment": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
+        "threeaugment": lambda: three_augment(aug.color_jitter),
     }.get(aug.auto_augment)
     if policy is not None:
         steps.append(policy())
     if aug.random_erasing > 0:  # erased to the mean colour: about 0 once normalised
         steps.append(RandomErasing(p=aug.random_erasing, value=list(aug.erase_fill)))
     return steps
+
+
+# 3-Augment's blur kernel: +-3 sigma at its largest sigma, 2, where PIL's GaussianBlur (DeiT III's) has no cut.
+_BLUR_KERNEL = 13
+
+
+def three_augment(color_jitter: float) -> Callable:
+    """DeiT III's 3-Augment (Touvron et al., 2022; timm's "3a"): per image one of grayscale, solarization
+    at 128 and a Gaussian blur of sigma uniform in [0.1, 2], each with probability 1/3, then colour
+    jitter of brightness, contrast and saturation by ``color_jitter`` (0: none). torchvision's ops
+    on uint8 tensors, so it runs in the workers or after the batched crop alike."""
+    choice = v2.RandomChoice(
+        [v2.Grayscale(num_output_channels=3), v2.RandomSolarize(128, p=1.0), v2.GaussianBlur(_BLUR_KERNEL, (0.1, 2.0))]
+    )
+    jitter = [v2.ColorJitter(color_jitter, color_jitter, color_jitter)] if color_jitter > 0 else []
+    return v2.Compose([choice, *jitter])
 
 
 def batched_train_steps(aug: TrainAugment) -> tuple[TrainGeometry, Callable | None]:

@@ -4,6 +4,7 @@ translates MODEL.* into arguments (``training/parallelize.py``)."""
 
 from distribuuuu.models.anatomy import (
     count_parameters,
+    enable_activation_checkpointing,
     enable_grad_checkpointing,
     find_blocks,
     has_batchnorm,
@@ -26,6 +27,7 @@ __all__ = [
     "NotFetched",
     "build_model",
     "count_parameters",
+    "enable_activation_checkpointing",
     "enable_grad_checkpointing",
     "find_blocks",
     "has_batchnorm",

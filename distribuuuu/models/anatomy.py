@@ -1,4 +1,4 @@
-"""A model's anatomy: its repeated blocks (the one finder behind FSDP wrapping, gradient checkpointing
+"""A model's anatomy: its repeated blocks (the one finder behind FSDP wrapping, activation checkpointing
 and layer-wise LR decay), its BatchNorms, its wrappers, and the changes made to it in place
 (zero-initialised residual branches, checkpointed blocks)."""
 
@@ -53,22 +53,39 @@ def zero_init_residual(model: nn.Module) -> int:
     return count
 
 
-def enable_grad_checkpointing(model: nn.Module) -> int:
-    """Recompute the blocks' activations in the backward pass instead of storing them.
+def enable_activation_checkpointing(model: nn.Module, mode: str = "full", every: int = 1) -> int:
+    """Recompute blocks' activations in the backward pass instead of storing them; return how many
+    blocks (-1: a timm model's own, every block).
 
-    timm models switch it on themselves (``set_grad_checkpointing``). Elsewhere each block of
-    ``find_blocks`` runs its forward under ``torch.utils.checkpoint`` (non-reentrant). Return the
-    number of blocks.
+    ``mode`` "full": every block of ``find_blocks``; "selective": every ``every``-th of them (blocks
+    ``every``, 2 x ``every``, ... counted from 1, torchtitan's per-layer selective checkpointing);
+    "none": nothing. Each chosen block runs its forward under ``torch.utils.checkpoint``
+    (non-reentrant), with BatchNorm's running statistics left alone by the recomputation. A timm
+    model without BatchNorm checkpoints itself in full (``set_grad_checkpointing``, non-reentrant);
+    one with BatchNorm is wrapped here instead: timm's recomputation updates the running statistics
+    a second time (``num_batches_tracked`` counts 2 a step).
     """
-    if hasattr(model, "set_grad_checkpointing"):
+    if mode == "none":
+        return 0
+    if mode == "full" and hasattr(model, "set_grad_checkpointing") and not has_batchnorm(model):
         model.set_grad_checkpointing(True)
+        logger.info("activation checkpointing: %s checkpoints its own blocks (timm)", type(model).__name__)
         return -1
     blocks = find_blocks(model)
     if not blocks:
-        raise ConfigError(f"MODEL.GRAD_CHECKPOINT: no repeated blocks found in {type(model).__name__}")
-    for block in blocks:
+        raise ConfigError(f"MODEL.ACTIVATION_CHECKPOINTING: no repeated blocks found in {type(model).__name__}")
+    chosen = blocks if mode == "full" else blocks[every - 1 :: every]
+    for block in chosen:
         block.forward = functools.partial(_checkpointed, block, block.forward)
-    return len(blocks)
+    logger.info(
+        "activation checkpointing (%s): %d of the %d blocks recomputed in backward", mode, len(chosen), len(blocks)
+    )
+    return len(chosen)
+
+
+def enable_grad_checkpointing(model: nn.Module) -> int:
+    """MODEL.GRAD_CHECKPOINT, the original key: ``enable_activation_checkpointing`` in full."""
+    return enable_activation_checkpointing(model, "full")
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -124,6 +141,10 @@ def _is_container(module: nn.Module) -> bool:
 def _checkpointed(block: nn.Module, forward: Callable, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation: nothing to save memory on
         return forward(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        # Dynamo refuses a context_fn, and needs none: a compiled graph applies a buffer's update
+        # once, in its forward, and the recomputation in its backward mutates nothing.
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return torch.utils.checkpoint.checkpoint(
         forward, *args, use_reentrant=False, context_fn=lambda: _recompute_contexts(block), **kwargs
     )

@@ -13,7 +13,7 @@ import torchvision
 from torch import nn
 
 from distribuuuu.errors import ConfigError, first_line, refused_global
-from distribuuuu.models.anatomy import enable_grad_checkpointing, model_num_classes, zero_init_residual
+from distribuuuu.models.anatomy import enable_activation_checkpointing, model_num_classes, zero_init_residual
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,13 @@ def build_model(
     kwargs: dict | None = None,
     pretrained: str | None = None,
     zero_init_last: bool = False,
-    grad_checkpoint: bool = False,
+    checkpointing: str = "none",
+    checkpoint_every: int = 1,
 ) -> nn.Module:
     """Build ``arch`` with ``num_classes`` outputs and constructor ``kwargs``, from the ``pretrained``
     weights of that name ("DEFAULT": the architecture's default; None: random), with zero-initialised
-    residual BatchNorm (``zero_init_last``, random weights only) and gradient checkpointing.
+    residual BatchNorm (``zero_init_last``, random weights only) and activation ``checkpointing``
+    ("none", "full" or "selective": every ``checkpoint_every``-th block; ``enable_activation_checkpointing``).
 
     A keyword the constructor does not take is its TypeError; pretrained weights that cannot be
     loaded are ``NotFetched``; an unknown architecture a ConfigError naming MODEL.ARCH."""
@@ -81,8 +83,7 @@ def build_model(
         _load_torchvision_pretrained(model, arch, pretrained)
     if zero_init_last and pretrained is None:  # pretrained scales are learned: kept
         zero_init_residual(model)
-    if grad_checkpoint:
-        enable_grad_checkpointing(model)
+    enable_activation_checkpointing(model, checkpointing, checkpoint_every)
     return model
 
 

@@ -50,6 +50,10 @@ class MetricSums:
     only at PRINT_FREQ and at the end of an epoch. Means derived from these sums are exact for
     any world size, unlike a mean of per-rank means. Batches with a non-finite loss are counted
     in ``nonfinite`` and left out of the loss mean.
+
+    With ``ranks`` W > 0 the same tensor carries W slots per per-rank field (``RANK_FIELDS``): each
+    rank writes its own slot and leaves the others 0, so the all-reduce's sum is the gather of every
+    rank's value, in the collective that runs anyway.
     """
 
     FIELDS = (
@@ -57,9 +61,11 @@ class MetricSums:
         "skipped_images", "skipped_steps", "stop", "interrupt",
     )  # fmt: skip
 
-    def __init__(self, device: torch.device, k: int):
-        self.k = k
-        self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+    RANK_FIELDS = ("rank_step_s", "rank_data_s")  # each rank's seconds a step, and waiting for data a step
+
+    def __init__(self, device: torch.device, k: int, ranks: int = 0):
+        self.k, self.ranks = k, ranks
+        self.sums = torch.zeros(len(self.FIELDS) + ranks * len(self.RANK_FIELDS), dtype=torch.float64, device=device)
         self._counts_once = get_rank() == 0
 
     def add(self, loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor) -> None:
@@ -81,20 +87,31 @@ class MetricSums:
         if self._counts_once:
             self.add_field(field, value)
 
+    def set_rank_values(self, rank: int, values: dict[str, float]) -> None:
+        """Write this rank's slot of each per-rank field (``RANK_FIELDS``); the others stay 0 until ``reduce``."""
+        for i, field in enumerate(self.RANK_FIELDS):
+            self.sums[len(self.FIELDS) + i * self.ranks + rank] = values[field]
+
     def reduce(self) -> dict[str, float]:
-        """Sum over ranks (one all-reduce, one host sync); return the totals and the means."""
+        """Sum over ranks (one all-reduce, one host sync); return the totals, the means and, with per-rank
+        slots, each per-rank field as a list in rank order."""
         return self._with_means(all_reduce_sum(self.sums.clone()))
 
     def add_totals(self, totals: dict[str, float]) -> None:
         """Add totals that ``reduce`` returned (already summed over ranks): an epoch's windows."""
-        self.sums += torch.tensor([totals[f] for f in self.FIELDS], dtype=self.sums.dtype, device=self.sums.device)
+        added = torch.tensor([totals[f] for f in self.FIELDS], dtype=self.sums.dtype, device=self.sums.device)
+        self.sums[: len(self.FIELDS)] += added
 
     def totals(self) -> dict[str, float]:
         """The totals and means of this process's sums, with no reduction (after ``add_totals``)."""
         return self._with_means(self.sums)
 
     def _with_means(self, sums: torch.Tensor) -> dict[str, float]:
-        totals = dict(zip(self.FIELDS, sums.tolist()))
+        values = sums.tolist()
+        totals = dict(zip(self.FIELDS, values))
+        slots = values[len(self.FIELDS) :]
+        for i, field in enumerate(self.RANK_FIELDS if self.ranks else ()):
+            totals[field] = slots[i * self.ranks : (i + 1) * self.ranks]
         n = max(totals["samples"], 1.0)
         totals["loss"] = totals["loss_sum"] / max(totals["loss_samples"], 1.0)
         totals["top1_acc"] = 100.0 * totals["top1"] / n

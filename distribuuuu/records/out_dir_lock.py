@@ -195,6 +195,12 @@ class OutDirLock:
                 os.rmdir(self.out_dir)
 
 
+# How many times a scheduler or launcher started this job again: Slurm's requeue count, torchrun's
+# restart count, and a restarted JobSet's attempt (its pods' jobset.sigs.k8s.io/restart-attempt
+# annotation, which docs/k8s's manifests hand the container as this variable).
+RESTART_VARIABLES = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "JOBSET_RESTART_ATTEMPT")
+
+
 def is_a_restart() -> bool:
-    """True for a job that a scheduler requeued or torchrun restarted: its predecessor may still hold OUT_DIR."""
-    return any(int(os.environ.get(v, "0") or 0) > 0 for v in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
+    """True for a job that a scheduler requeued or restarted: its predecessor may still hold OUT_DIR."""
+    return any(int(os.environ.get(v, "0") or 0) > 0 for v in RESTART_VARIABLES)

@@ -13,6 +13,8 @@ from distribuuuu.logger import SAME_ON_EVERY_RANK, get_logger
 from distribuuuu.progress import WINDOW
 from distribuuuu.records.metrics_file import METRICS_FILE, MetricsError, repair_torn_tail
 from distribuuuu.records.multilabel import FIELDS as MULTILABEL_FIELDS
+from distribuuuu.records.telemetry import EPOCH_FIELDS as TELEMETRY_FIELDS
+from distribuuuu.records.telemetry import WindowTelemetry
 from distribuuuu.records.tracking import TrackerSettings
 
 logger = get_logger("trainer")  # the training log's own name: its lines read as the trainer's
@@ -21,8 +23,10 @@ logger = get_logger("trainer")  # the training log's own name: its lines read as
 def log_train_window(
     writer, totals: dict, epoch: int, step: int, max_epoch: int, k: int | None, last_step: int, *, lr: float,
     elapsed_s: float, data_s: float, steps: int, steps_left: int, fp16: bool, global_step: int,
+    telemetry: WindowTelemetry | None = None,
 ) -> None:  # fmt: skip
-    """Log one PRINT_FREQ window of training (loss, accuracy, LR, speed, data wait, ETA) and plot it.
+    """Log one PRINT_FREQ window of training (loss, accuracy, LR, speed, data wait, ETA; ``telemetry``:
+    the ranks' step times, the data share, TFLOP/s and MFU) and plot it.
 
     Only host values of the sync point: the reduced ``totals`` and the host clock. The log record
     carries the window's numbers for the terminal's progress bar (progress.py). ``last_step``: the
@@ -37,12 +41,13 @@ def log_train_window(
         "loss": totals["loss"], "images_per_s": images_per_s, "eta": hms(eta_s),
     }  # fmt: skip
     logger.info(
-        "epoch %d/%d  step %d/%d  loss %.4f  top1 %.2f%s  lr %.5g  %.0f img/s  data %.3fs/step  eta %s%s",
+        "epoch %d/%d  step %d/%d  loss %.4f  top1 %.2f%s  lr %.5g  %.0f img/s  data %.3fs/step%s  eta %s%s",
         epoch + 1, max_epoch, step, last_step, totals["loss"], totals["top1_acc"],
-        topk_text(k, totals["topk_acc"]), lr, images_per_s,
-        data_s / max(steps, 1), hms(eta_s), f"  {what} {skipped}" if skipped else "", extra={WINDOW: bar},
+        topk_text(k, totals["topk_acc"]), lr, images_per_s, data_s / max(steps, 1),
+        telemetry.text() if telemetry else "", hms(eta_s), f"  {what} {skipped}" if skipped else "", extra={WINDOW: bar},
     )  # fmt: skip
-    writer.write_window({"loss": totals["loss"], "lr": lr, "images_per_s": images_per_s}, global_step)
+    curves = telemetry.curves() if telemetry else {}
+    writer.write_window({"loss": totals["loss"], "lr": lr, "images_per_s": images_per_s} | curves, global_step)
 
 
 def topk_text(k: int | None, accuracy: float, digits: int = 2) -> str:
@@ -78,6 +83,7 @@ def write_train_record(
             "im_size": im_size,
             # An epoch taken up again by a later start (its sums are the whole epoch's): the steps where it was.
             **({"resumed_at_steps": totals["resumed_at_steps"]} if totals.get("resumed_at_steps") else {}),
+            **{f: totals[f] for f in TELEMETRY_FIELDS if f in totals},
         }
     )
 
@@ -153,7 +159,10 @@ def hms(seconds: float) -> str:
 
 # What TensorBoard and the trackers plot: the rest of a metrics.jsonl record (samples, step,
 # time_s, skipped counts) is bookkeeping, kept in metrics.jsonl and out of the scalar dashboard.
-CURVES = ("loss", "top1", "topk", "map", "f1_macro", "f1_micro", "lr", "images_per_s")
+CURVES = (
+    "loss", "top1", "topk", "map", "f1_macro", "f1_micro", "lr", "images_per_s", "data_share", "step_s_median",
+    "step_s_max", "tflops", "mfu",
+)  # fmt: skip
 WINDOW_PREFIX = "train_step"  # the PRINT_FREQ windows' tags, against the global optimizer step
 
 

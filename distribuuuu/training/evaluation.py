@@ -65,7 +65,7 @@ def validate(
     for i, (images, targets, skipped) in enumerate(split.loader):
         images, targets = to_device(images, targets, env, cfg.TRAIN.CHANNELS_LAST)
         with autocast(cfg.TRAIN.PRECISION, env.device):
-            logits = model(images)
+            logits = tta_forward(model, images, t.TTA)
         sums.add(task.val_loss(logits.float(), targets), logits, targets)
         if labels is not None:
             labels.add(logits, targets)
@@ -82,6 +82,19 @@ def validate(
     totals["time_s"] = time.perf_counter() - tic
     totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
     return totals
+
+
+def tta_forward(model: nn.Module, images: torch.Tensor, tta: str = "") -> torch.Tensor:
+    """The model's logits of ``images``; with TEST.TTA flip, the mean of the image's and its horizontal
+    flip's logits (as timm's ``--tta`` averages the logits of its copies), in float32.
+
+    One forward of both halves: a sharded model joins one all-gather per batch either way, so the
+    ranks' empty forwards (``run_empty_forwards``) still match their batches.
+    """
+    if tta != "flip":
+        return model(images)
+    logits = model(torch.cat([images, images.flip(-1)])).float()
+    return (logits[: len(images)] + logits[len(images) :]) / 2
 
 
 def precise_bn(models: dict[str, nn.Module], split: Split, cfg: CfgNode, env: DistEnv) -> float:

@@ -1,4 +1,4 @@
-"""Optimizers (SGD, AdamW, LARS, LAMB, optionally ZeRO-1 sharded) and the LR schedule as a pure function."""
+"""Optimizers (SGD, AdamW, LARS, LAMB, Muon with AdamW, optionally ZeRO-1 sharded) and the LR schedule as a pure function."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ from torch import nn
 from yacs.config import CfgNode
 
 from distribuuuu.config import ConfigError
+from distribuuuu.logger import get_logger
 from distribuuuu.models import named_blocks
+from distribuuuu.training.muon import MuonWithAdamW, muon_parameter_names, split_for_muon
+
+logger = get_logger("optim")
 
 
 def param_groups(
@@ -200,6 +204,9 @@ class LAMB(torch.optim.Optimizer):
 
 
 def _optimizer_class_and_kwargs(o: CfgNode) -> tuple[type, dict]:
+    if o.OPTIMIZER == "muon":
+        muon = dict(momentum=o.MUON_MOMENTUM, nesterov=o.NESTEROV, adjust_lr_fn=o.MUON_ADJUST_LR)
+        return MuonWithAdamW, dict(lr=o.BASE_LR, betas=tuple(o.BETAS), **muon)
     if o.OPTIMIZER == "adamw":
         return torch.optim.AdamW, dict(lr=o.BASE_LR, betas=tuple(o.BETAS))
     if o.OPTIMIZER == "lamb":
@@ -225,10 +232,12 @@ def build_optimizer(
     """
     groups = optimizer_groups(model, optim_cfg)
     cls, kwargs = _optimizer_class_and_kwargs(optim_cfg)
+    if cls is MuonWithAdamW:
+        groups = muon_groups(model, groups)
     if not zero:
         fused_sgd = cls is torch.optim.SGD and optim_cfg.DAMPENING == 0
         on_fused_devices = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
-        if on_fused_devices and (cls is torch.optim.AdamW or (fused and fused_sgd)):
+        if on_fused_devices and (cls in (torch.optim.AdamW, MuonWithAdamW) or (fused and fused_sgd)):
             kwargs["fused"] = True
         optimizer = cls(groups, **kwargs)
         if kwargs.get("fused") and fused_sgd and optim_cfg.MOMENTUM > 0:
@@ -242,6 +251,23 @@ def build_optimizer(
     for group in groups[1:]:
         optimizer.add_param_group(group)
     return optimizer
+
+
+def muon_groups(model: nn.Module, groups: list[dict]) -> list[dict]:
+    """``groups`` split for OPTIM.OPTIMIZER muon: hidden 2-D weights to Muon, the rest (and the head) to
+    AdamW (training/muon.py); logged, with a warning when Muon gets nothing (a CNN's 4-D kernels)."""
+    names = muon_parameter_names(model, head_parameter_names(model))
+    params = dict(model.named_parameters())
+    logger.info(
+        "OPTIM.OPTIMIZER muon: %d weight matrices to Muon, %d other parameter tensors to AdamW",
+        len(names), sum(len(g["params"]) for g in groups) - len(names),
+    )  # fmt: skip
+    if not names:
+        logger.warning(
+            "OPTIM.OPTIMIZER muon: %s has no 2-D hidden weight matrix (torch.optim.Muon takes 2-D parameters "
+            "only; convolution kernels are 4-D): every parameter trains with AdamW", type(model).__name__,
+        )  # fmt: skip
+    return split_for_muon(groups, {id(params[name]) for name in names})
 
 
 def optimizer_groups(model: nn.Module, optim_cfg: CfgNode) -> list[dict]:

@@ -62,20 +62,30 @@ def training_mesh(cfg: CfgNode, env: DistEnv) -> DeviceMesh:
 
 def build_configured_model(model_cfg: CfgNode) -> nn.Module:
     """MODEL.ARCH with MODEL.NUM_CLASSES outputs, MODEL.KWARGS, its pretrained weights (MODEL.PRETRAINED_WEIGHTS,
-    or the default ones for MODEL.PRETRAINED), MODEL.ZERO_INIT_RESIDUAL and MODEL.GRAD_CHECKPOINT.
+    or the default ones for MODEL.PRETRAINED), MODEL.ZERO_INIT_RESIDUAL and MODEL.ACTIVATION_CHECKPOINTING.
 
     A run's config has its class count decided (``build_run``: the data's, for MODEL.NUM_CLASSES 0);
     a model built from a config alone, with no data read, keeps the former default's 10 outputs."""
     m = model_cfg
     weights = m.PRETRAINED_WEIGHTS or ("DEFAULT" if m.PRETRAINED else None)
     kwargs, outputs = parse_model_kwargs(m.KWARGS), m.NUM_CLASSES or LEGACY_CLASSES
+    checkpointing = activation_checkpointing(m)
     try:
-        return build_model(m.ARCH, outputs, kwargs, weights, m.ZERO_INIT_RESIDUAL, m.GRAD_CHECKPOINT)
+        return build_model(m.ARCH, outputs, kwargs, weights, m.ZERO_INIT_RESIDUAL, *checkpointing)
     except TypeError as e:  # a keyword the constructor does not take
         raise ConfigError(f"MODEL.KWARGS {m.KWARGS}: {m.ARCH} refuses them ({first_line(e)})") from None
     except NotFetched as e:  # named by the key the user set: MODEL.PRETRAINED_WEIGHTS wins over MODEL.PRETRAINED
         key, off = ("MODEL.PRETRAINED_WEIGHTS", "''") if m.PRETRAINED_WEIGHTS else ("MODEL.PRETRAINED", "False")
         raise ConfigError(f"{key}: {e} or set {key} {off}") from None
+
+
+def activation_checkpointing(model_cfg: CfgNode) -> tuple[str, int]:
+    """MODEL.ACTIVATION_CHECKPOINTING and its period (MODEL.ACTIVATION_CHECKPOINTING_EVERY under
+    selective, 1 otherwise); MODEL.GRAD_CHECKPOINT True, the original key, is "full"."""
+    mode = model_cfg.ACTIVATION_CHECKPOINTING
+    if model_cfg.GRAD_CHECKPOINT and mode == "none":
+        mode = "full"
+    return mode, model_cfg.ACTIVATION_CHECKPOINTING_EVERY if mode == "selective" else 1
 
 
 def build_model_for(cfg: CfgNode, env: DistEnv) -> nn.Module:

@@ -44,7 +44,7 @@ def train_augment(cfg: CfgNode, size: int | None = None) -> TrainAugment:
     fill = tuple(round(255 * m) for m in eval_preprocessing(cfg).mean)  # the normalisation's mean: ~0 once normalised
     return TrainAugment(
         size or cfg.TRAIN.IM_SIZE, d.CROP_SCALE_MIN, d.HFLIP_PROB, d.AUTO_AUGMENT, d.RANDAUGMENT_MAGNITUDE,
-        d.RANDOM_ERASING, fill, draft=d.DECODER == "draft",
+        d.RANDOM_ERASING, fill, draft=d.DECODER == "draft", color_jitter=d.COLOR_JITTER,
     )  # fmt: skip
 
 

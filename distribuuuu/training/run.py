@@ -11,6 +11,8 @@ from distribuuuu.data import Split
 from distribuuuu.logger import get_logger
 from distribuuuu.losses import DistillationLoss
 from distribuuuu.models import count_parameters, find_blocks
+from distribuuuu.models.flops import TRAINING_FLOPS_PER_FORWARD, forward_flops
+from distribuuuu.records.telemetry import Telemetry
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.runtime.parallel import shard_model
 from distribuuuu.runtime.process_group import is_dist
@@ -55,6 +57,7 @@ def build_run(cfg: CfgNode, env: DistEnv) -> Run:
     base_lr = scaled_base_lr(cfg.OPTIM, batch)
     steps_per_epoch = len(train.sampler) // global_batch(cfg.TRAIN)
     log_run(cfg, env, model, train, val, steps_per_epoch, base_lr)
+    telemetry = build_telemetry(cfg, model, env)  # FLOPs counted on the plain model, before any wrapper
     parallel = parallelize(model, cfg, env)
     if teacher is not None and cfg.DISTILL.SHARD_TEACHER and parallel.mesh is not None:
         shard_model(
@@ -84,7 +87,20 @@ def build_run(cfg: CfgNode, env: DistEnv) -> Run:
         precise_bn=build_precise_bn_split(cfg, env) if cfg.BN.PRECISE_IMAGES else None,
         teacher=teacher,
         best=Best(cfg.TRAIN.BEST_METRIC),
+        telemetry=telemetry,
     )
+
+
+def build_telemetry(cfg: CfgNode, model: nn.Module, env: DistEnv) -> Telemetry:
+    """The run's timing records: model FLOPs of a training image (``FlopCounterMode`` on one TRAIN.IM_SIZE
+    image, x 3 for the backward), LOG.PEAK_TFLOPS for MFU and LOG.STRAGGLER_FACTOR."""
+    forward = forward_flops(model, cfg.TRAIN.IM_SIZE, env.device, cfg.TRAIN.CHANNELS_LAST)
+    logger.info(
+        "model FLOPs: %.4g GFLOP a forward of one %d px image, %.4g GFLOP a training image (x %d; "
+        "torch.utils.flop_counter)%s", forward / 1e9, cfg.TRAIN.IM_SIZE, TRAINING_FLOPS_PER_FORWARD * forward / 1e9,
+        TRAINING_FLOPS_PER_FORWARD, f"; MFU against LOG.PEAK_TFLOPS {cfg.LOG.PEAK_TFLOPS:g}" if cfg.LOG.PEAK_TFLOPS else "",
+    )  # fmt: skip
+    return Telemetry(TRAINING_FLOPS_PER_FORWARD * forward, cfg.LOG.PEAK_TFLOPS, cfg.LOG.STRAGGLER_FACTOR)
 
 
 def fused_step(cfg: CfgNode, env: DistEnv) -> bool:

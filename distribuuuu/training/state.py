@@ -13,6 +13,7 @@ from yacs.config import CfgNode
 from distribuuuu.config import BEST_METRICS
 from distribuuuu.data import Split
 from distribuuuu.records.meters import MetricSums
+from distribuuuu.records.telemetry import Telemetry
 from distribuuuu.runtime.launcher import DistEnv
 from distribuuuu.training.distillation import Teacher
 from distribuuuu.training.ema import ModelEMA
@@ -74,9 +75,20 @@ class Window:
     """One PRINT_FREQ window of training steps: their metric sums on the device, their losses (to
     name a non-finite step), how long they took and how long they waited for data."""
 
-    def __init__(self, device: torch.device, k: int):
-        self.sums, self.losses = MetricSums(device, k), []
+    def __init__(self, device: torch.device, k: int, world_size: int = 1):
+        self.sums, self.losses = MetricSums(device, k, ranks=world_size), []
         self.data_s, self.started = 0.0, time.perf_counter()
+
+    def reduce(self, rank: int, stop: bool = False, interrupt: bool = False) -> dict:
+        """Reduce the window over the ranks in one all-reduce: its metric sums, the stop flags (preemption,
+        Ctrl-C) and, in this rank's slots, its seconds a step and waiting for data a step (host clocks
+        read here: every rank's arrive in the totals' ``rank_step_s`` and ``rank_data_s``)."""
+        steps = max(len(self.losses), 1)
+        self.sums.add_field("stop", float(stop))
+        self.sums.add_field("interrupt", float(interrupt))
+        times = {"rank_step_s": (time.perf_counter() - self.started) / steps, "rank_data_s": self.data_s / steps}
+        self.sums.set_rank_values(rank, times)
+        return self.sums.reduce()
 
     def next_batches(self, batches, count: int) -> list:
         """The next ``count`` (micro-)batches, the wait for them counted as data time."""
@@ -160,6 +172,7 @@ class Run:
     teacher: Teacher | None = None  # DISTILL.TEACHER, frozen
     state: TrainState = field(default_factory=TrainState)
     best: Best = field(default_factory=Best)
+    telemetry: Telemetry = field(default_factory=Telemetry)  # FLOPs, MFU, the ranks' step times
     epoch_totals: EpochTotals = field(default_factory=EpochTotals)  # the epoch in progress's record, across starts
     # Further state checkpointed with the run (name -> Stateful: state_dict()/load_state_dict()), for
     # a caller outside the package; the package's own is listed in components.run_components.

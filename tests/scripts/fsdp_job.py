@@ -163,6 +163,11 @@ def main(out_path: str, strategy: str) -> None:
         scenarios = {"bf16_accum_clip": scenarios["bf16_accum_clip"], "accum_clip": scenarios["accum_clip"]}
     results = {name: compare(strategy, **kw) for name, kw in scenarios.items()}
     results["world_size"] = dist.get_world_size()
+    finish(out_path, results)
+
+
+def finish(out_path: str, results: dict) -> None:
+    """Rank 0 writes ``results`` to ``out_path``; every rank waits for it, then ends the group."""
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -9,6 +9,8 @@ the hooks below are added, so a test can inject a fault at an exact, computable 
 - ``FAULT_SIGNAL_AT_STEP=N`` (with ``FAULT_SIGNAL=SIGTERM|SIGUSR1``, ``FAULT_SIGNAL_RANK=0``, or ``all``):
   after global optimizer step N (1-based) the process sends itself the signal, as a scheduler would
   (``FAULT_SIGNAL_DELAY_S``: after that many seconds more, its other threads running meanwhile).
+- ``FAULT_SLOW_DATA=RANK:SECONDS``: that rank waits SECONDS more for each batch, as a rank on a node with a
+  slow disk does (the others then wait for it in every gradient all-reduce: a straggler).
 - ``FAULT_RECORD=DIR``: each rank appends, per optimizer step, the sampler keys it trained on, the
   LR and the global sample position before the step to ``DIR/steps_w<W>_r<rank>.jsonl``; after a
   resume, rank 0 saves the whole resumed state (model, optimizer by index, EMA, progress) to
@@ -88,6 +90,26 @@ def _stalled_checkpoint_hook() -> None:
     torch.save = save
 
 
+def _slow_data_hook() -> None:
+    """FAULT_SLOW_DATA=RANK:SECONDS: that rank's training loop waits SECONDS more for every batch."""
+    rank, _, seconds = os.environ.get("FAULT_SLOW_DATA", "").partition(":")
+    if not rank or int(os.environ.get("RANK", "0")) != int(rank):
+        return
+    from distribuuuu.training.state import Window
+
+    real_next_batches = Window.next_batches
+
+    def slowly(batches):
+        for batch in batches:
+            time.sleep(float(seconds))  # inside the wait the loop times: next() of this generator
+            yield batch
+
+    def next_batches(self, batches, count):
+        return real_next_batches(self, slowly(batches), count)  # pulls ``count`` batches, each late
+
+    Window.next_batches = next_batches
+
+
 def _record_hooks() -> None:
     """FAULT_RECORD: what each step trained on, and the state a resume restored."""
     out = os.environ.get("FAULT_RECORD")
@@ -146,6 +168,7 @@ if __name__ == "__main__":
     _scaler_hook()
     _stalled_checkpoint_hook()
     _record_hooks()
+    _slow_data_hook()
     # No end-of-run plot unless a test asks for it (LOG.PLOT True after it): ~1 s of every run.
     sys.exit(
         cli.run_tool(
