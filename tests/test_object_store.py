@@ -12,8 +12,7 @@ import os
 import sys
 
 import pytest
-from helpers import EVAL_TINY, REPO, TINY_TRAIN, assert_ok, clean_env, in_process, read_metrics
-from test_packed_data import _without_timings
+from helpers import EVAL_TINY, REPO, TINY_TRAIN, _without_timings, assert_ok, clean_env, in_process, read_metrics
 
 from distribuuuu.data import DataError, remote
 from distribuuuu.data.packed import BadShardError, PackedDataset

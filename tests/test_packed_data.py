@@ -21,6 +21,7 @@ from helpers import (
     EVAL_TINY,
     REPO,
     TINY_TRAIN,
+    _without_timings,
     assert_ok,
     clean_env,
     in_process,
@@ -29,7 +30,7 @@ from helpers import (
     run,
     serve_folder,
 )
-from test_sampler_resume import RESUME_AT, config_sampler_keys, window_stretches
+from sampler_helpers import RESUME_AT, config_sampler_keys, window_stretches
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
@@ -386,10 +387,6 @@ def test_a_run_reads_the_shards_over_http_exactly_as_from_disk(packed, http_url,
     assert len(links) == 7 and all(p.is_symlink() and p.resolve().parent.parent == packed.resolve() for p in links), (
         "local shards are read in place, not copied"
     )
-
-
-def _without_timings(record: dict) -> dict:
-    return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
 
 
 @pytest.fixture(scope="module")
