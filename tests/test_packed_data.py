@@ -348,7 +348,7 @@ def test_training_on_a_truncated_shard_stops_naming_it_or_skips_and_counts_its_s
 
 @pytest.mark.slow
 def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
-    from test_faults import STEPS_ONE, _assert_same_weights, _final_state
+    from fault_helpers import STEPS_ONE, _assert_same_weights, _final_state
 
     common = [*TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.CKPT_PERIOD_ITERS", "10", "TRAIN.WORKERS", "2"]
     common += ["DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9"]  # global RNG and EMA state: both must resume
