@@ -374,7 +374,7 @@ def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
 @pytest.mark.slow
 def test_a_run_reads_the_shards_over_http_exactly_as_from_disk(packed, http_url, tmp_path):
     """One process each (in this one): ranks and workers sharing a node's cache over HTTP, as from
-    disk, are tests/test_shard_cache.py's two-node test."""
+    disk, are tests/integration/test_shard_cache.py's two-node test."""
     metrics = {}
     for name, root in (("disk", str(packed)), ("http", http_url)):
         data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
