@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The suite's shared modules (helpers, models, processes, runs, *_helpers) import by name from test files in
+# any folder under tests/ (unit/<subpackage>/, integration/): tests/ itself on the path, not each file's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 # A process the tests start that dies of a fatal signal (a C++ abort in a collective library, say)
 # prints every thread's Python stack: what a rare failure in CI leaves to read.
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")

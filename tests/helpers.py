@@ -328,6 +328,11 @@ def read_metrics(out_dir: Path | str) -> list[dict]:
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _without_timings(record: dict) -> dict:
+    """A metrics record without its timings (what two runs of the same training share)."""
+    return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
+
+
 def assert_ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}"

@@ -280,7 +280,7 @@ def _read_whole(reader: CheckedReader) -> dict:
     The body of torch's public ``format_utils.dcp_to_torch_save`` without its ``torch.save``: that
     converter only writes to a file, and reading its file back would need the checkpoint's size free
     in TMPDIR (often a small file system on cluster nodes) and the bytes read twice. The two names
-    are private to torch; tests/test_sharded_checkpoint.py reads a checkpoint through them.
+    are private to torch; tests/unit/checkpointing/test_sharded_checkpoint.py reads a checkpoint through them.
     """
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict

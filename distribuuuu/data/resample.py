@@ -101,7 +101,7 @@ def resample(
     vectorised uint8 path, normalised as the per-sample path does. The dense matrices cost H x W x
     out multiply-adds an image where aten's taps cost a few per output pixel: a GPU's matrix units
     absorb that and 2 CPU cores do not (7 img/s against 30 for aten's kernel, batch 8).
-    tests/test_batched_augment.py checks both against torchvision."""
+    tests/unit/data/test_batched_augment.py checks both against torchvision."""
     if images[0].device.type != "cpu":
         return resample_batched(images, plans, out_size, output, budget)
     out = resample_each(images, plans, out_size)

@@ -16,7 +16,7 @@ is retried in halves, down to one image, which then fails in one line (DeviceMem
 does not hold exactly split into two fp16 terms, ``hi + lo * 2**-11`` (``split16``; lo scaled out
 of fp16's subnormals): the pixels, integers 0..255, are exact; the weights and the intermediate
 keep ~22 bits, so the result stays within float32 rounding of torchvision's, a 2**-20 margin on
-top (tests/test_batched_augment.py). On tensor cores fp16 runs at ~15x float32's FMA rate (H100
+top (tests/unit/data/test_batched_augment.py). On tensor cores fp16 runs at ~15x float32's FMA rate (H100
 and H200: 990 against 67 dense TFLOP/s), so the five fp16 products cost less than float32's two.
 Not TF32: it is switched per process (torch.backends.cuda.matmul), and this thread would switch
 it for the model's float32 matmuls too. Not one fp16 or bf16 term: 11 or 8 bits put the result

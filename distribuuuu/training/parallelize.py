@@ -135,7 +135,7 @@ def wrap_model(model: nn.Module, cfg: CfgNode, env: DistEnv) -> nn.Module:
     bucket boundaries (its DDPOptimizer), so the backward is one compiled piece per bucket and
     each bucket's all-reduce starts when its piece is done, overlapping the pieces still to run. A
     backward compiled whole hands DDP every gradient at its end, and every all-reduce waits for it.
-    (tests/test_levers.py shows the pieces and the all-reduces between them on 2 ranks.)
+    (tests/integration/test_levers.py shows the pieces and the all-reduces between them on 2 ranks.)
     DIST.COMM_HOOK bf16 (or fp16) all-reduces the gradients in 16 bits: half the bytes on the wire.
     """
     wrapped = model if env.world_size == 1 else ddp_wrap(model, cfg.DIST, env)  # one rank: DDP only costs (~7%)

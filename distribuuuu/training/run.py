@@ -105,7 +105,7 @@ def build_telemetry(cfg: CfgNode, model: nn.Module, env: DistEnv) -> Telemetry:
 
 def fused_step(cfg: CfgNode, env: DistEnv) -> bool:
     """Whether the optimizer steps with its fused kernel: fp16 or bf16 on a replicated model (one
-    kernel over every parameter rather than foreach's few per group; the same updates, tests/test_levers.py)."""
+    kernel over every parameter rather than foreach's few per group; the same updates, tests/integration/test_levers.py)."""
     return cfg.TRAIN.PRECISION in ("fp16", "bf16") and not shards(cfg, env)
 
 

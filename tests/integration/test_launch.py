@@ -1,6 +1,6 @@
 """Real multi-process jobs on the CPU (gloo): srun-style launch, exact evaluation, utils.
 
-Auto-resume after an epoch is tested in test_faults.py, beside the uninterrupted run it must equal.
+Auto-resume after an epoch is tested in test_exact_resume.py, beside the uninterrupted run it must equal.
 """
 
 from __future__ import annotations

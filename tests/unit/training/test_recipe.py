@@ -4,7 +4,7 @@ Each test compares the trainer with an independent computation: a closed form, a
 update, or a second run that must give the same weights by another route (k micro-batches vs one
 batch k times larger; ZeRO-1 vs unsharded).
 
-This file is also the worker of its multi-process tests: ``python tests/test_recipe.py train|test
+This file is also the worker of its multi-process tests: ``python tests/unit/training/test_recipe.py train|test
 KEY VALUE ...`` runs train_net.py's / test_net.py's entry point unchanged, with the tiny model below
 registered and counters (optimizer steps, DDP gradient all-reduces, optimizer-state elements on
 this rank, logits dtypes) written to ``OUT_DIR/stats_<mode>.rank<R>.json``. Training argument lists
@@ -27,8 +27,9 @@ import pytest
 import torch
 from torch import nn
 
-if __name__ == "__main__":  # run as the worker script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__":  # run as the worker script: make the repository and tests/ importable
+    _TESTS = Path(__file__).resolve().parents[2]  # tests/unit/training/ -> tests/
+    sys.path[:0] = [str(_TESTS.parent), str(_TESTS)]
 
 from helpers import REPO, assert_ok, in_process, python, read_metrics, run, run_torchrun  # noqa: E402
 

@@ -12,8 +12,7 @@ import os
 import sys
 
 import pytest
-from helpers import EVAL_TINY, REPO, TINY_TRAIN, assert_ok, clean_env, in_process, read_metrics
-from test_packed_data import _without_timings
+from helpers import EVAL_TINY, REPO, TINY_TRAIN, _without_timings, assert_ok, clean_env, in_process, read_metrics
 
 from distribuuuu.data import DataError, remote
 from distribuuuu.data.packed import BadShardError, PackedDataset
@@ -129,7 +128,7 @@ def test_without_obstore_a_bucket_url_names_the_extra_to_install(monkeypatch):
 @pytest.mark.slow  # two 1-epoch runs
 def test_a_run_trains_from_a_bucket_exactly_as_from_the_same_shards_on_disk(packed_both, tmp_path):
     """One process each (in this one): a bucket is read through the same shard cache as an HTTP
-    server, whose sharing by ranks and workers tests/test_shard_cache.py's two-node test shows."""
+    server, whose sharing by ranks and workers tests/integration/test_shard_cache.py's two-node test shows."""
     local, url, _ = packed_both
     metrics = {}
     for name, root in (("disk", str(local)), ("s3", url)):

@@ -1,7 +1,7 @@
 """Heartbeats in the store: a rank whose heartbeat stops is named once, by the lowest rank still beating.
 
 In-process: a TCPStore on 127.0.0.1 and one Heartbeat per simulated rank (threads); the two-process
-job with a stopped rank is in test_faults.py.
+job with a stopped rank is in test_kills_and_restarts.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ file holds the state of the step it was taken at, and the end of a run and a pre
 
 The runs here are in this process: a gate holds each write until training has taken two more
 steps (or until the trainer waits for the write), so what ran during a write is an order of
-events, never a timing. A kill during a write, which needs a process, is in test_faults.py.
+events, never a timing. A kill during a write, which needs a process, is in test_exact_resume.py.
 """
 
 from __future__ import annotations

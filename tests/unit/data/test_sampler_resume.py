@@ -8,12 +8,10 @@ the shard-windowed order (DATA.SHUFFLE_WINDOW) over shards of SHARD consecutive 
 from __future__ import annotations
 
 import pytest
+from sampler_helpers import window_stretches
 from torch.utils.data import DistributedSampler
 
-from distribuuuu.config import load_cfg
 from distribuuuu.data.samplers import ResumableDistributedSampler, ShardWindowSampler
-from distribuuuu.runtime.launcher import DistEnv
-from distribuuuu.training.inputs import build_train_split
 
 SEED = 7
 SHARD = 7  # samples per shard in the windowed cases; the last shard holds the rest
@@ -71,29 +69,6 @@ def test_permutation_depends_on_seed_and_epoch_only(window):
     assert samplers(50, 1, epoch=3, window=window)[0].permutation() != orders[1]
 
 
-def window_stretches(order: list[int], shard_of: list[int], window: int) -> list[list[int]]:
-    """Split an epoch's order into its windows, asserting that it is made of windows.
-
-    The shards, in the order the epoch first reaches them, taken ``window`` at a time, are the
-    windows: each window's samples must fill one contiguous stretch of the order (so any point
-    of the epoch reads at most ``window`` shards) and hold every sample of its shards.
-    """
-    assert sorted(order) == list(range(len(shard_of))), "each sample exactly once"
-    visited = list(dict.fromkeys(shard_of[i] for i in order))  # shards in order of first appearance
-    window_of = {shard: k // window for k, shard in enumerate(visited)}
-    windows = [window_of[shard_of[i]] for i in order]
-    assert windows == sorted(windows), "a window's samples are contiguous: no shard comes back later"
-    stretches, start = [], 0
-    for k in range(max(windows, default=-1) + 1):
-        stretch = order[start : start + windows.count(k)]
-        shards = set(visited[k * window : (k + 1) * window])
-        assert {shard_of[i] for i in stretch} == shards
-        assert sorted(stretch) == [i for i, shard in enumerate(shard_of) if shard in shards], "whole shards"
-        stretches.append(stretch)
-        start += len(stretch)
-    return stretches
-
-
 @pytest.mark.parametrize("n", [50, 97, 100])
 @pytest.mark.parametrize("window", [1, 2, 3, 20])
 def test_windowed_order_reads_the_shards_window_by_window(n, window):
@@ -146,27 +121,3 @@ def test_negative_position_is_refused_and_a_finished_epoch_is_empty():
         s.set_position(-1)
     s.set_position(10)
     assert len(s) == 0 and list(s) == []
-
-
-RESUME_AT = 5  # samples of one rank into epoch 1
-
-
-def config_sampler_keys(opts: list[str], world: int) -> list[dict]:
-    """Every rank's training sampler of a real config (load_cfg, build_train_split with that rank's
-    DistEnv, as training builds it), all built in this process: the data code takes no collective.
-    Per rank, its ``(round, index)`` keys of epochs 0 and 1, and "resumed": epoch 1 from a sampler
-    built anew (as after a restart) and started after RESUME_AT samples."""
-    ranks = []
-    for rank in range(world):
-        env, keys = DistEnv(rank=rank, world_size=world), {}
-        sampler = build_train_split(load_cfg(opts=opts), env).sampler
-        for epoch in (0, 1):
-            sampler.set_epoch(epoch)
-            sampler.set_start(0)
-            keys[epoch] = [tuple(key) for key in sampler]
-        resumed = build_train_split(load_cfg(opts=opts), env).sampler
-        resumed.set_epoch(1)
-        resumed.set_start(RESUME_AT)
-        keys["resumed"] = [tuple(key) for key in resumed]
-        ranks.append(keys)
-    return ranks

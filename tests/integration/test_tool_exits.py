@@ -2,7 +2,7 @@
 usage and one error line, exit 2, no traceback, nothing on stdout.
 
 How the tools end otherwise (success, bad input, Ctrl-C, a failed rank) is tested beside each tool;
-that no process group outlives one is tests/test_distributed_env.py's ("Ending the process group").
+that no process group outlives one is tests/unit/runtime/test_distributed_env.py's ("Ending the process group").
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""The training loop talks to other ranks and syncs the host only at its PRINT_FREQ sync points, and
-that one all-reduce carries every rank's step time and data wait (per-rank slots: a sum is a gather).
-
-Every public collective of ``torch.distributed`` and every host-sync method of ``torch.Tensor``
-(``item``, ``tolist``, ``__bool__``, ...) is wrapped to record the step at which it was called,
-then ``trainer.train_epoch`` trains 25 steps on the embedded digits with PRINT_FREQ 10. DDP's own
-gradient all-reduce runs inside its C++ reducer and is not counted. Run as a script, this file is
-the worker of the two-process job.
+"""The hot-loop checks (tests/unit/training/test_hot_loop.py; the writer and progress-bar variant in
+tests/integration/test_export_and_tracking.py): every public collective of ``torch.distributed`` and every
+host-sync method of ``torch.Tensor`` wrapped to record the step at which it was called while
+``trainer.train_epoch`` trains 25 steps on the embedded digits with PRINT_FREQ 10, and the checks on
+what was recorded. ``_worker`` is one rank of the two-process job (tests/scripts/hot_loop_job.py).
 """
 
 from __future__ import annotations
@@ -13,13 +10,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, assert_ok, clean_env, run_torchrun
+from helpers import REPO
 from torch import nn
 
 from distribuuuu import trainer
@@ -27,7 +22,7 @@ from distribuuuu.config import load_cfg
 from distribuuuu.models import register_model
 from distribuuuu.records.meters import MetricSums
 from distribuuuu.runtime.launcher import DistEnv
-from distribuuuu.runtime.process_group import all_reduce_sum, cleanup_distributed, setup_distributed
+from distribuuuu.runtime.process_group import cleanup_distributed, setup_distributed
 from distribuuuu.training.session import Session
 from distribuuuu.training.state import Window
 
@@ -40,6 +35,7 @@ COLLECTIVES = (
 HOST_SYNCS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
 STEPS, PRINT_FREQ = 25, 10
 SYNC_STEPS = [10, 20, 25]  # every PRINT_FREQ-th step and the epoch's last
+HOT_LOOP_JOB = str(REPO / "tests" / "scripts" / "hot_loop_job.py")
 
 
 class TinyNet(nn.Module):
@@ -72,16 +68,6 @@ def hot_loop_cfg(world_size: int, precision: str = "fp32"):
             "TRAIN.PRECISION", precision,
         ],
     )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def digits_batches() -> list:
-    """The 25 training batches of one epoch, decoded once for the module.
-
-    The data pipeline runs on the host by design (its augmentations call ``.item()`` on CPU
-    tensors); decoding beforehand leaves only the loop's own calls in the recorded epoch.
-    """
-    return list(_digits_run(DistEnv()).train.loader)
 
 
 def _digits_run(env: DistEnv, precision: str = "fp32") -> trainer.Run:
@@ -190,63 +176,6 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-# fp16: GradScaler's overflow checks and skipped-step count must stay on the device too.
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_one_rank_loop_syncs_only_every_print_freq_steps(digits_batches, precision):
-    with one_rank_group(), gathered_times() as seen:
-        run = with_batches(_digits_run(DistEnv(), precision), digits_batches)
-        assert run.steps_per_epoch == STEPS
-        calls = record_epoch(run)
-    check_collectives(calls)
-    check_host_syncs(calls)
-    check_gathered(seen, 1)
-
-
-def test_the_checks_catch_a_per_step_all_reduce_and_item(digits_batches, monkeypatch):
-    """What the original Distribuuuu did every step, an all-reduce and an ``.item()``, must fail both checks."""
-    train_step = trainer.train_step
-
-    def chatty_train_step(run, micro_batches, sums):
-        loss = train_step(run, micro_batches, sums)
-        all_reduce_sum(loss.detach().clone()).item()
-        return loss
-
-    monkeypatch.setattr(trainer, "train_step", chatty_train_step)
-    with one_rank_group():
-        calls = record_epoch(with_batches(_digits_run(DistEnv()), digits_batches), start=STEPS - 6)
-    for check, message in ((check_collectives, "collectives outside"), (check_host_syncs, "host syncs at steps")):
-        with pytest.raises(AssertionError, match=message):
-            check(calls, first_step=STEPS - 6)
-    assert sorted({step for _, name, step in calls if name == "item"}) == list(range(STEPS - 6, STEPS))
-
-
-PRECISIONS = ("fp32", "fp16")
-
-
-@pytest.fixture(scope="module")
-def two_process_records(tmp_path_factory) -> Path:
-    """One 2-rank launch records an epoch in each precision: ``{precision}_rank{r}.json``."""
-    out = tmp_path_factory.mktemp("two_process_loop")
-    assert_ok(run_torchrun(2, __file__, str(out), *PRECISIONS, timeout=300, env=clean_env()))
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_two_process_ddp_loop_syncs_only_every_print_freq_steps(two_process_records, precision):
-    for rank in range(2):
-        record = json.loads((two_process_records / f"{precision}_rank{rank}.json").read_text())
-        assert record["ddp"], "with two processes the trainer must train through DDP"
-        assert record["steps_per_epoch"] == STEPS
-        calls = [tuple(c) for c in record["calls"]]
-        check_collectives(calls)
-        check_host_syncs(calls)
-        check_gathered(record["gathered"], 2)
-    ranks = [json.loads((two_process_records / f"{precision}_rank{r}.json").read_text())["gathered"] for r in range(2)]
-    for on_0, on_1 in zip(*ranks):  # one all-reduce: both ranks hold the same lists
-        assert (on_0["rank_step_s"], on_0["rank_data_s"]) == (on_1["rank_step_s"], on_1["rank_data_s"])
-
-
 def _worker(out_dir: str, precisions: list[str]) -> None:
     """One rank of the two-process job: record an epoch per precision and write what was called."""
     env = setup_distributed("gloo", 300)
@@ -265,7 +194,3 @@ def _worker(out_dir: str, precisions: list[str]) -> None:
             Path(out_dir, f"{precision}_rank{env.rank}.json").write_text(json.dumps(record))
     finally:
         cleanup_distributed()
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2:])

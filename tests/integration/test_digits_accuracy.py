@@ -4,9 +4,9 @@ raw and EMA weights, and test_net.py reproduces the run's numbers from its check
 One run, the session's ``digits_run`` (tests/runs.py): the recipe as its header says to run it (ddp
 under torchrun with 2 processes), reading a packed copy of the digits made by
 tools/pack_dataset.py (WebDataset shards) from a real HTTP server on 127.0.0.1.
-tests/test_packed_data.py shows that a packed copy trains to the very same weights as the
-ImageFolder and reads over HTTP exactly as from disk; tests/test_fsdp.py and
-tests/test_resume_world_size.py that fsdp trains ddp's weights; tests/test_tool_matrix.py that
+tests/integration/test_packed_data.py shows that a packed copy trains to the very same weights as the
+ImageFolder and reads over HTTP exactly as from disk; tests/unit/runtime/test_fsdp.py and
+tests/integration/test_resume_world_size.py that fsdp trains ddp's weights; tests/integration/test_tool_matrix.py that
 every tool reads sharded checkpoints as single files. The default config (SGD, 10 epochs: the
 README's first command) trains through the same trainer; its figures are measured in the README,
 not again here, where a second 10-epoch run would nearly double the suite's largest cost.

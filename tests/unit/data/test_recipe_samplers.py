@@ -13,7 +13,7 @@ import pytest
 import torch
 import torchvision
 from helpers import REPO
-from test_sampler_resume import RESUME_AT, config_sampler_keys
+from sampler_helpers import RESUME_AT, config_sampler_keys
 
 from distribuuuu.data.samplers import (
     RepeatedAugmentationSampler,

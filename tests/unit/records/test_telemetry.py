@@ -1,7 +1,7 @@
 """Telemetry: model FLOPs per image (torch's FlopCounterMode) against their closed form, TFLOP/s and
 MFU against their formula, the straggler rule on made-up rank times, and a run's log line,
 metrics.jsonl record and TensorBoard curves. That the times travel in the one all-reduce, with no
-other collective or host sync: tests/test_hot_loop.py.
+other collective or host sync: tests/unit/training/test_hot_loop.py.
 """
 
 from __future__ import annotations

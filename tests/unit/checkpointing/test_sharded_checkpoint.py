@@ -1,7 +1,7 @@
 """Sharded (DCP) checkpoints: atomic and verified, convertible to one file, in one process.
 
 Resharding across world sizes (2 ranks' checkpoint read by 3, 3 ranks' by 2, bit for bit, and read
-whole in one process) is checked through the trainer by tests/test_resume_world_size.py's fsdp chain.
+whole in one process) is checked through the trainer by tests/integration/test_resume_world_size.py's fsdp chain.
 """
 
 from __future__ import annotations

@@ -575,7 +575,7 @@ def test_the_progress_bar_shows_on_a_terminal_and_not_when_redirected(tmp_path):
 
 def test_the_loop_with_a_real_writer_and_the_bar_syncs_only_at_sync_points(tmp_path):
     """The hot-loop check of test_hot_loop.py, with TensorBoard windows and the bar drawing."""
-    import test_hot_loop as hot
+    import hot_loop_helpers as hot
 
     from distribuuuu.logger import setup_logging
 

@@ -34,7 +34,7 @@ from helpers import (
 pytest.importorskip("wids")
 datasets = pytest.importorskip("datasets")
 # The tools read any model's checkpoints alike: the tiny registered CNN keeps each export at ~2 s
-# (the light torchvision model's took ~12 s); tests/test_export_and_tracking.py exports that one.
+# (the light torchvision model's took ~12 s); tests/integration/test_export_and_tracking.py exports that one.
 
 
 TOOLS = REPO / "tools"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import TRAIN, assert_ok, in_process, read_metrics, run_torchrun
+from helpers import REPO, TRAIN, assert_ok, in_process, read_metrics, run_torchrun
 
 from distribuuuu.cli import parse_args
 from distribuuuu.config import (
@@ -322,7 +322,7 @@ def test_a_step_larger_than_a_ranks_share_of_the_data_is_one_line_naming_both_ke
     from distribuuuu.runtime.launcher import DistEnv
     from distribuuuu.training.inputs import build_train_split
 
-    digits = str(Path(__file__).resolve().parents[1] / "data" / "digits")
+    digits = str(REPO / "data" / "digits")
     per_rank = -(-1436 // world_size)  # DistributedSampler's share of the 1,436 training images
     batch = per_rank // accum + 1  # one more image than the share holds, per optimizer step
     cfg = load_cfg(opts=["TRAIN.DATASET", digits, "TRAIN.BATCH_SIZE", str(batch), "TRAIN.ACCUM_STEPS", str(accum)])

@@ -21,6 +21,7 @@ from helpers import (
     EVAL_TINY,
     REPO,
     TINY_TRAIN,
+    _without_timings,
     assert_ok,
     clean_env,
     in_process,
@@ -29,7 +30,7 @@ from helpers import (
     run,
     serve_folder,
 )
-from test_sampler_resume import RESUME_AT, config_sampler_keys, window_stretches
+from sampler_helpers import RESUME_AT, config_sampler_keys, window_stretches
 from torch import nn
 
 from distribuuuu.config import get_cfg_defaults
@@ -347,7 +348,7 @@ def test_training_on_a_truncated_shard_stops_naming_it_or_skips_and_counts_its_s
 
 @pytest.mark.slow
 def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
-    from test_faults import STEPS_ONE, _assert_same_weights, _final_state
+    from fault_helpers import STEPS_ONE, _assert_same_weights, _final_state
 
     common = [*TINY, "OPTIM.MAX_EPOCH", "2", "TRAIN.CKPT_PERIOD_ITERS", "10", "TRAIN.WORKERS", "2"]
     common += ["DATA.MIXUP_ALPHA", "0.2", "OPTIM.EMA_DECAY", "0.9"]  # global RNG and EMA state: both must resume
@@ -373,7 +374,7 @@ def test_mid_epoch_resume_from_packed_data_is_bit_identical(packed, tmp_path):
 @pytest.mark.slow
 def test_a_run_reads_the_shards_over_http_exactly_as_from_disk(packed, http_url, tmp_path):
     """One process each (in this one): ranks and workers sharing a node's cache over HTTP, as from
-    disk, are tests/test_shard_cache.py's two-node test."""
+    disk, are tests/integration/test_shard_cache.py's two-node test."""
     metrics = {}
     for name, root in (("disk", str(packed)), ("http", http_url)):
         data = ["TRAIN.DATASET", root, "TEST.DATASET", root, "DATA.SHARD_CACHE", str(tmp_path / f"cache_{name}")]
@@ -386,10 +387,6 @@ def test_a_run_reads_the_shards_over_http_exactly_as_from_disk(packed, http_url,
     assert len(links) == 7 and all(p.is_symlink() and p.resolve().parent.parent == packed.resolve() for p in links), (
         "local shards are read in place, not copied"
     )
-
-
-def _without_timings(record: dict) -> dict:
-    return {k: v for k, v in record.items() if "time" not in k and "per_s" not in k and not k.endswith("_s")}
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, in_process
+from helpers import REPO, clean_env, in_process
 
 from distribuuuu.config import ConfigError, load_cfg
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "config"
 IMAGENET_DIR = CONFIG_DIR / "imagenet"
 PLOT = REPO / "tools" / "plot_metrics.py"

@@ -4,7 +4,7 @@ Resume hands CPU RNG states to the restore; skipped steps are counted once per o
 whatever the world size; fp16 runs (and skips overflowing steps) on the CPU; a mid-epoch
 checkpoint never holds non-finite weights; one visible GPU per task; a rank that never starts
 fails the job quickly; Slurm's step variables. (Two torchrun agents acting as two nodes: the
-hsdp run of tests/test_resume_world_size.py.)
+hsdp run of tests/integration/test_resume_world_size.py.)
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def test_two_fsdp_ranks_count_each_skipped_non_finite_step_once(tmp_path):
     whose gradients are not: two skipped optimizer steps (not 4 + 0, as per rank and micro-batch).
     Under fsdp the norm that decides is the sharded gradients' global one; under ddp the same
     faults are the fp16 test's below (every rank's all-reduced gradients are non-finite alike),
-    and one process counts them in tests/test_faults.py."""
+    and one process counts them in tests/integration/test_non_finite_losses.py."""
     opts = [*TWO_ACCUM, "TRAIN.NAN_POLICY", "skip", "DIST.STRATEGY", "fsdp"]
     # A launch: the count across two ranks' real FSDP gradient sync is the property.
     assert_ok(run_torchrun(2, TINY_TRAIN, "OUT_DIR", str(tmp_path), *opts, timeout=300, env=clean_env(**FAULTS)))

@@ -33,7 +33,7 @@ def _five_class_copy(root: Path) -> Path:
 def test_fine_tuning_the_digits_checkpoint_on_5_classes_with_a_new_head_and_a_frozen_stem(digits_run, tmp_path):
     # From the session's 10-class digits run (the recipe; its best.pth.tar) to a 5-class subset in
     # one plain process: the head's shape differs, so it starts new. Measured: 99.4% after 2 epochs
-    # (tests/test_tool_matrix.py fine-tunes from every checkpoint form, .dcp folders included).
+    # (tests/integration/test_tool_matrix.py fine-tunes from every checkpoint form, .dcp folders included).
     pretrained, _, _ = digits_run
     five, fine = _five_class_copy(tmp_path / "digits5"), tmp_path / "fine"
     result = in_process(

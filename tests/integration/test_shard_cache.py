@@ -36,7 +36,7 @@ from helpers import (
     serving,
     two_nodes,
 )
-from test_sampler_resume import window_stretches
+from sampler_helpers import window_stretches
 
 from distribuuuu.config import ConfigError, get_cfg_defaults, validate_cfg
 from distribuuuu.data.packed import PackedDataset, _ShardFiles

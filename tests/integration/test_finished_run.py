@@ -59,7 +59,7 @@ def test_a_finished_runs_best_holds_only_what_evaluation_needs(finished_run):
 
 
 def test_a_run_with_log_plot_false_draws_no_plot_and_its_summary_says_how_to(finished_run):
-    # tiny_train.py runs with LOG.PLOT False unless told otherwise (tests/test_export_and_tracking.py: a plot drawn).
+    # tiny_train.py runs with LOG.PLOT False unless told otherwise (tests/integration/test_export_and_tracking.py: a plot drawn).
     text = (finished_run / "summary.md").read_text()
     assert f"- plot: none (LOG.PLOT False; python tools/plot_metrics.py {finished_run} draws it)" in text
     assert not (finished_run / "metrics.png").exists()
