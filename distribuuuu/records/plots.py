@@ -109,7 +109,8 @@ def draw_run(axes: Any, run: RecordedRun, color: str) -> None:
         plot_series(ax_metric, ema, key, {**dashed, "marker": marker, "label": f"{run.label} val (ema){name}"})
     plot_series(ax_lr, train, "lr", {**thin, "alpha": 1.0, "label": run.label})
     plot_series(ax_ips, train, "images_per_s", {**dots, "label": run.label})
-    mark_best(ax_loss, ax_metric, val + ema, color, run.label)
+    # In the order written: an epoch's EMA evaluation follows its raw one, and the last marked wins
+    mark_best(ax_loss, ax_metric, sorted(val + ema, key=lambda r: float(r["epoch"])), color, run.label)
 
 
 def mark_best(ax_loss: Any, ax_metric: Any, val_records: list[Record], color: str, label: str) -> None:

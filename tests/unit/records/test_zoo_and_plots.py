@@ -256,3 +256,21 @@ def test_plot_metrics_missing_file_exits_2(tmp_path: Path) -> None:
     assert len(lines) == 1, proc.stderr
     assert str(missing / "metrics.jsonl") in lines[0]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_star_marks_the_last_best_written_across_the_raw_and_the_ema_weights(tmp_path: Path) -> None:
+    """The EMA's evaluation best at epoch 1, the raw weights' at epoch 2: the run's best is epoch 2's
+    raw weights (best.pth.tar's), whichever list of records the plot reads first."""
+    pytest.importorskip("matplotlib")
+    records = []
+    for epoch, (raw, ema) in enumerate(((90.0, 95.0), (99.0, 96.0)), start=1):
+        records.append(_record(epoch, "train", 1.0 / epoch, lr=0.1))
+        records.append(
+            _record(epoch, "val", 0.5, weights="model", top1=raw, **({"best": "top1"} if epoch == 2 else {}))
+        )
+        records.append(_record(epoch, "val", 0.5, weights="ema", top1=ema, **({"best": "top1"} if epoch == 1 else {})))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plt, fig = _figure(tmp_path)
+    stars = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[1].get_lines()}
+    assert stars["r best (top-1, model weights)"] == ([2.0], [99.0]), stars
+    plt.close("all")
