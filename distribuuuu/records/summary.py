@@ -85,7 +85,7 @@ def format_summary(s: Summary) -> str:
     """The summary as short Markdown."""
     lines = [f"# Run summary: {s.out_dir}", "", f"- epochs trained: {s.epochs}"]
     if s.best:
-        lines.append(_best_line(s.best, s.best_metric, _checkpoint_text(s.best, s.out_dir)))
+        lines.append(_best_line(s.best, s.best_metric, _checkpoint_text(s.best, s.out_dir, best=True)))
     lines += [
         _evaluation_line("last val", weights, r, _checkpoint_text(r, s.out_dir))
         for weights, r in sorted(s.last.items())
@@ -109,11 +109,11 @@ def _time_line(s: Summary) -> str:
 
 
 def last_tests(records: list[Record]) -> list[Record]:
-    """The last test record written of each checkpoint and weights ("model"/"ema"), in the order written."""
+    """The last test record written of each checkpoint, weights ("model"/"ema") and TEST.TTA, in the order written."""
     last: dict[tuple, Record] = {}
     for r in records:
         if r.get("split") == "test":
-            key = ((r.get("checkpoint") or {}).get("path"), r.get("weights", "model"))
+            key = ((r.get("checkpoint") or {}).get("path"), r.get("weights", "model"), r.get("tta", ""))
             last.pop(key, None)
             last[key] = r
     return list(last.values())
@@ -123,19 +123,24 @@ def _sha256(record: Record) -> str | None:
     return (record.get("checkpoint") or {}).get("sha256")
 
 
-def _checkpoint_text(record: Record, out_dir: str) -> str:
-    """'; checkpoints/ckpt_ep_003.pth.tar, weights 1a2b...' for a record that names its checkpoint, else ''."""
+def _checkpoint_text(record: Record, out_dir: str, best: bool = False) -> str:
+    """'; checkpoints/ckpt_ep_003.pth.tar, weights 1a2b...' for a record that names its checkpoint, else ''.
+    A checkpoint pruned since (TRAIN.KEEP_CKPTS) is said to be; the best's weights are then best.pth.tar's."""
     named = record.get("checkpoint")
     if not isinstance(named, dict) or not named.get("path"):
         return ""
     path, root = str(named["path"]), os.path.abspath(out_dir)
     shown = os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+    if not os.path.exists(path):
+        kept = [n for n in ("best.pth.tar", "best.dcp") if os.path.exists(os.path.join(root, n))] if best else []
+        shown = f"{kept[0]} (its checkpoint {shown} pruned since)" if kept else f"{shown} (pruned since)"
     return f"; {shown}" + (f", weights {named['sha256']}" if named.get("sha256") else "")
 
 
 def _test_line(s: Summary, r: Record) -> str:
     """A test record's line; one of weights this run never evaluated is said to be another model's."""
-    line = _evaluation_line("test (test_net.py)", r.get("weights", "model"), r, _checkpoint_text(r, s.out_dir))
+    what = "test (test_net.py" + (f", {r['tta']} TTA)" if r.get("tta") else ")")
+    line = _evaluation_line(what, r.get("weights", "model"), r, _checkpoint_text(r, s.out_dir))
     foreign = s.own_weights and _sha256(r) and _sha256(r) not in s.own_weights
     return line + (" — not this run's weights: none of its evaluations had them" if foreign else "")
 

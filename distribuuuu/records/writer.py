@@ -113,6 +113,7 @@ def write_eval_record(
             **({"best": best} if best else {}),
             **({"checkpoint": checkpoint} if checkpoint else {}),
             **({"precise_bn_s": precise_bn_s} if precise_bn_s is not None else {}),
+            **({"tta": totals["tta"]} if totals.get("tta") else {}),
         }
     )
 
@@ -126,11 +127,16 @@ def checkpoint_field(path: str, epoch: int, sha256: str | None) -> dict:
     return {"path": os.path.abspath(path), "epoch": epoch, "sha256": sha256[:DIGEST_CHARS] if sha256 else None}
 
 
+def tta_text(record: dict) -> str:
+    """', flip TTA' for an evaluation scored with TEST.TTA, else ''."""
+    return f", {record['tta']} TTA" if record.get("tta") else ""
+
+
 def evaluation_line(what: str, totals: dict, k: int | None) -> str:
     """An evaluation's log line: ``what``, then its loss, top-1 (and top-k), mAP and F1 (multi-label), speed."""
     return (
         f"{what}: loss {totals['loss']:.4f}  top1 {totals['top1_acc']:.2f}{topk_text(k, totals['topk_acc'])}"
-        f"{multilabel_text(totals)}  ({totals['samples']:.0f} images, {totals['images_per_s']:.0f} img/s)"
+        f"{multilabel_text(totals)}  ({totals['samples']:.0f} images{tta_text(totals)}, {totals['images_per_s']:.0f} img/s)"
     )
 
 

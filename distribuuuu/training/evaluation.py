@@ -22,6 +22,7 @@ from distribuuuu.records.writer import (
     evaluation_line,
     multilabel_text,
     topk_text,
+    tta_text,
     write_eval_record,
 )
 from distribuuuu.runtime.launcher import DistEnv
@@ -81,6 +82,8 @@ def validate(
         extras.save(*outputs, indices=list(split.sampler), paths=sample_paths(split.dataset), names=names)
     totals["time_s"] = time.perf_counter() - tic
     totals["images_per_s"] = totals["samples"] / max(totals["time_s"], 1e-9)
+    if t.TTA:
+        totals["tta"] = t.TTA  # its record and log line say so: a flip-TTA score is another measurement
     return totals
 
 
@@ -208,9 +211,9 @@ def test_model(cfg: CfgNode) -> dict:
         k = build_task(cfg.MODEL, cfg.TEST).reported_k(cfg.TRAIN.TOPK)
         write_test_record(writer, cfg, state, totals, k, precise_s)
         logger.info(
-            "test %s: top1 %.3f%s%s  loss %.4f  (%d images); recorded in %s/metrics.jsonl",
+            "test %s: top1 %.3f%s%s  loss %.4f  (%d images%s); recorded in %s/metrics.jsonl",
             cfg.MODEL.WEIGHTS, totals["top1_acc"], topk_text(k, totals["topk_acc"], 3), multilabel_text(totals, 3),
-            totals["loss"], totals["samples"], cfg.OUT_DIR,
+            totals["loss"], totals["samples"], tta_text(totals), cfg.OUT_DIR,
         )  # fmt: skip
         return totals
 

@@ -110,6 +110,37 @@ def test_the_summary_gives_a_test_of_weights_the_run_never_evaluated_as_not_its_
     assert ckpt.checkpoint_name(1, 2) in foreign and "not this run's" in foreign, text
 
 
+def test_a_flip_tta_test_is_recorded_logged_and_summarised_as_such_beside_the_plain_one(two_epochs, tmp_path):
+    """The same weights with and without TEST.TTA flip are two measurements: the record says which
+    (``tta``), the log line too, and the summary keeps and names both."""
+    out = copy_run(two_epochs, tmp_path / "run")
+    weights = str(out / "best.pth.tar")
+    plain = in_process(TEST, "MODEL.WEIGHTS", weights, "OUT_DIR", str(out))
+    flipped = in_process(TEST, "MODEL.WEIGHTS", weights, "OUT_DIR", str(out), "TEST.TTA", "flip")
+    assert_ok(plain) and assert_ok(flipped)
+    assert "flip TTA" in flipped.stdout + flipped.stderr and "TTA" not in plain.stdout + plain.stderr
+    tests = [r for r in read_metrics(out) if r["split"] == "test"]
+    assert [r.get("tta") for r in tests] == [None, "flip"]
+    text = in_process(SUMMARIZE, str(out), "--no-write").stdout
+    lines = [line for line in text.splitlines() if line.startswith("- test")]
+    assert len(lines) == 2 and "flip TTA" in lines[1] and "TTA" not in lines[0], text
+
+
+def test_the_summary_names_best_pth_tar_for_a_best_whose_epoch_checkpoint_was_pruned(two_epochs, tmp_path):
+    """TRAIN.KEEP_CKPTS prunes the best epoch's checkpoint: the summary's best line points at
+    best.pth.tar, which holds those weights, not at a file that is gone."""
+    out = copy_run(two_epochs, tmp_path / "run")
+    [best] = [r for r in read_metrics(out) if r["split"] == "val" and r.get("best")][-1:]
+    pruned = Path(best["checkpoint"]["path"].replace(str(two_epochs), str(out)))
+    assert pruned.exists() and sha256_of(weights_of(out / "best.pth.tar")).startswith(best["checkpoint"]["sha256"])
+    metrics = out / "metrics.jsonl"  # the copy's records name the copy's files, as the run's own would
+    metrics.write_text(metrics.read_text().replace(str(two_epochs), str(out)))
+    pruned.unlink()
+    text = in_process(SUMMARIZE, str(out), "--no-write").stdout
+    [line] = [line for line in text.splitlines() if line.startswith("- best val")]
+    assert f"best.pth.tar (its checkpoint checkpoints/{pruned.name} pruned since)" in line, text
+
+
 # ------------------------------------------------------------------------------------------------
 # A fresh run moves an earlier run's outputs aside
 # ------------------------------------------------------------------------------------------------
