@@ -98,6 +98,7 @@ def train_one_epoch(run: Run, session: Session, epoch: int) -> dict:
     im_size = schedule.size_at(epoch)  # the epoch's crop: progressive resizing's, else TRAIN.IM_SIZE
     if schedule.on:
         logger.info("epoch %d/%d trains at %d px (progressive resizing)", epoch + 1, run.cfg.OPTIM.MAX_EPOCH, im_size)
+    run.telemetry.at_size(im_size)  # its FLOPs a training image, for TFLOP/s and MFU
     totals = train_epoch(run, session, epoch) | run.telemetry.end_epoch()  # the ranks' times over the epoch
     agree_on_buffers(run.model, run.ema)
     fp16 = run.scaler.is_enabled()

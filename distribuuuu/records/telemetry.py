@@ -64,13 +64,22 @@ def straggler_score(step_s: list[float], data_s: list[float], rank: int) -> floa
 
 class Telemetry:
     """A run's timing records: each window's ``WindowTelemetry`` (and straggler warning), summed into
-    the epoch's training record. ``flops_per_image``: model FLOPs of one training image (0: unknown);
+    the epoch's training record. ``flops_per_image``: model FLOPs of one training image (0: unknown),
+    or ``flops_by_size``'s at the size ``at_size`` names (progressive resizing);
     ``peak_tflops``: one device's peak (0: no MFU); ``straggler_factor``: warn when a rank is this
     many median steps behind (0: never)."""
 
-    def __init__(self, flops_per_image: float = 0.0, peak_tflops: float = 0.0, straggler_factor: float = 0.0):
+    def __init__(
+        self, flops_per_image: float = 0.0, peak_tflops: float = 0.0, straggler_factor: float = 0.0,
+        flops_by_size: dict[int, float] | None = None,
+    ):  # fmt: skip
         self.flops_per_image, self.peak_tflops, self.straggler_factor = flops_per_image, peak_tflops, straggler_factor
+        self.flops_by_size = dict(flops_by_size or {})  # image size -> FLOPs of a training image at it
         self._reset()
+
+    def at_size(self, image_size: int) -> None:
+        """The epoch trains at ``image_size`` (progressive resizing): its FLOPs a training image, where counted."""
+        self.flops_per_image = self.flops_by_size.get(image_size, self.flops_per_image)
 
     def _reset(self) -> None:
         self.rank_step_s: list[float] = []  # seconds of step per rank over the epoch's windows

@@ -57,7 +57,7 @@ def build_run(cfg: CfgNode, env: DistEnv) -> Run:
     base_lr = scaled_base_lr(cfg.OPTIM, batch)
     steps_per_epoch = len(train.sampler) // global_batch(cfg.TRAIN)
     log_run(cfg, env, model, train, val, steps_per_epoch, base_lr)
-    telemetry = build_telemetry(cfg, model, env)  # FLOPs counted on the plain model, before any wrapper
+    telemetry = build_telemetry(cfg, model, env, teacher)  # FLOPs counted on the plain models, before any wrapper
     parallel = parallelize(model, cfg, env)
     if teacher is not None and cfg.DISTILL.SHARD_TEACHER and parallel.mesh is not None:
         shard_model(
@@ -91,16 +91,26 @@ def build_run(cfg: CfgNode, env: DistEnv) -> Run:
     )
 
 
-def build_telemetry(cfg: CfgNode, model: nn.Module, env: DistEnv) -> Telemetry:
-    """The run's timing records: model FLOPs of a training image (``FlopCounterMode`` on one TRAIN.IM_SIZE
-    image, x 3 for the backward), LOG.PEAK_TFLOPS for MFU and LOG.STRAGGLER_FACTOR."""
-    forward = forward_flops(model, cfg.TRAIN.IM_SIZE, env.device, cfg.TRAIN.CHANNELS_LAST)
+def build_telemetry(cfg: CfgNode, model: nn.Module, env: DistEnv, teacher: Teacher | None = None) -> Telemetry:
+    """The run's timing records: model FLOPs of a training image at each size the run trains at
+    (``FlopCounterMode`` on one image: x 3 for the backward, plus the teacher's forward under
+    distillation), LOG.PEAK_TFLOPS for MFU and LOG.STRAGGLER_FACTOR."""
+    sizes = sorted({progressive(cfg).size_at(e) for e in range(cfg.OPTIM.MAX_EPOCH)} | {cfg.TRAIN.IM_SIZE})
+    by_size = {size: training_flops(cfg, model, env, teacher, size) for size in sizes}
+    per_image = by_size[cfg.TRAIN.IM_SIZE]
     logger.info(
-        "model FLOPs: %.4g GFLOP a forward of one %d px image, %.4g GFLOP a training image (x %d; "
-        "torch.utils.flop_counter)%s", forward / 1e9, cfg.TRAIN.IM_SIZE, TRAINING_FLOPS_PER_FORWARD * forward / 1e9,
-        TRAINING_FLOPS_PER_FORWARD, f"; MFU against LOG.PEAK_TFLOPS {cfg.LOG.PEAK_TFLOPS:g}" if cfg.LOG.PEAK_TFLOPS else "",
+        "model FLOPs: %.4g GFLOP a training image at %d px (a forward x %d%s; torch.utils.flop_counter)%s%s",
+        per_image / 1e9, cfg.TRAIN.IM_SIZE, TRAINING_FLOPS_PER_FORWARD, ", plus the teacher's forward" if teacher else "",
+        "; " + ", ".join(f"{by_size[s] / 1e9:.4g} at {s} px" for s in sizes if s != cfg.TRAIN.IM_SIZE) if len(sizes) > 1 else "",
+        f"; MFU against LOG.PEAK_TFLOPS {cfg.LOG.PEAK_TFLOPS:g}" if cfg.LOG.PEAK_TFLOPS else "",
     )  # fmt: skip
-    return Telemetry(TRAINING_FLOPS_PER_FORWARD * forward, cfg.LOG.PEAK_TFLOPS, cfg.LOG.STRAGGLER_FACTOR)
+    return Telemetry(per_image, cfg.LOG.PEAK_TFLOPS, cfg.LOG.STRAGGLER_FACTOR, by_size)
+
+
+def training_flops(cfg: CfgNode, model: nn.Module, env: DistEnv, teacher: Teacher | None, size: int) -> float:
+    """FLOPs of one training image at ``size``: the student's forward and backward, the teacher's forward."""
+    flops = TRAINING_FLOPS_PER_FORWARD * forward_flops(model, size, env.device, cfg.TRAIN.CHANNELS_LAST)
+    return flops + (forward_flops(teacher.module, size, env.device, cfg.TRAIN.CHANNELS_LAST) if teacher else 0)
 
 
 def fused_step(cfg: CfgNode, env: DistEnv) -> bool:

@@ -36,6 +36,44 @@ def test_forward_flops_are_the_closed_form_and_leave_the_model_as_it_was():
     assert forward_flops(linear, 4, torch.device("cpu")) == 2 * 48 * 7
 
 
+def tiny_cnn_forward(size: int) -> int:
+    """TINY_CNN_FORWARD's closed form at any even ``size``."""
+    return 2 * (8 * 3 * 9 * size * size + 16 * 8 * 9 * (size // 2) ** 2 + 16 * 10)
+
+
+def test_a_progressive_run_counts_each_epochs_flops_at_the_size_it_trains_at(tmp_path):
+    """Epochs at 8, 12 and 16 px (progressive resizing): each epoch's record counts its own size's
+    FLOPs, not TRAIN.IM_SIZE's (which made a 8 px epoch's TFLOP/s 4x too high)."""
+    assert tiny_cnn_forward(16) == TINY_CNN_FORWARD
+    ramp = ["OPTIM.MAX_EPOCH", "3", "TRAIN.PROGRESSIVE_START_SIZE", "8", "TRAIN.PROGRESSIVE_SIZE_MULTIPLE", "4",
+            "TRAIN.PROGRESSIVE_END_EPOCH", "2", "TRAIN.SPLIT", "val", "LOG.PLOT", "False"]  # fmt: skip
+    assert_ok(in_process(TRAIN, "OUT_DIR", str(tmp_path), *EVAL_TINY, *ramp))
+    trains = [r for r in read_metrics(tmp_path) if r["split"] == "train"]
+    assert [r["im_size"] for r in trains] == [8, 12, 16]
+    assert [r["flops_per_image"] for r in trains] == [
+        TRAINING_FLOPS_PER_FORWARD * tiny_cnn_forward(s) for s in (8, 12, 16)
+    ]
+
+
+def test_a_distilled_runs_flops_add_the_teachers_forward():
+    from distribuuuu.runtime.launcher import DistEnv
+    from distribuuuu.training.distillation import Teacher
+    from distribuuuu.training.run import build_telemetry
+
+    cfg = load_cfg(None, [*EVAL_TINY, "MODEL.NUM_CLASSES", "10"])
+    student, teacher = build_model("tiny_cnn", 10), Teacher(build_model("resnet18", 10).eval(), {})
+    teacher_forward = forward_flops(torchvision_resnet18(), 16, torch.device("cpu"))
+    telemetry = build_telemetry(cfg, student, DistEnv(), teacher)
+    assert telemetry.flops_per_image == TRAINING_FLOPS_PER_FORWARD * TINY_CNN_FORWARD + teacher_forward
+    assert teacher_forward > TINY_CNN_FORWARD  # the part that was left out was the larger
+
+
+def torchvision_resnet18() -> nn.Module:
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
 def _totals(step_s: list[float], data_s: list[float], samples: float = 640.0) -> dict:
     return {"rank_step_s": step_s, "rank_data_s": data_s, "samples": samples}
 
