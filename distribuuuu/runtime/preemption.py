@@ -104,7 +104,10 @@ class PreemptionHandler:
             for name in (*PREEMPT_SIGNALS, INTERRUPT):
                 sig = getattr(signal, name)
                 if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
-                    continue  # started in the background (nohup, a shell's `&`): Ctrl-C is not for it
+                    # Started in the background (nohup, a shell's `&`): Ctrl-C is not for it, and says so
+                    logger.info("Ctrl-C (SIGINT) is ignored by this process, as it was started (nohup, a shell's &): "
+                                "SIGTERM (kill PID) stops it at the next synchronised step, its checkpoint written")  # fmt: skip
+                    continue
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

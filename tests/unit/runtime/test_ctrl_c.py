@@ -4,6 +4,7 @@ end unless ignored, and that first import loads no torch."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -103,3 +104,11 @@ def test_a_tools_first_import_loads_no_torch():
     code = "import sys, distribuuuu.startup; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout.strip()) == (0, "[]"), result.stderr[-2000:]
+
+
+def test_a_process_started_with_ctrl_c_ignored_keeps_ignoring_it_and_says_so(own_signal_handlers, caplog):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as nohup or a shell's & start it
+    with caplog.at_level(logging.INFO, logger="distribuuuu"), PreemptionHandler(grace_s=60):
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    said = [r.getMessage() for r in caplog.records if "SIGINT" in r.getMessage()]
+    assert len(said) == 1 and "is ignored by this process" in said[0] and "SIGTERM" in said[0]
