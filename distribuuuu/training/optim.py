@@ -216,6 +216,19 @@ def _optimizer_class_and_kwargs(o: CfgNode) -> tuple[type, dict]:
     return torch.optim.SGD, dict(lr=o.BASE_LR, momentum=o.MOMENTUM, dampening=o.DAMPENING, nesterov=o.NESTEROV)
 
 
+# AdamW's LR (and Muon's with match_rms_adamw, which takes AdamW's) is ~1e-3 (DeiT: 5e-4 x batch/512);
+# 0.01 and above is SGD's range: the default 0.05 left in place diverges or stalls an AdamW run.
+ADAMW_LR_WARNING = 0.01
+
+
+def _warn_if_an_sgd_lr(optim_cfg: CfgNode) -> None:
+    if optim_cfg.OPTIMIZER in ("adamw", "muon") and optim_cfg.BASE_LR >= ADAMW_LR_WARNING:
+        logger.warning(
+            "OPTIM.BASE_LR %g with OPTIM.OPTIMIZER %s: an LR of SGD's range (its default is 0.05); AdamW's "
+            "is about 1e-3 (docs/recipe.md)", optim_cfg.BASE_LR, optim_cfg.OPTIMIZER,
+        )  # fmt: skip
+
+
 def build_optimizer(
     model: nn.Module, optim_cfg: CfgNode, zero: bool = False, fused: bool = False
 ) -> torch.optim.Optimizer:
@@ -230,6 +243,7 @@ def build_optimizer(
     the foreach loop (and that per-step sync). (Fused SGD only with 16-bit precision: it has no
     DTensor rule, and a checkpoint's optimizer groups carry the flag to a resumed run.)
     """
+    _warn_if_an_sgd_lr(optim_cfg)
     groups = optimizer_groups(model, optim_cfg)
     cls, kwargs = _optimizer_class_and_kwargs(optim_cfg)
     if cls is MuonWithAdamW:
