@@ -31,6 +31,7 @@ from distribuuuu.runtime.launcher import find_free_port
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "tools" / "train_net.py")
 TEST = str(REPO / "tools" / "test_net.py")
+RESNET18 = str(REPO / "config" / "resnet18.yaml")  # the design card's config (unit and integration tests)
 
 # Small, fast settings for runs that test behaviour rather than accuracy: a light torchvision model
 # (one training step at 16 px, batch 32, one thread: 61 ms against resnet18's 240 ms here); no plot (~1 s).
@@ -49,6 +50,8 @@ DUMMY_OPTS = ["MODEL.DUMMY_INPUT", "True", "DATA.DUMMY_SIZE", "64", "TRAIN.BATCH
 # summed in another order, a few ulps (2**-23) apart a step; over ~22 steps of SGD with momentum, clipping,
 # mixup, far below 2**-14 of each tensor's largest value (2**-22.2 here); HSDP without its all-reduce: 1.0.
 DDP_FSDP_REL = 2**-14
+
+ERROR_PREFIX = "distribuuuu: error:"  # how a tool's one-line error starts
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 

@@ -1,4 +1,5 @@
-"""The hot-loop checks (tests/unit/training/test_hot_loop.py; the writer and progress-bar variant in
+"""The hot-loop checks (tests/unit/training/test_hot_loop.py, its two-process job in
+tests/integration/test_hot_loop_runs.py; the writer and progress-bar variant in
 tests/integration/test_export_and_tracking.py): every public collective of ``torch.distributed`` and every
 host-sync method of ``torch.Tensor`` wrapped to record the step at which it was called while
 ``trainer.train_epoch`` trains 25 steps on the embedded digits with PRINT_FREQ 10, and the checks on

@@ -5,7 +5,7 @@ One run, the session's ``digits_run`` (tests/runs.py): the recipe as its header 
 under torchrun with 2 processes), reading a packed copy of the digits made by
 tools/pack_dataset.py (WebDataset shards) from a real HTTP server on 127.0.0.1.
 tests/integration/test_packed_data.py shows that a packed copy trains to the very same weights as the
-ImageFolder and reads over HTTP exactly as from disk; tests/unit/runtime/test_fsdp.py and
+ImageFolder and reads over HTTP exactly as from disk; tests/integration/test_fsdp_runs.py and
 tests/integration/test_resume_world_size.py that fsdp trains ddp's weights; tests/integration/test_tool_matrix.py that
 every tool reads sharded checkpoints as single files. The default config (SGD, 10 epochs: the
 README's first command) trains through the same trainer; its figures are measured in the README,

@@ -193,7 +193,7 @@ def hsdp_two_nodes(tmp_path_factory) -> list[Path]:
 @pytest.mark.slow
 def test_hsdp_on_two_nodes_of_2_ranks_meshes_by_node_and_only_global_rank_0_writes(hsdp_two_nodes):
     """hsdp through the trainer: a (2 nodes x 2 ranks) mesh, sharded within a node, replicated
-    across (tests/unit/runtime/test_fsdp.py checks that such a mesh trains ddp's weights). Each node has its own
+    across (tests/integration/test_fsdp_runs.py checks that such a mesh trains ddp's weights). Each node has its own
     OUT_DIR: the node whose LOCAL_RANK 0 is global rank 0 writes everything, the other nothing.
     c10d rendezvous gives node ranks in order of arrival, so which agent holds global rank 0 is
     found from the outputs, as on a real cluster."""

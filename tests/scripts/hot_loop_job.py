@@ -1,4 +1,4 @@
-"""One rank of test_hot_loop.py's two-process job: record an epoch per precision and write what was called.
+"""One rank of test_hot_loop_runs.py's two-process job: record an epoch per precision and write what was called.
 
 torchrun --nproc_per_node=2 tests/scripts/hot_loop_job.py OUT_DIR PRECISION...
 """

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 tests/scripts/muon_fsdp_job.py OUT.json
 
 Rank 0 writes the largest weight differences after three steps (Muon's matrices, AdamW's rest), and what orthogonalising each rank's
-shard alone would have moved a weight by in one step; tests/unit/training/test_muon.py holds the bound.
+shard alone would have moved a weight by in one step; tests/integration/test_muon_runs.py holds the bound.
 """
 
 from __future__ import annotations

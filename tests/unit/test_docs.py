@@ -1,4 +1,5 @@
-"""The docs stay true: every config key documented, every page reachable, links resolve, examples run."""
+"""The docs stay true: every config key documented, every page reachable, links resolve, examples run
+(the utils example under torchrun: tests/integration/test_docs_runs.py)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,15 @@ import json
 import re
 import sys
 
-import pytest
-from helpers import REPO, assert_ok, run_torchrun
+from docs_helpers import DOCS, README, _pages
+from helpers import REPO
 
 from distribuuuu import utils
-from distribuuuu.checkpointing.checkpoint import load_checkpoint
 from distribuuuu.config import flatten, get_cfg_defaults
 
 sys.path.insert(0, str(REPO / "tools"))
 import config_reference  # noqa: E402
 
-README = REPO / "README.md"
-DOCS = REPO / "docs"
 CONFIG_REFERENCE = DOCS / "config-reference.md"
 # Markdown links and images: [text](target) / ![alt](target); the target ends at ")" or a title.
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -37,10 +35,6 @@ def _anchors(text: str) -> set[str]:
     """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to dashes."""
     headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```$", "", text, flags=re.S | re.M), flags=re.M)
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
-
-
-def _pages() -> list:
-    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 def test_the_config_reference_documents_every_config_key():
@@ -82,23 +76,6 @@ def test_the_utils_toolbox_page_names_every_public_name_of_distribuuuu_utils():
     page = (DOCS / "development.md").read_text()
     missing = [name for name in utils.__all__ if f"`{name}`" not in page]
     assert not missing, f"docs/development.md does not list these names of distribuuuu.utils: {missing}"
-
-
-@pytest.mark.slow
-def test_the_docs_utils_example_runs_under_torchrun_with_two_processes(tmp_path):
-    examples = [
-        block
-        for page in _pages()
-        for block in re.findall(r"^```python\n(.*?)^```$", page.read_text(), flags=re.S | re.M)
-        if "from distribuuuu import utils" in block
-    ]
-    [example] = examples
-    script = tmp_path / "example.py"
-    script.write_text(example)
-    result = run_torchrun(2, str(script), timeout=300, cwd=tmp_path)
-    assert_ok(result)
-    assert re.search(r"^2 ranks, mean loss \d+\.\d{4}$", result.stdout, flags=re.M), result.stdout
-    assert "model" in load_checkpoint(str(tmp_path / "out" / "model.pth.tar"))
 
 
 def _section(text: str, heading: str) -> str:

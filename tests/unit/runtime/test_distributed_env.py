@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import weakref
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, clean_env, gloo_threads, python, run
+from helpers import gloo_threads
 from torch import nn
 
 from distribuuuu.runtime import process_group as D
@@ -23,8 +22,6 @@ from distribuuuu.runtime.launcher import (
     find_free_port,
     parse_slurm_nodelist,
 )
-
-EXIT_JOB = str(REPO / "tests" / "scripts" / "exit_job.py")
 
 
 def _slurm(**extra: str) -> dict[str, str]:
@@ -289,16 +286,3 @@ def test_the_exit_hook_ends_a_group_that_a_printed_traceback_holds(one_rank_grou
     D._end_before_exit()
     _assert_ended(group, threads)
     assert sys.last_traceback is None
-
-
-@pytest.mark.slow  # a fresh interpreter: its exit is the property
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="thread names are read from Linux's /proc")
-def test_an_error_no_tool_catches_keeps_its_traceback_and_leaves_no_gloo_thread_to_the_exit():
-    launch = clean_env(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port())
-    )
-    result = run(python(EXIT_JOB, "--raise"), timeout=120, env=launch)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert result.stderr.rstrip().endswith("RuntimeError: a bug after the model was built"), result.stderr[-3000:]
-    assert "terminate called" not in result.stderr and "Fatal Python error" not in result.stderr
-    assert result.stdout.splitlines() == ["gloo threads at exit: []"], result.stdout
