@@ -258,9 +258,10 @@ def test_missing_dataset_is_fine_with_dummy_input_and_the_merged_config_is_writt
     assert train["epoch"] == 1 and train["samples"] == 64, "trained one epoch on the 64 synthetic images"
     assert val["samples"] == 64
     assert (tmp_path / "checkpoints" / "ckpt_ep_001.pth.tar").is_file()
-    # OUT_DIR/config.yaml holds exactly the merged config the run used.
+    # OUT_DIR/config.yaml holds exactly the merged config the run used, its class count resolved
+    # (MODEL.NUM_CLASSES 0: the data's, synthetic data's 10).
     written = load_cfg(str(tmp_path / "config.yaml"))
-    assert written == load_cfg(opts=["OUT_DIR", str(tmp_path), *opts])
+    assert written == load_cfg(opts=["OUT_DIR", str(tmp_path), *opts, "MODEL.NUM_CLASSES", "10"])
     assert written.MODEL.DUMMY_INPUT is True and written.TRAIN.IM_SIZE == 16
     # TensorBoard holds the same per-epoch scalars as metrics.jsonl.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
