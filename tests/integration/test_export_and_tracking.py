@@ -205,7 +205,12 @@ def test_tensorboard_has_the_window_curves_and_no_bookkeeping_tags(resumed_run):
     events = EventAccumulator(str(resumed_run / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert tags == set(epoch_curves(resumed_run)) | {"train_step/loss", "train_step/lr", "train_step/images_per_s"}
+    windows_telemetry = {
+        f"train_step/{k}" for k in ("data_share", "step_s_min", "step_s_median", "step_s_max", "tflops")
+    }
+    assert tags == set(epoch_curves(resumed_run)) | {"train_step/loss", "train_step/lr", "train_step/images_per_s"} | (
+        windows_telemetry
+    )  # and no MFU: LOG.PEAK_TFLOPS is 0
     windows = logged_windows(resumed_run)
     assert sorted(windows) == [5, 10, 11, 16, 21, 22]  # every PRINT_FREQ step and each epoch's last
     for i, name in enumerate(("loss", "lr", "images_per_s")):
@@ -224,7 +229,7 @@ def test_the_run_summary_reports_the_metrics_and_the_config_changes(resumed_run)
     train = [r for r in records if r["split"] == "train"]
     text = (resumed_run / "summary.md").read_text()
     best = max(val, key=lambda r: r["top1"])
-    assert f"best val top-1: {best['top1']:.2f}% (model weights, epoch {best['epoch']})" in text
+    assert f"best val top-1: {best['top1']:.2f}% (model weights, epoch {best['epoch']}; checkpoints/" in text
     assert f"last val top-1 (model): {val[-1]['top1']:.2f}%" in text
     assert f"{sum(r['time_s'] for r in train):.1f} s training" in text
     assert f"{sum(r['samples'] for r in train) / sum(r['time_s'] for r in train):.0f} images/s" in text
