@@ -333,15 +333,19 @@ def read_metrics(out_dir: Path | str) -> list[dict]:
 
 def _without_timings(record: dict) -> dict:
     """A metrics record without its timings (what two runs of the same training share): seconds, rates
-    and the telemetry read from clocks (the data share, the ranks' step times, TFLOP/s, MFU, stragglers)."""
+    and the telemetry read from clocks (the data share, the ranks' step times, TFLOP/s, MFU, stragglers),
+    and its checkpoint's path (each run's own OUT_DIR; the epoch and the weights' hash stay)."""
     from distribuuuu.records.telemetry import EPOCH_FIELDS
 
     clocked = set(EPOCH_FIELDS) - {"flops_per_image"}  # the FLOPs are counted, not timed
-    return {
+    kept = {
         k: v
         for k, v in record.items()
         if "time" not in k and "per_s" not in k and not k.endswith("_s") and k not in clocked
     }
+    if isinstance(kept.get("checkpoint"), dict):
+        kept["checkpoint"] = {k: v for k, v in kept["checkpoint"].items() if k != "path"}
+    return kept
 
 
 def assert_ok(result: subprocess.CompletedProcess) -> None:
