@@ -15,6 +15,7 @@ int), and compare equal to them, so the code that reads ``samples`` and ``target
 from __future__ import annotations
 
 import os
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -32,9 +33,9 @@ class _Column(Sequence):
             raise IndexError(f"index {index} out of range for {len(self)} entries")
         return self.item(index % len(self))
 
+    @abstractmethod
     def item(self, index: int):
         """Entry ``index`` (0 <= index < len)."""
-        raise NotImplementedError
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
